@@ -1,0 +1,204 @@
+"""``moe-offload`` command line: generate, testbed build/tiny, bench decode.
+
+Every user error is one line on stderr and exit status 2 (no traceback); nothing is written except into the
+cache directory or an ``--out`` the user named, and an existing non-empty ``--out`` is never overwritten.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from .errors import MoeOffloadError
+
+BUILTIN_MODELS = ("testbed", "testbed-sparse")
+DEFAULT_PROMPTS = 3
+
+
+def _positive_int(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}") from None
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s}")
+    return v
+
+
+def _float(s: str) -> float:
+    try:
+        return float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {s!r}") from None
+
+
+def resolve_model(name: str | None, progress: bool = True) -> Path:
+    """A checkpoint directory for ``--model``: a path, or a built-in name (built into the cache on first use)."""
+    name = name or "testbed"
+    if name in BUILTIN_MODELS and not Path(name).exists():
+        from .testbed.build import ensure_testbed
+
+        return ensure_testbed(name)
+    return Path(name)
+
+
+def load_prompts(args) -> list[str]:
+    """Prompts from ``--prompt``, ``--prompts FILE`` or ``--sharegpt N``; default: a few short ShareGPT turns."""
+    prompts: list[str] = list(args.prompt or [])
+    if args.prompts:
+        try:
+            lines = Path(args.prompts).read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as e:
+            raise MoeOffloadError(f"cannot read prompts file {args.prompts}: {e.__class__.__name__}: "
+                                  f"{getattr(e, 'strerror', None) or e}") from None
+        prompts += [ln for ln in lines if ln.strip()]
+        if not prompts:
+            raise MoeOffloadError(f"prompts file {args.prompts} holds no prompt")
+    if args.sharegpt:
+        from .testbed.sharegpt import human_turns
+
+        prompts += human_turns(args.sharegpt)
+    if not prompts:
+        from .testbed.sharegpt import human_turns
+
+        prompts = [t for t in human_turns(50) if len(t) <= 300][:DEFAULT_PROMPTS]
+    return prompts
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="checkpoint directory, or a built-in name: testbed (default), testbed-sparse")
+    p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: the checkpoint's")
+    p.add_argument("--policy", default="lru", help="eviction policy: lru (default), lfu")
+    p.add_argument("--max-new-tokens", type=_positive_int, default=64)
+    p.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    p.add_argument("--prompts", metavar="FILE", help="file with one prompt per line")
+    p.add_argument("--sharegpt", type=_positive_int, metavar="N", help="the first N human turns of ShareGPT")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="moe-offload", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    g = sub.add_parser("generate", help="generate text with experts offloaded (lossless)")
+    _add_model_args(g)
+    size = g.add_mutually_exclusive_group()
+    size.add_argument("--residency", type=_float, help="device slots as a fraction of all routed experts, (0, 1]")
+    size.add_argument("--slots", type=int, help="number of device slots (>= top-k)")
+    g.add_argument("--full-load", action="store_true", help="every weight on the device (the reference)")
+    g.add_argument("--temperature", type=_float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=_float, default=1.0)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of text and a table")
+
+    t = sub.add_parser("testbed", help="the built-in testbed MoE made from SmolLM2-135M")
+    tsub = t.add_subparsers(dest="testbed_cmd", required=True)
+    tb = tsub.add_parser("build", help="convert SmolLM2-135M-Instruct into an MoE checkpoint")
+    tb.add_argument("--sparse", action="store_true", help="top-8 of 32 (testbed-sparse) instead of top-24")
+    tb.add_argument("--out", help="directory to write (default: the user cache)")
+    tt = tsub.add_parser("tiny", help="write a tiny random checkpoint of an architecture")
+    tt.add_argument("--arch", required=True, help="model_type, e.g. qwen3_moe, mixtral, gpt_oss")
+    tt.add_argument("--out", required=True)
+    tt.add_argument("--seed", type=int, default=0)
+
+    b = sub.add_parser("bench", help="benchmarks")
+    bsub = b.add_subparsers(dest="bench_cmd", required=True)
+    bd = bsub.add_parser("decode", help="decode tokens/s vs FullLoad across residencies")
+    _add_model_args(bd)
+    bd.add_argument("--residencies", default="1.0,0.45,0.25,0.15")
+    bd.add_argument("--out", help="also write the table (markdown) to this new file")
+    return ap
+
+
+def _cmd_generate(args) -> int:
+    from .generate import run
+    from .models.loader import load_full, load_offloaded
+    from .report import stats_dict, stats_table
+
+    if args.temperature < 0 or not (0 < args.top_p <= 1):
+        raise MoeOffloadError("--temperature must be >= 0 and --top-p in (0, 1]")
+    prompts = load_prompts(args)
+    path = resolve_model(args.model, progress=not args.quiet)
+    if args.full_load:
+        lm = load_full(path, device=args.device, dtype=args.dtype)
+    else:
+        lm = load_offloaded(path, device=args.device, dtype=args.dtype, residency=args.residency, slots=args.slots,
+                            policy=args.policy, progress=not args.quiet)
+    if lm.tokenizer is None:
+        raise MoeOffloadError(f"{path} has no tokenizer: cannot encode prompts")
+    outputs, stats = run(lm, prompts, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                         seed=args.seed, progress=not args.quiet)
+    info = stats_dict(lm, stats)
+    if args.json:
+        print(json.dumps({"model": str(path), "outputs": [
+            {"prompt": o.prompt, "text": o.text, "token_ids": o.token_ids, "prompt_tokens": o.prompt_tokens,
+             "ttft_s": o.ttft_s, "decode_s": o.decode_s} for o in outputs], "stats": info}))
+    else:
+        for o in outputs:
+            print(f"### prompt\n{o.prompt}\n### output\n{o.text}\n")
+        print(stats_table(info))
+    return 0
+
+
+def _cmd_testbed(args) -> int:
+    if args.testbed_cmd == "tiny":
+        from .models.tiny import make_tiny
+
+        out = make_tiny(args.arch, args.out, seed=args.seed)
+        print(f"wrote a tiny random {args.arch} checkpoint to {out}")
+        return 0
+    from .testbed.build import ensure_testbed
+
+    name = "testbed-sparse" if args.sparse else "testbed"
+    out = ensure_testbed(name, out_dir=Path(args.out) if args.out else None)
+    print(f"{name} checkpoint: {out}")
+    return 0
+
+
+def _cmd_bench(args) -> int:
+    from .bench import bench_decode
+
+    try:
+        residencies = [float(x) for x in args.residencies.split(",")]
+    except ValueError:
+        raise MoeOffloadError(f"--residencies must be comma-separated numbers, got {args.residencies!r}") from None
+    if args.out and Path(args.out).exists():
+        raise MoeOffloadError(f"{args.out} already exists; choose a new --out")
+    prompts = load_prompts(args)
+    path = resolve_model(args.model, progress=not args.quiet)
+    table = bench_decode(path, prompts, residencies, max_new_tokens=args.max_new_tokens, device=args.device,
+                         dtype=args.dtype, policy=args.policy, progress=not args.quiet)
+    print(table)
+    if args.out:
+        Path(args.out).write_text(table + "\n")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``moe-offload`` console script. Returns the exit status."""
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    args = build_parser().parse_args(argv)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        if args.cmd == "generate":
+            return _cmd_generate(args)
+        if args.cmd == "testbed":
+            return _cmd_testbed(args)
+        return _cmd_bench(args)
+    except MoeOffloadError as e:
+        print(f"moe-offload: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("moe-offload: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,146 @@
+"""Autoregressive generation with prefill/decode phases and offloading stats (batch 1, one request at a time).
+
+The loop is explicit (rather than ``model.generate``) so prefill and decode are timed separately (TTFT, decode
+tokens/s) and so later issues can hook per-step decisions (prediction, prefetch) between decode steps.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .models.loader import LoadedModel
+
+
+@dataclass
+class Output:
+    """One request's result: ``token_ids`` are the generated ids only; times in seconds."""
+
+    prompt: str
+    text: str
+    token_ids: list[int]
+    prompt_tokens: int
+    ttft_s: float
+    decode_s: float
+
+
+@dataclass
+class RunStats:
+    """Totals over a run of requests (SeqMoE hit rate: hits / (hits + misses), distinct experts per layer call)."""
+
+    hits: int = 0
+    misses: int = 0
+    bytes_loaded: int = 0
+    load_time_s: float = 0.0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    decode_tokens: int = 0
+    prompt_tokens: int = 0
+    requests: int = 0
+    ttft_s: list[float] = field(default_factory=list)
+
+    @property
+    def hit_rate(self) -> float:
+        n = self.hits + self.misses
+        return self.hits / n if n else 1.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+
+def encode_prompt(tokenizer, prompt: str) -> list[int]:
+    """Token ids of ``prompt``, wrapped in the tokenizer's chat template when it has one."""
+    if getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                            tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return list(ids)
+    return tokenizer(prompt)["input_ids"]
+
+
+def _eos_ids(lm: LoadedModel) -> set[int]:
+    eos = getattr(lm.model.generation_config, "eos_token_id", None) or lm.model.config.eos_token_id
+    ids = set(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
+    if lm.tokenizer is not None and lm.tokenizer.eos_token_id is not None:
+        ids.add(lm.tokenizer.eos_token_id)
+    return ids
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _pick(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator | None) -> torch.Tensor:
+    """Next token from ``logits [1, V]``: greedy when ``temperature == 0``, else temperature + nucleus sampling."""
+    if temperature <= 0:
+        return logits.argmax(dim=-1)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_p, idx = probs.sort(dim=-1, descending=True)
+        keep = sorted_p.cumsum(-1) - sorted_p < top_p
+        probs = torch.zeros_like(probs).scatter(-1, idx, sorted_p * keep)
+    return torch.multinomial(probs.cpu(), 1, generator=gen).view(1).to(logits.device)
+
+
+@torch.no_grad()
+def generate_ids(lm: LoadedModel, prompt_ids: list[int], max_new_tokens: int, *, temperature: float = 0.0,
+                 top_p: float = 1.0, seed: int | None = None) -> tuple[list[int], float, float]:
+    """Generate up to ``max_new_tokens`` after ``prompt_ids``; stops at an EOS id (included in the output).
+
+    Returns:
+        ``(new_ids, ttft_s, decode_s)``: generated ids, seconds from start to the first token (prefill), seconds
+        for the remaining tokens (decode).
+    """
+    dev = lm.device
+    cache_kw = "cache" if "cache" in inspect.signature(lm.model.forward).parameters else "past_key_values"
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    eos = _eos_ids(lm)
+    ids = torch.tensor([prompt_ids], dtype=torch.long, device=dev)
+    t0 = time.perf_counter()
+    out = lm.model(input_ids=ids, use_cache=True)
+    tok = _pick(out.logits[:, -1], temperature, top_p, gen)
+    past = out.get(cache_kw)
+    new = [int(tok)]
+    _sync(dev)
+    t1 = time.perf_counter()
+    while len(new) < max_new_tokens and new[-1] not in eos:
+        out = lm.model(input_ids=tok.view(1, 1), use_cache=True, **{cache_kw: past})
+        past = out.get(cache_kw)
+        tok = _pick(out.logits[:, -1], temperature, top_p, gen)
+        new.append(int(tok))
+    _sync(dev)
+    return new, t1 - t0, time.perf_counter() - t1
+
+
+def run(lm: LoadedModel, prompts: list[str], max_new_tokens: int, *, temperature: float = 0.0, top_p: float = 1.0,
+        seed: int | None = None, progress: bool = False) -> tuple[list[Output], RunStats]:
+    """Generate for each prompt in turn; return the outputs and the run's totals (engine stats included)."""
+    from tqdm.auto import tqdm
+
+    stats = RunStats()
+    outputs = []
+    eng = lm.engine
+    if eng is not None:
+        eng.reset_stats()
+    for prompt in tqdm(prompts, desc="requests", disable=not progress, leave=False):
+        pids = encode_prompt(lm.tokenizer, prompt)
+        new, ttft, dec = generate_ids(lm, pids, max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
+        text = lm.tokenizer.decode(new, skip_special_tokens=True)
+        outputs.append(Output(prompt, text, new, len(pids), ttft, dec))
+        stats.requests += 1
+        stats.prompt_tokens += len(pids)
+        stats.prefill_s += ttft
+        stats.ttft_s.append(ttft)
+        stats.decode_s += dec
+        stats.decode_tokens += len(new) - 1
+    if eng is not None:
+        es = eng.stats
+        stats.hits, stats.misses = es.hits, es.misses
+        stats.bytes_loaded, stats.load_time_s = es.bytes_loaded, es.load_time_s
+    return outputs, stats

@@ -1,0 +1,61 @@
+"""Stats of a generation run as a dict (for ``--json``) and as a short text table."""
+
+from __future__ import annotations
+
+from .generate import RunStats
+from .models.loader import LoadedModel
+
+
+def stats_dict(lm: LoadedModel, s: RunStats) -> dict:
+    """Run statistics: counts, bytes, seconds, tokens/s; ``slots``/``residency`` describe the slot pool
+    (FullLoad: every routed expert resident, ``slots`` = all of them)."""
+    total = lm.num_moe_layers * lm.num_experts
+    eng = lm.engine
+    slots = eng.pool.num_slots if eng else total
+    return {
+        "mode": "offload" if eng else "full-load",
+        "policy": eng.table.policy.name if eng else None,
+        "device": str(lm.device),
+        "dtype": str(lm.dtype).replace("torch.", ""),
+        "requests": s.requests,
+        "prompt_tokens": s.prompt_tokens,
+        "decode_tokens": s.decode_tokens,
+        "hits": s.hits,
+        "misses": s.misses,
+        "hit_rate": s.hit_rate,
+        "bytes_loaded": s.bytes_loaded,
+        "load_time_s": s.load_time_s,
+        "ttft_s": (sum(s.ttft_s) / len(s.ttft_s)) if s.ttft_s else 0.0,
+        "prefill_s": s.prefill_s,
+        "decode_s": s.decode_s,
+        "decode_tokens_per_s": s.decode_tokens_per_s,
+        "slots": slots,
+        "routed_experts": total,
+        "residency": slots / total,
+        "expert_bytes": lm.expert_bytes,
+        "peak_slot_bytes": eng.pool.nbytes if eng else total * lm.expert_bytes,
+        "host_store_bytes": eng.store.nbytes if eng else 0,
+    }
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
+def stats_table(d: dict) -> str:
+    """A short two-column text table of ``stats_dict`` output."""
+    rows = [
+        ("mode", f"{d['mode']}" + (f" ({d['policy']})" if d["policy"] else "")),
+        ("slots / routed experts", f"{d['slots']} / {d['routed_experts']} (residency {d['residency']:.2f})"),
+        ("hit rate", f"{d['hit_rate']:.4f} ({d['hits']} hits, {d['misses']} misses)"),
+        ("bytes loaded", f"{_fmt_bytes(d['bytes_loaded'])} in {d['load_time_s']:.3f} s"),
+        ("TTFT (mean)", f"{d['ttft_s']:.3f} s"),
+        ("decode", f"{d['decode_tokens_per_s']:.2f} tok/s ({d['decode_tokens']} tokens)"),
+        ("peak slot bytes", _fmt_bytes(d["peak_slot_bytes"])),
+    ]
+    w = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)

@@ -1,0 +1,120 @@
+"""The offload engine: one MoE layer's experts, from router output to expert output (SeqMoE §4, fig. 5).
+
+Per layer execution:
+  1. the model's own router gives ``top_k_index [T, k]`` and ``top_k_weights [T, k]``;
+  2. the slot table (``core.slots``) decides hits, misses, loads and evictions — in rounds when the layer needs
+     more distinct experts than there are slots;
+  3. the slot pool copies missed experts from the host store (on-demand load);
+  4. ``runtime.experts.slot_pair_outputs`` computes every pair from the slots through the lookup table with one
+     grouped GEMM per projection;
+  5. the pairs' outputs are summed per token exactly as transformers does.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..core.slots import SlotTable
+from .experts import IMPLEMENTATION_NAME, register, slot_pair_outputs
+from .pool import SlotPool
+from .store import HostStore
+
+
+@dataclass
+class EngineStats:
+    """Counters of one engine since the last reset.
+
+    hits/misses: distinct experts per layer execution that were / were not resident before on-demand loading
+    (SeqMoE's hit rate = hits / (hits + misses)); bytes_loaded: host->device bytes; load_time_s: seconds spent
+    issuing and (on CUDA) completing on-demand copies; layer_calls: MoE layer executions.
+    """
+
+    hits: int = 0
+    misses: int = 0
+    bytes_loaded: int = 0
+    load_time_s: float = 0.0
+    layer_calls: int = 0
+    rounds: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        total = self.hits + self.misses
+        return self.hits / total if total else 1.0
+
+
+class OffloadEngine:
+    """Runs the experts of every MoE layer of one model from a shared slot pool.
+
+    Args:
+        store: host store holding all routed experts.
+        pool: device slot pool.
+        table: slot table (with its eviction policy) deciding residency.
+        num_experts: routed experts per MoE layer (E); expert ``e`` of MoE layer ``l`` has id ``l * E + e``.
+    """
+
+    def __init__(self, store: HostStore, pool: SlotPool, table: SlotTable, num_experts: int):
+        self.store = store
+        self.pool = pool
+        self.table = table
+        self.num_experts = num_experts
+        self.stats = EngineStats()
+        self.observers: list = []  # callables(moe_layer, top_k_index, top_k_weights), e.g. trace recorders
+        self._cuda = pool.device.type == "cuda"
+
+    def attach(self, experts_modules: list[torch.nn.Module]) -> None:
+        """Route the given experts modules (in MoE-layer order) through this engine via ``ExpertsInterface``."""
+        register()
+        for layer, mod in enumerate(experts_modules):
+            mod._moe_offload = (self, layer)
+            mod.config._experts_implementation = IMPLEMENTATION_NAME
+
+    def reset_stats(self) -> None:
+        self.stats = EngineStats()
+
+    def _load(self, loads) -> None:
+        if not loads:
+            return
+        t0 = time.perf_counter()
+        self.pool.load(self.store, [l.eid for l in loads], [l.slot for l in loads],
+                       [l.evicted for l in loads if l.evicted >= 0])
+        if self._cuda:
+            torch.cuda.current_stream(self.pool.device).synchronize()
+        self.stats.load_time_s += time.perf_counter() - t0
+        self.stats.bytes_loaded += len(loads) * self.store.layout.expert_bytes
+
+    def forward(self, module: torch.nn.Module, moe_layer: int, hidden_states: torch.Tensor,
+                top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        """Experts of MoE layer ``moe_layer``: ``hidden_states [T, H]``, ``top_k_index [T, k]`` int64 expert ids
+        of this layer, ``top_k_weights [T, k]`` -> ``[T, H]`` of ``hidden_states.dtype``."""
+        for obs in self.observers:
+            obs(moe_layer, top_k_index, top_k_weights)
+        num_tokens, k = top_k_index.shape
+        gid = (top_k_index + moe_layer * self.num_experts).reshape(-1)
+        plan = self.table.plan_layer(torch.unique(gid).tolist())
+        st = self.stats
+        st.hits += plan.hits
+        st.misses += plan.misses
+        st.layer_calls += 1
+        st.rounds += len(plan.rounds)
+        weights = top_k_weights.reshape(-1)
+        pairs = None
+        for rnd in plan.rounds:
+            self._load(rnd.loads)
+            slot_ids = self.pool.lookup[gid]
+            if len(plan.rounds) > 1:  # pairs of experts outside this round get a sentinel past the window
+                in_round = torch.isin(gid, torch.tensor(rnd.eids, device=gid.device))
+                slot_ids = slot_ids.masked_fill(~in_round, self.pool.num_slots)
+            out, perm, valid = slot_pair_outputs(module, self.pool.views, hidden_states, slot_ids, weights, k,
+                                                 min(rnd.slots), max(rnd.slots))
+            if len(plan.rounds) == 1:
+                inv = torch.empty_like(perm)
+                inv[perm] = torch.arange(perm.numel(), device=perm.device)
+                pairs = out[inv]
+            else:
+                if pairs is None:
+                    pairs = torch.zeros_like(out)
+                pairs[perm[valid]] = out[valid]
+        return pairs.view(num_tokens, k, -1).sum(dim=1).to(hidden_states.dtype)
