@@ -95,14 +95,17 @@ class Checkpoint:
         self.key_file: dict[str, str] = {}
         for f in sorted(path.glob("*.safetensors")):
             try:
-                handle = safe_open(str(f), framework="pt")
-                keys = list(handle.keys())
                 need = _data_end(f)
-            except Exception as e:
-                raise MoeOffloadError(f"{f.name} is not a readable safetensors file ({e})") from None
+            except (ValueError, KeyError, TypeError, OSError) as e:
+                raise MoeOffloadError(f"{f.name} is not a readable safetensors file (bad header: {e})") from None
             size = f.stat().st_size
             if size < need:  # a truncated file keeps its header: check the data covers every tensor
                 raise MoeOffloadError(f"{f.name} is truncated: {size} bytes, its header describes {need}")
+            try:
+                handle = safe_open(str(f), framework="pt")
+                keys = list(handle.keys())
+            except Exception as e:
+                raise MoeOffloadError(f"{f.name} is not a readable safetensors file ({e})") from None
             self.files[f.name] = handle
             for k in keys:
                 self.key_file[k] = f.name
@@ -128,6 +131,8 @@ def _data_end(f: Path) -> int:
     """File size in bytes that a safetensors file's header promises (8 + header + data)."""
     with f.open("rb") as fh:
         header_len = int.from_bytes(fh.read(8), "little")
+        if header_len > f.stat().st_size:
+            raise ValueError(f"header length {header_len} exceeds the file size")
         header = json.loads(fh.read(header_len))
     data = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
     return 8 + header_len + data
