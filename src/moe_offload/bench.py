@@ -35,7 +35,7 @@ def bench_decode(path: Path, prompts: list[str], residencies: list[float], *, ma
         outs, s = measure(lm)
         same = [o.token_ids for o in outs] == ref_tokens
         rows.append((f"{r:.2f}", str(lm.engine.pool.num_slots), s.decode_tokens_per_s,
-                     s.decode_tokens_per_s / ref.decode_tokens_per_s, s.hit_rate, s.bytes_loaded,
+                     s.decode_tokens_per_s / ref.decode_tokens_per_s, s.offload.hit_rate, s.offload.bytes_loaded,
                      sum(s.ttft_s) / len(s.ttft_s), same))
         del lm
         gc.collect()

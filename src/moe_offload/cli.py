@@ -105,6 +105,18 @@ def build_parser() -> argparse.ArgumentParser:
     tt.add_argument("--out", required=True)
     tt.add_argument("--seed", type=int, default=0)
 
+    tr = sub.add_parser("trace", help="routing traces: collect, info")
+    trsub = tr.add_subparsers(dest="trace_cmd", required=True)
+    tc = trsub.add_parser("collect", help="record routing while generating (through the runtime's router hook)")
+    _add_model_args(tc)
+    tc.add_argument("--out", required=True, help="trace file to write (must not exist)")
+    tc.add_argument("--router-probs", action="store_true", help="also record softmax router probabilities")
+    tc.add_argument("--max-prompt-chars", type=_positive_int, default=2000,
+                    help="skip prompts longer than this (ShareGPT has very long turns); default 2000")
+    ti = trsub.add_parser("info", help="summary statistics of a trace")
+    ti.add_argument("file")
+    ti.add_argument("--json", action="store_true")
+
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench_cmd", required=True)
     bd = bsub.add_parser("decode", help="decode tokens/s vs FullLoad across residencies")
@@ -159,6 +171,36 @@ def _cmd_testbed(args) -> int:
     return 0
 
 
+def _cmd_trace(args) -> int:
+    from .trace.format import load_trace
+    from .trace.stats import format_stats, trace_stats
+
+    if args.trace_cmd == "info":
+        tr = load_trace(args.file)
+        st = dict(trace_stats(tr), model_id=tr.header.get("model_id"))
+        print(json.dumps(st) if args.json else format_stats(st))
+        return 0
+    from .generate import run
+    from .models.loader import load_offloaded
+    from .trace.collect import TraceRecorder
+
+    out = Path(args.out)
+    if out.exists():
+        raise MoeOffloadError(f"{out} already exists; choose a new --out")
+    prompts = [p for p in load_prompts(args) if len(p) <= args.max_prompt_chars]
+    if not prompts:
+        raise MoeOffloadError(f"no prompt is at most --max-prompt-chars {args.max_prompt_chars} characters long")
+    path = resolve_model(args.model, progress=not args.quiet)
+    lm = load_offloaded(path, device=args.device, dtype=args.dtype, policy=args.policy, progress=not args.quiet)
+    with TraceRecorder(lm, router_probs=args.router_probs, source=f"moe-offload trace collect on {path}") as rec:
+        run(lm, prompts, args.max_new_tokens, progress=not args.quiet, recorder=rec)
+        tr = rec.trace()
+    tr.save(out)
+    print(f"wrote {out}: {tr.num_requests} requests, {len(tr.steps())} steps, "
+          f"{tr.num_moe_layers} MoE layers x {tr.num_experts} experts, top-{tr.top_k}")
+    return 0
+
+
 def _cmd_bench(args) -> int:
     from .bench import bench_decode
 
@@ -191,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_generate(args)
         if args.cmd == "testbed":
             return _cmd_testbed(args)
+        if args.cmd == "trace":
+            return _cmd_trace(args)
         return _cmd_bench(args)
     except MoeOffloadError as e:
         print(f"moe-offload: error: {e}", file=sys.stderr)

@@ -9,10 +9,12 @@ from __future__ import annotations
 import inspect
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
 from .models.loader import LoadedModel
+from .runtime.engine import EngineStats
 
 
 @dataclass
@@ -29,23 +31,16 @@ class Output:
 
 @dataclass
 class RunStats:
-    """Totals over a run of requests (SeqMoE hit rate: hits / (hits + misses), distinct experts per layer call)."""
+    """Totals over a run of requests; ``offload`` holds the engine's counters (hits, misses, bytes loaded...;
+    all zero for FullLoad). Times in seconds."""
 
-    hits: int = 0
-    misses: int = 0
-    bytes_loaded: int = 0
-    load_time_s: float = 0.0
+    offload: EngineStats = field(default_factory=EngineStats)
     prefill_s: float = 0.0
     decode_s: float = 0.0
     decode_tokens: int = 0
     prompt_tokens: int = 0
     requests: int = 0
     ttft_s: list[float] = field(default_factory=list)
-
-    @property
-    def hit_rate(self) -> float:
-        n = self.hits + self.misses
-        return self.hits / n if n else 1.0
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -90,8 +85,12 @@ def _pick(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Gen
 
 @torch.no_grad()
 def generate_ids(lm: LoadedModel, prompt_ids: list[int], max_new_tokens: int, *, temperature: float = 0.0,
-                 top_p: float = 1.0, seed: int | None = None) -> tuple[list[int], float, float]:
+                 top_p: float = 1.0, seed: int | None = None, request: int = 0,
+                 on_step: Callable[[int], None] | None = None) -> tuple[list[int], float, float]:
     """Generate up to ``max_new_tokens`` after ``prompt_ids``; stops at an EOS id (included in the output).
+
+    Before each forward pass the engine's slot table is told the step (0 = prefill, i = i-th decode step of
+    request number ``request``); after it, ``on_step(step)`` is called (e.g. by a trace recorder).
 
     Returns:
         ``(new_ids, ttft_s, decode_s)``: generated ids, seconds from start to the first token (prefill), seconds
@@ -101,16 +100,26 @@ def generate_ids(lm: LoadedModel, prompt_ids: list[int], max_new_tokens: int, *,
     cache_kw = "cache" if "cache" in inspect.signature(lm.model.forward).parameters else "past_key_values"
     gen = torch.Generator().manual_seed(seed) if seed is not None else None
     eos = _eos_ids(lm)
+    table = lm.engine.table if lm.engine is not None else None
+
+    def forward(step: int, **kw):
+        if table is not None:
+            table.begin_step(request, step)
+        o = lm.model(use_cache=True, **kw)
+        if on_step is not None:
+            on_step(step)
+        return o
+
     ids = torch.tensor([prompt_ids], dtype=torch.long, device=dev)
     t0 = time.perf_counter()
-    out = lm.model(input_ids=ids, use_cache=True)
+    out = forward(0, input_ids=ids)
     tok = _pick(out.logits[:, -1], temperature, top_p, gen)
     past = out.get(cache_kw)
     new = [int(tok)]
     _sync(dev)
     t1 = time.perf_counter()
     while len(new) < max_new_tokens and new[-1] not in eos:
-        out = lm.model(input_ids=tok.view(1, 1), use_cache=True, **{cache_kw: past})
+        out = forward(len(new), input_ids=tok.view(1, 1), **{cache_kw: past})
         past = out.get(cache_kw)
         tok = _pick(out.logits[:, -1], temperature, top_p, gen)
         new.append(int(tok))
@@ -119,8 +128,10 @@ def generate_ids(lm: LoadedModel, prompt_ids: list[int], max_new_tokens: int, *,
 
 
 def run(lm: LoadedModel, prompts: list[str], max_new_tokens: int, *, temperature: float = 0.0, top_p: float = 1.0,
-        seed: int | None = None, progress: bool = False) -> tuple[list[Output], RunStats]:
-    """Generate for each prompt in turn; return the outputs and the run's totals (engine stats included)."""
+        seed: int | None = None, progress: bool = False, recorder=None) -> tuple[list[Output], RunStats]:
+    """Generate for each prompt in turn; return the outputs and the run's totals (engine stats included).
+
+    ``recorder``: optional ``trace.collect.TraceRecorder`` fed every request and step."""
     from tqdm.auto import tqdm
 
     stats = RunStats()
@@ -128,9 +139,12 @@ def run(lm: LoadedModel, prompts: list[str], max_new_tokens: int, *, temperature
     eng = lm.engine
     if eng is not None:
         eng.reset_stats()
-    for prompt in tqdm(prompts, desc="requests", disable=not progress, leave=False):
+    for i, prompt in enumerate(tqdm(prompts, desc="requests", disable=not progress, leave=False)):
         pids = encode_prompt(lm.tokenizer, prompt)
-        new, ttft, dec = generate_ids(lm, pids, max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
+        if recorder is not None:
+            recorder.start_request(i, pids)
+        new, ttft, dec = generate_ids(lm, pids, max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                                      request=i, on_step=recorder.end_step if recorder is not None else None)
         text = lm.tokenizer.decode(new, skip_special_tokens=True)
         outputs.append(Output(prompt, text, new, len(pids), ttft, dec))
         stats.requests += 1
@@ -140,7 +154,5 @@ def run(lm: LoadedModel, prompts: list[str], max_new_tokens: int, *, temperature
         stats.decode_s += dec
         stats.decode_tokens += len(new) - 1
     if eng is not None:
-        es = eng.stats
-        stats.hits, stats.misses = es.hits, es.misses
-        stats.bytes_loaded, stats.load_time_s = es.bytes_loaded, es.load_time_s
+        stats.offload = eng.stats
     return outputs, stats

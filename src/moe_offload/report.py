@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from .generate import RunStats
 from .models.loader import LoadedModel
 
@@ -11,6 +13,7 @@ def stats_dict(lm: LoadedModel, s: RunStats) -> dict:
     (FullLoad: every routed expert resident, ``slots`` = all of them)."""
     total = lm.num_moe_layers * lm.num_experts
     eng = lm.engine
+    o = s.offload
     slots = eng.pool.num_slots if eng else total
     return {
         "mode": "offload" if eng else "full-load",
@@ -20,11 +23,11 @@ def stats_dict(lm: LoadedModel, s: RunStats) -> dict:
         "requests": s.requests,
         "prompt_tokens": s.prompt_tokens,
         "decode_tokens": s.decode_tokens,
-        "hits": s.hits,
-        "misses": s.misses,
-        "hit_rate": s.hit_rate,
-        "bytes_loaded": s.bytes_loaded,
-        "load_time_s": s.load_time_s,
+        "hits": o.hits,
+        "misses": o.misses,
+        "hit_rate": o.hit_rate,
+        "bytes_loaded": o.bytes_loaded,
+        "load_time_s": o.load_time_s,
         "ttft_s": (sum(s.ttft_s) / len(s.ttft_s)) if s.ttft_s else 0.0,
         "prefill_s": s.prefill_s,
         "decode_s": s.decode_s,
@@ -35,6 +38,7 @@ def stats_dict(lm: LoadedModel, s: RunStats) -> dict:
         "expert_bytes": lm.expert_bytes,
         "peak_slot_bytes": eng.pool.nbytes if eng else total * lm.expert_bytes,
         "host_store_bytes": eng.store.nbytes if eng else 0,
+        "device_peak_bytes": torch.cuda.max_memory_allocated(lm.device) if lm.device.type == "cuda" else None,
     }
 
 

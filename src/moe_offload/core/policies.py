@@ -5,7 +5,9 @@ so the runtime and the trace simulator drive the very same object. The slot tabl
 policy what happens; the policy only answers "which resident expert should leave?".
 
 Event order the table guarantees:
-  * ``on_access(eid, tick)`` for every expert a layer needs, hit or miss, before any load of that layer;
+  * ``on_step(request, step)`` before each forward pass (step 0 = a request's prefill, i >= 1 = decode step i);
+  * ``on_access(eid, tick, tokens)`` for every expert a layer needs, hit or miss, before any load of that layer
+    (``tokens``: how many of the layer's tokens selected it);
   * ``on_insert(eid, tick)`` when a missed expert lands in a slot;
   * ``on_evict(eid)`` when an expert leaves its slot;
   * ``victim(candidates)`` picks one of ``candidates`` (resident, evictable expert ids, never empty).
@@ -15,6 +17,9 @@ Event order the table guarantees:
 
 from __future__ import annotations
 
+import bisect
+import math
+import re
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from typing import Iterable
@@ -27,8 +32,11 @@ class EvictionPolicy(ABC):
 
     name = "base"
 
-    def on_access(self, eid: int, tick: int) -> None:
-        """Record that expert ``eid`` was required at ``tick`` (hit or miss)."""
+    def on_step(self, request: int, step: int) -> None:
+        """A forward pass begins: ``step`` 0 is the prefill of ``request``, ``step`` i >= 1 its i-th decode step."""
+
+    def on_access(self, eid: int, tick: int, tokens: int = 1) -> None:
+        """Record that expert ``eid`` was required at ``tick`` (hit or miss) by ``tokens`` tokens."""
 
     def on_insert(self, eid: int, tick: int) -> None:
         """Record that expert ``eid`` was loaded into a slot at ``tick``."""
@@ -56,7 +64,7 @@ class LRU(EvictionPolicy):
     def __init__(self) -> None:
         self._order: OrderedDict[int, None] = OrderedDict()
 
-    def on_access(self, eid: int, tick: int) -> None:
+    def on_access(self, eid: int, tick: int, tokens: int = 1) -> None:
         if eid in self._order:
             self._order.move_to_end(eid)
 
@@ -92,7 +100,7 @@ class LFU(EvictionPolicy):
         self._last: dict[int, int] = {}
         self._seq = 0
 
-    def on_access(self, eid: int, tick: int) -> None:
+    def on_access(self, eid: int, tick: int, tokens: int = 1) -> None:
         self._freq[eid] = self._freq.get(eid, 0) + 1
         self._seq += 1
         self._last[eid] = self._seq
@@ -106,16 +114,125 @@ class LFU(EvictionPolicy):
         self._seq = 0
 
 
-POLICIES: dict[str, type[EvictionPolicy]] = {"lru": LRU, "lfu": LFU}
+class PrefillHot(LRU):
+    """KTransformers-style hot set: the experts most activated (by tokens) in a request's prefill are pinned for
+    its decode; the remaining slots are managed by LRU.
+
+    At a request's first decode step the ``hot_slots`` experts with the most prefill token activations become hot
+    (ties: smaller expert id). A hot expert is only evicted when every evictable candidate is hot. Default
+    ``hot_slots = num_slots - top_k`` leaves one decode layer's worth of slots for misses.
+    """
+
+    name = "prefill-hot"
+
+    def __init__(self, hot_slots: int):
+        super().__init__()
+        self.hot_slots = max(0, hot_slots)
+        self._counts: dict[int, int] = {}
+        self._in_prefill = False
+        self.hot: frozenset[int] = frozenset()
+
+    def on_step(self, request: int, step: int) -> None:
+        if step == 0:
+            self._in_prefill = True
+            self._counts = {}
+        elif self._in_prefill:
+            self._in_prefill = False
+            ranked = sorted(self._counts, key=lambda e: (-self._counts[e], e))
+            self.hot = frozenset(ranked[:self.hot_slots])
+
+    def on_access(self, eid: int, tick: int, tokens: int = 1) -> None:
+        super().on_access(eid, tick, tokens)
+        if self._in_prefill:
+            self._counts[eid] = self._counts.get(eid, 0) + tokens
+
+    def victim(self, candidates: Iterable[int]) -> int:
+        cand = set(candidates)
+        cold = cand - self.hot
+        return super().victim(cold or cand)
+
+    def reset(self) -> None:
+        super().reset()
+        self._counts, self._in_prefill, self.hot = {}, False, frozenset()
 
 
-def make_policy(name: str) -> EvictionPolicy:
-    """Build an eviction policy by name.
+class Belady(EvictionPolicy):
+    """Belady's optimal replacement with a known future (SeqMoE §3.3 fig. 3): evict the resident expert whose next
+    use is farthest away. Simulator only: the future comes from a trace.
+
+    Args:
+        future: for each tick ``t`` (1-based, one per layer execution, as ``SlotTable`` counts them) the experts
+            needed: ``future[t - 1]`` is an iterable of expert ids.
+        window: ``None`` for the full future; else only the next ``window`` ticks are visible (Belady-k with
+            ``window = k * num_moe_layers`` for k decode steps), and an expert not used within it counts as never.
+    Ties (experts never used again within the horizon) are broken by least recent use, then by smaller id.
+    """
+
+    name = "belady"
+
+    def __init__(self, future: list, window: int | None = None):
+        self.window = window
+        self._uses: dict[int, list[int]] = {}
+        for t, needed in enumerate(future, start=1):
+            for e in needed:
+                self._uses.setdefault(int(e), []).append(t)
+        self._tick = 0
+        self._last: dict[int, int] = {}
+        self._seq = 0
+
+    def on_access(self, eid: int, tick: int, tokens: int = 1) -> None:
+        self._tick = tick
+        self._seq += 1
+        self._last[eid] = self._seq
+
+    def next_use(self, eid: int) -> float:
+        """Ticks until ``eid`` is next needed after the current tick (inf if never / beyond the window)."""
+        uses = self._uses.get(eid)
+        if not uses:
+            return math.inf
+        i = bisect.bisect_right(uses, self._tick)
+        if i == len(uses):
+            return math.inf
+        d = uses[i] - self._tick
+        return math.inf if self.window is not None and d > self.window else d
+
+    def victim(self, candidates: Iterable[int]) -> int:
+        return max(candidates, key=lambda e: (self.next_use(e), -self._last.get(e, 0), -e))
+
+    def reset(self) -> None:
+        self._tick, self._seq, self._last = 0, 0, {}
+
+
+POLICIES = ("lru", "lfu", "prefill-hot", "belady", "belady-K")
+
+
+def make_policy(name: str, *, num_slots: int | None = None, top_k: int | None = None,
+                future: list | None = None, num_moe_layers: int | None = None) -> EvictionPolicy:
+    """Build an eviction policy by name: ``lru``, ``lfu``, ``prefill-hot``, ``belady`` or ``belady-K`` (K decode
+    steps of future, e.g. ``belady-8``).
+
+    Args:
+        num_slots, top_k: pool size and top-k (``prefill-hot`` keeps ``num_slots - top_k`` hot experts).
+        future, num_moe_layers: per-tick needed experts and layers per step (``belady*``, simulator only).
 
     Raises:
-        MoeOffloadError: unknown policy name (the message lists the known ones).
+        MoeOffloadError: unknown name, or a Belady policy without a future (the runtime cannot see the future).
     """
-    try:
-        return POLICIES[name.lower()]()
-    except KeyError:
-        raise MoeOffloadError(f"unknown policy {name!r}; choose one of: {', '.join(sorted(POLICIES))}") from None
+    key = name.lower()
+    if key == "lru":
+        return LRU()
+    if key == "lfu":
+        return LFU()
+    if key == "prefill-hot":
+        if num_slots is None or top_k is None:
+            raise ValueError("prefill-hot needs num_slots and top_k")
+        return PrefillHot(num_slots - top_k)
+    m = re.fullmatch(r"belady(?:-(\d+))?", key)
+    if m:
+        if future is None:
+            raise MoeOffloadError(f"policy {name!r} needs the future and is only available in the simulator")
+        window = None if m.group(1) is None else int(m.group(1)) * (num_moe_layers or 1)
+        pol = Belady(future, window)
+        pol.name = key
+        return pol
+    raise MoeOffloadError(f"unknown policy {name!r}; choose one of: {', '.join(POLICIES)}")

@@ -84,11 +84,16 @@ class SlotTable:
     def is_resident(self, eid: int) -> bool:
         return self.slot_of[eid] >= 0
 
-    def plan_layer(self, needed: list[int]) -> LayerPlan:
+    def begin_step(self, request: int, step: int) -> None:
+        """A forward pass begins (step 0 = prefill of ``request``, i >= 1 = decode step i): tells the policy."""
+        self.policy.on_step(request, step)
+
+    def plan_layer(self, needed: list[int], tokens: list[int] | None = None) -> LayerPlan:
         """Decide how one layer execution gets its experts onto the device.
 
         Args:
             needed: distinct global expert ids the layer's router selected, any order (ints in [0, N)).
+            tokens: optional, aligned with ``needed``: how many tokens selected each expert (default 1 each).
 
         Returns:
             A LayerPlan. When ``len(needed) <= num_slots`` there is one round holding every needed expert.
@@ -101,11 +106,14 @@ class SlotTable:
         caller executes, for each round in order, its loads and then its compute.
         """
         self.tick += 1
-        needed = sorted(needed)
+        if tokens is None:
+            tokens = [1] * len(needed)
+        pairs = sorted(zip(needed, tokens))
+        needed = [e for e, _ in pairs]
         hit_list = [e for e in needed if self.slot_of[e] >= 0]
         miss_list = [e for e in needed if self.slot_of[e] < 0]
-        for e in needed:
-            self.policy.on_access(e, self.tick)
+        for e, n in pairs:
+            self.policy.on_access(e, self.tick, n)
         order = hit_list + miss_list
         chunks = [order[i:i + self.num_slots] for i in range(0, len(order), self.num_slots)]
         rounds = [self._apply_round(chunk, first=(i == 0)) for i, chunk in enumerate(chunks)]

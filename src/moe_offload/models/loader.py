@@ -176,6 +176,13 @@ class LoadedModel:
     expert_bytes: int
     path: Path
 
+    @property
+    def model_id(self) -> str:
+        """Fingerprint of the checkpoint's config.json (``trace.format.model_fingerprint``)."""
+        from ..trace.format import model_fingerprint
+
+        return model_fingerprint(json.loads((self.path / "config.json").read_text()))
+
 
 def _load_tokenizer(path: Path):
     from transformers import AutoTokenizer
@@ -237,7 +244,7 @@ def load_offloaded(model_dir: str | Path, *, device: str | None = None, dtype: s
     path, config, arch = read_config(model_dir)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, config)
-    policy_obj = make_policy(policy)
+    make_policy(policy, num_slots=1, top_k=1)  # reject an unknown or simulator-only policy before any work
     ckpt = Checkpoint(path)
 
     with torch.device("meta"):
@@ -335,6 +342,7 @@ def load_offloaded(model_dir: str | Path, *, device: str | None = None, dtype: s
     model.requires_grad_(False)
 
     pool = SlotPool(layout, num_slots, n_total, dev)
+    policy_obj = make_policy(policy, num_slots=num_slots, top_k=top_k)
     engine = OffloadEngine(store, pool, SlotTable(num_slots, n_total, policy_obj), num_experts)
     engine.attach([m for _, m in mods])
     return LoadedModel(model, _load_tokenizer(path), engine, arch, dev, dt, len(mods), num_experts, top_k,

@@ -93,7 +93,8 @@ class OffloadEngine:
             obs(moe_layer, top_k_index, top_k_weights)
         num_tokens, k = top_k_index.shape
         gid = (top_k_index + moe_layer * self.num_experts).reshape(-1)
-        plan = self.table.plan_layer(torch.unique(gid).tolist())
+        uniq, counts = torch.unique(gid, return_counts=True)
+        plan = self.table.plan_layer(uniq.tolist(), counts.tolist())
         st = self.stats
         st.hits += plan.hits
         st.misses += plan.misses

@@ -1,0 +1,156 @@
+"""Routing trace format (DESIGN.md §7): one safetensors file, arrays + a JSON header, no pickle.
+
+Arrays (one row per token position the model processed, requests in order, each request's prompt tokens first):
+
+| name | dtype | shape | meaning |
+|---|---|---|---|
+| ``expert_ids`` | int16 | ``[N, L, k]`` | experts the router selected for that token in each MoE layer |
+| ``expert_weights`` | float16 | ``[N, L, k]`` | their routing weights (what multiplies the expert outputs) |
+| ``request`` | int32 | ``[N]`` | request index |
+| ``step`` | int32 | ``[N]`` | 0 for the prompt's tokens (prefill), i >= 1 for the i-th decode step |
+| ``prompt_ids`` | int32 | ``[sum of prompt lengths]`` | the prompts' token ids, requests concatenated (tokenizer-free) |
+| ``router_probs`` | float16 | ``[N, L, E]`` | optional: softmax of the router logits (``--router-probs``) |
+
+One *step* is one forward pass: the prefill of a request (all its prompt tokens, one layer execution per MoE
+layer) or one decode token. The runtime and the simulator process a trace step by step and, inside a step,
+MoE layer by MoE layer.
+
+Header (safetensors metadata key ``moe_offload_trace``, JSON):
+``format``, ``version``, ``model_id`` (fingerprint of the model's config.json, see ``model_fingerprint``),
+``model_type``, ``num_moe_layers``, ``num_experts``, ``top_k``, ``synthetic`` (true for generated traces),
+``router_probs`` (bool), ``requests`` (``[{"prompt_tokens": P, "decode_steps": D}]``), ``source`` (free text).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import MoeOffloadError
+
+FORMAT = "moe-offload-trace"
+VERSION = 1
+META_KEY = "moe_offload_trace"
+
+
+def model_fingerprint(config_json: dict) -> str:
+    """A model's identity for traces: ``model_type`` + 12 hex digits of the SHA-256 of its config.json (keys sorted,
+    transformers' bookkeeping keys dropped), so a trace cannot be replayed against another model by mistake."""
+    skip = {"transformers_version", "_name_or_path", "architectures", "dtype", "torch_dtype", "_experts_implementation"}
+    canon = json.dumps({k: v for k, v in config_json.items() if k not in skip}, sort_keys=True)
+    return f"{config_json.get('model_type', 'unknown')}-{hashlib.sha256(canon.encode()).hexdigest()[:12]}"
+
+
+@dataclass
+class Trace:
+    """An in-memory routing trace; see the module docstring for the arrays' meaning, shapes and dtypes."""
+
+    header: dict
+    expert_ids: np.ndarray
+    expert_weights: np.ndarray
+    request: np.ndarray
+    step: np.ndarray
+    prompt_ids: np.ndarray
+    router_probs: np.ndarray | None = None
+    _bounds: list[tuple[int, int, int, int]] | None = field(default=None, repr=False)
+
+    @property
+    def num_moe_layers(self) -> int:
+        return int(self.header["num_moe_layers"])
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.header["num_experts"])
+
+    @property
+    def top_k(self) -> int:
+        return int(self.header["top_k"])
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.header["requests"])
+
+    def steps(self) -> list[tuple[int, int, int, int]]:
+        """``[(request, step, row_start, row_end)]`` in replay order; rows ``[row_start, row_end)`` of the arrays
+        are that step's tokens (many for a prefill, one for a decode step)."""
+        if self._bounds is None:
+            key = self.request.astype(np.int64) * (1 << 32) + self.step.astype(np.int64)
+            change = np.flatnonzero(np.diff(key)) + 1
+            starts = np.concatenate([[0], change]).astype(np.int64)
+            ends = np.concatenate([change, [len(key)]]).astype(np.int64)
+            self._bounds = [(int(self.request[s]), int(self.step[s]), int(s), int(e)) for s, e in zip(starts, ends)]
+        return self._bounds
+
+    def check_model(self, fingerprint: str) -> None:
+        """Raise MoeOffloadError unless this trace was recorded on the model with ``fingerprint``."""
+        if self.header.get("model_id") != fingerprint:
+            raise MoeOffloadError(f"trace was recorded on model {self.header.get('model_id')}, "
+                                  f"not on the given model {fingerprint}")
+
+    def save(self, path: str | Path, overwrite: bool = False) -> Path:
+        """Write the trace to ``path`` (a new file unless ``overwrite``).
+
+        Raises:
+            MoeOffloadError: ``path`` exists and ``overwrite`` is False.
+        """
+        from safetensors.numpy import save_file
+
+        p = Path(path)
+        if p.exists() and not overwrite:
+            raise MoeOffloadError(f"{p} already exists; choose a new --out")
+        arrays = {"expert_ids": self.expert_ids.astype(np.int16), "expert_weights": self.expert_weights.astype(np.float16),
+                  "request": self.request.astype(np.int32), "step": self.step.astype(np.int32),
+                  "prompt_ids": self.prompt_ids.astype(np.int32)}
+        if self.router_probs is not None:
+            arrays["router_probs"] = self.router_probs.astype(np.float16)
+        header = dict(self.header, format=FORMAT, version=VERSION, router_probs=self.router_probs is not None)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = p.with_name(p.name + ".partial")
+        save_file({k: np.ascontiguousarray(v) for k, v in arrays.items()}, str(tmp),
+                  metadata={META_KEY: json.dumps(header)})
+        tmp.replace(p)
+        return p
+
+
+def load_trace(path: str | Path) -> Trace:
+    """Read a trace written by ``Trace.save``.
+
+    Raises:
+        MoeOffloadError: missing, corrupt or truncated file, not a moe-offload trace, another format version, or
+            arrays whose shapes disagree with the header.
+    """
+    from safetensors import safe_open
+
+    p = Path(path)
+    if not p.is_file():
+        raise MoeOffloadError(f"trace file not found: {p}")
+    try:
+        with safe_open(str(p), framework="np") as f:
+            meta = f.metadata() or {}
+            arrays = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as e:
+        raise MoeOffloadError(f"{p} is not a readable trace file ({e})") from None
+    if META_KEY not in meta:
+        raise MoeOffloadError(f"{p} is not a moe-offload trace (no {META_KEY} header)")
+    try:
+        header = json.loads(meta[META_KEY])
+    except json.JSONDecodeError as e:
+        raise MoeOffloadError(f"{p}: corrupt trace header ({e})") from None
+    if header.get("format") != FORMAT or header.get("version") != VERSION:
+        raise MoeOffloadError(f"{p}: unsupported trace format {header.get('format')} v{header.get('version')}")
+    need = {"expert_ids", "expert_weights", "request", "step", "prompt_ids"}
+    if not need <= set(arrays):
+        raise MoeOffloadError(f"{p}: trace lacks arrays {sorted(need - set(arrays))}")
+    n = arrays["request"].shape[0]
+    L, E, k = header["num_moe_layers"], header["num_experts"], header["top_k"]
+    if arrays["expert_ids"].shape != (n, L, k) or arrays["expert_weights"].shape != (n, L, k):
+        raise MoeOffloadError(f"{p}: expert arrays of shape {arrays['expert_ids'].shape}, header says [{n}, {L}, {k}]")
+    probs = arrays.get("router_probs")
+    if probs is not None and probs.shape != (n, L, E):
+        raise MoeOffloadError(f"{p}: router_probs of shape {probs.shape}, header says [{n}, {L}, {E}]")
+    return Trace(header, arrays["expert_ids"], arrays["expert_weights"], arrays["request"], arrays["step"],
+                 arrays["prompt_ids"], probs)

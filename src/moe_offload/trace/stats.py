@@ -1,0 +1,80 @@
+"""Summary statistics of a routing trace (``moe-offload trace info``).
+
+* popularity: per MoE layer, the share of all token activations that go to the most popular 10% of experts
+  (uniform routing gives 0.10), averaged over layers;
+* temporal overlap: per MoE layer, the Jaccard overlap ``|A_t ∩ A_{t+1}| / |A_t ∪ A_{t+1}|`` of the expert sets
+  of consecutive decode steps of a request, averaged over layers and step pairs (the cross-step locality that
+  SeqMoE §3.1 and TIDE exploit);
+* reuse distance: for every decode-step activation of an expert, the number of decode steps since that expert
+  (same layer) was last used in the same request; quantiles over all activations that had a previous use.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .format import Trace
+
+
+def trace_stats(trace: Trace) -> dict:
+    """Statistics of ``trace`` as a dict (see the module docstring). Decode-only measures skip prefill rows."""
+    L, E = trace.num_moe_layers, trace.num_experts
+    ids = trace.expert_ids.astype(np.int64)
+    counts = np.zeros((L, E), np.int64)
+    for layer in range(L):
+        counts[layer] = np.bincount(ids[:, layer, :].ravel(), minlength=E)
+    top = max(1, int(round(0.10 * E)))
+    share = np.sort(counts, axis=1)[:, ::-1][:, :top].sum(1) / np.maximum(counts.sum(1), 1)
+
+    decode = trace.step > 0
+    jacc, dists = [], []
+    for r in range(trace.num_requests):
+        rows = np.flatnonzero(decode & (trace.request == r))
+        if len(rows) == 0:
+            continue
+        act = np.zeros((len(rows), L, E), bool)  # one row per decode step (one token each)
+        np.put_along_axis(act, ids[rows], True, axis=2)
+        if len(rows) > 1:
+            inter = (act[1:] & act[:-1]).sum(-1)
+            union = (act[1:] | act[:-1]).sum(-1)
+            jacc.append((inter / np.maximum(union, 1)).ravel())
+        last = np.full((L, E), -1, np.int64)
+        for t in range(len(rows)):
+            used = act[t]
+            prev = last[used]
+            dists.append(t - prev[prev >= 0])
+            last[used] = t
+    jacc_all = np.concatenate(jacc) if jacc else np.zeros(0)
+    d_all = np.concatenate(dists) if dists else np.zeros(0)
+    q = {f"p{int(p)}": float(np.percentile(d_all, p)) for p in (50, 90, 99)} if len(d_all) else {}
+    return {
+        "requests": trace.num_requests,
+        "steps": len(trace.steps()),
+        "prefill_tokens": int((~decode).sum()),
+        "decode_steps": int(decode.sum()),
+        "num_moe_layers": L,
+        "num_experts": E,
+        "top_k": trace.top_k,
+        "synthetic": bool(trace.header.get("synthetic")),
+        "top10pct_share": float(share.mean()),
+        "top10pct_share_per_layer": [float(x) for x in share],
+        "mean_jaccard_consecutive": float(jacc_all.mean()) if len(jacc_all) else None,
+        "reuse_distance_steps": q,
+    }
+
+
+def format_stats(s: dict) -> str:
+    """Human-readable lines of ``trace_stats`` output."""
+    lines = [
+        f"model id:            {s.get('model_id', '?')}" if "model_id" in s else None,
+        f"requests:            {s['requests']}" + ("  (SYNTHETIC)" if s["synthetic"] else ""),
+        f"steps:               {s['steps']} ({s['prefill_tokens']} prefill tokens, {s['decode_steps']} decode steps)",
+        f"geometry:            {s['num_moe_layers']} MoE layers x {s['num_experts']} experts, top-{s['top_k']}",
+        f"top-10% expert share: {s['top10pct_share']:.3f} (uniform: 0.100; per layer min "
+        f"{min(s['top10pct_share_per_layer']):.3f}, max {max(s['top10pct_share_per_layer']):.3f})",
+        "consecutive-step Jaccard: " + ("n/a" if s["mean_jaccard_consecutive"] is None
+                                        else f"{s['mean_jaccard_consecutive']:.3f}"),
+        "reuse distance (decode steps): " + (", ".join(f"{k} {v:g}" for k, v in s["reuse_distance_steps"].items())
+                                              or "n/a"),
+    ]
+    return "\n".join(ln for ln in lines if ln)
