@@ -10,7 +10,7 @@ Event order the table guarantees:
     (``tokens``: how many of the layer's tokens selected it);
   * ``on_insert(eid, tick)`` when a missed expert lands in a slot;
   * ``on_evict(eid)`` when an expert leaves its slot;
-  * ``victim(candidates)`` picks one of ``candidates`` (resident, evictable expert ids, never empty).
+  * ``victim(pinned)`` picks a resident expert not in ``pinned`` (asked only when one exists).
 
 ``tick`` is a monotonically non-decreasing access clock (one tick per layer execution).
 """
@@ -22,15 +22,20 @@ import math
 import re
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from typing import Iterable
-
 from ..errors import MoeOffloadError
 
 
 class EvictionPolicy(ABC):
-    """Interface of an eviction policy; see the module docstring for the event order."""
+    """Interface of an eviction policy; see the module docstring for the event order.
+
+    The base class keeps ``resident``, the set of experts currently in a slot (maintained by ``on_insert`` and
+    ``on_evict``; subclasses that override them call ``super()``).
+    """
 
     name = "base"
+
+    def __init__(self) -> None:
+        self.resident: set[int] = set()
 
     def on_step(self, request: int, step: int) -> None:
         """A forward pass begins: ``step`` 0 is the prefill of ``request``, ``step`` i >= 1 its i-th decode step."""
@@ -40,28 +45,34 @@ class EvictionPolicy(ABC):
 
     def on_insert(self, eid: int, tick: int) -> None:
         """Record that expert ``eid`` was loaded into a slot at ``tick``."""
+        self.resident.add(eid)
 
     def on_evict(self, eid: int) -> None:
         """Record that expert ``eid`` left its slot."""
+        self.resident.discard(eid)
 
     @abstractmethod
-    def victim(self, candidates: Iterable[int]) -> int:
-        """Return the expert id among ``candidates`` (non-empty, resident, evictable) to evict."""
+    def victim(self, pinned: set[int]) -> int:
+        """Return the resident expert to evict, never one in ``pinned`` (the experts the running layer needs).
+
+        The slot table only asks when a resident, unpinned expert exists."""
 
     def reset(self) -> None:
         """Forget all history (a new run)."""
+        self.resident.clear()
 
 
 class LRU(EvictionPolicy):
     """Least recently used: evict the resident expert whose last access is oldest.
 
-    Keeps an ordered dict of resident experts in recency order, so ``victim`` is O(candidates) in the worst
-    case but O(1) when the oldest resident expert is evictable (the common case).
+    Keeps resident experts in an ordered dict in recency order; ``victim`` walks it from the oldest and skips
+    pinned experts, so it costs O(1 + pinned) per eviction.
     """
 
     name = "lru"
 
     def __init__(self) -> None:
+        super().__init__()
         self._order: OrderedDict[int, None] = OrderedDict()
 
     def on_access(self, eid: int, tick: int, tokens: int = 1) -> None:
@@ -69,20 +80,24 @@ class LRU(EvictionPolicy):
             self._order.move_to_end(eid)
 
     def on_insert(self, eid: int, tick: int) -> None:
+        super().on_insert(eid, tick)
         self._order[eid] = None
-        self._order.move_to_end(eid)
 
     def on_evict(self, eid: int) -> None:
+        super().on_evict(eid)
         self._order.pop(eid, None)
 
-    def victim(self, candidates: Iterable[int]) -> int:
-        cand = candidates if isinstance(candidates, (set, frozenset)) else set(candidates)
+    def victim(self, pinned: set[int]) -> int:
+        return self._oldest(lambda e: e not in pinned)
+
+    def _oldest(self, ok) -> int:
         for eid in self._order:
-            if eid in cand:
+            if ok(eid):
                 return eid
-        return min(cand)  # candidates the policy never saw inserted (should not happen): deterministic
+        raise RuntimeError("no evictable expert")  # the slot table never asks in that case
 
     def reset(self) -> None:
+        super().reset()
         self._order.clear()
 
 
@@ -96,6 +111,7 @@ class LFU(EvictionPolicy):
     name = "lfu"
 
     def __init__(self) -> None:
+        super().__init__()
         self._freq: dict[int, int] = {}
         self._last: dict[int, int] = {}
         self._seq = 0
@@ -105,10 +121,12 @@ class LFU(EvictionPolicy):
         self._seq += 1
         self._last[eid] = self._seq
 
-    def victim(self, candidates: Iterable[int]) -> int:
-        return min(candidates, key=lambda e: (self._freq.get(e, 0), self._last.get(e, 0), e))
+    def victim(self, pinned: set[int]) -> int:
+        return min((e for e in self.resident if e not in pinned),
+                   key=lambda e: (self._freq.get(e, 0), self._last.get(e, 0), e))
 
     def reset(self) -> None:
+        super().reset()
         self._freq.clear()
         self._last.clear()
         self._seq = 0
@@ -119,7 +137,7 @@ class PrefillHot(LRU):
     its decode; the remaining slots are managed by LRU.
 
     At a request's first decode step the ``hot_slots`` experts with the most prefill token activations become hot
-    (ties: smaller expert id). A hot expert is only evicted when every evictable candidate is hot. Default
+    (ties: smaller expert id). A hot expert is only evicted when every evictable resident expert is hot. Default
     ``hot_slots = num_slots - top_k`` leaves one decode layer's worth of slots for misses.
     """
 
@@ -146,10 +164,12 @@ class PrefillHot(LRU):
         if self._in_prefill:
             self._counts[eid] = self._counts.get(eid, 0) + tokens
 
-    def victim(self, candidates: Iterable[int]) -> int:
-        cand = set(candidates)
-        cold = cand - self.hot
-        return super().victim(cold or cand)
+    def victim(self, pinned: set[int]) -> int:
+        hot = self.hot
+        for eid in self._order:
+            if eid not in pinned and eid not in hot:
+                return eid
+        return super().victim(pinned)
 
     def reset(self) -> None:
         super().reset()
@@ -171,6 +191,7 @@ class Belady(EvictionPolicy):
     name = "belady"
 
     def __init__(self, future: list, window: int | None = None):
+        super().__init__()
         self.window = window
         self._uses: dict[int, list[int]] = {}
         for t, needed in enumerate(future, start=1):
@@ -196,10 +217,12 @@ class Belady(EvictionPolicy):
         d = uses[i] - self._tick
         return math.inf if self.window is not None and d > self.window else d
 
-    def victim(self, candidates: Iterable[int]) -> int:
-        return max(candidates, key=lambda e: (self.next_use(e), -self._last.get(e, 0), -e))
+    def victim(self, pinned: set[int]) -> int:
+        return max((e for e in self.resident if e not in pinned),
+                   key=lambda e: (self.next_use(e), -self._last.get(e, 0), -e))
 
     def reset(self) -> None:
+        super().reset()
         self._tick, self._seq, self._last = 0, 0, {}
 
 

@@ -136,10 +136,8 @@ class SlotTable:
         if self._empty:
             slot = self._empty.pop()
         else:
-            candidates = {e for e in self.expert_in if e >= 0 and e not in self._pinned}
-            if not candidates:  # cannot happen: a round never holds more than num_slots experts
-                raise RuntimeError("no evictable slot: every slot holds an expert the current round needs")
-            evicted = self.policy.victim(candidates)
+            # a round never holds more than num_slots experts, so an unpinned resident expert exists here
+            evicted = self.policy.victim(self._pinned)
             slot = self.slot_of[evicted]
             self.slot_of[evicted] = -1
             self.policy.on_evict(evicted)
