@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -117,12 +118,27 @@ def build_parser() -> argparse.ArgumentParser:
     ti.add_argument("file")
     ti.add_argument("--json", action="store_true")
 
+    sm = sub.add_parser("simulate", help="replay traces through the decision core; hit rates and projected speed")
+    sm.add_argument("--trace", required=True, action="append", help="trace file (repeatable)")
+    sm.add_argument("--residency", default="0.15,0.25,0.35,0.45", help="comma-separated fractions in (0, 1]")
+    sm.add_argument("--policy", default="lru,lfu,prefill-hot,belady,belady-8", help="comma-separated policies")
+    sm.add_argument("--hardware", default="rtx4090", help="hardware profile (see docs/simulator.md), or this-machine")
+    sm.add_argument("--model-profile", default="qwen3-30b-a3b-fp8", help="model profile for the time model")
+    sm.add_argument("--full-load-tok-s", type=_float, help="FullLoad decode tok/s when the profile has none")
+    sm.add_argument("--model", help="check that every trace was recorded on this checkpoint directory")
+    sm.add_argument("--out", required=True, help="new (or empty) directory for CSV, markdown and PNG plots")
+
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench_cmd", required=True)
     bd = bsub.add_parser("decode", help="decode tokens/s vs FullLoad across residencies")
     _add_model_args(bd)
     bd.add_argument("--residencies", default="1.0,0.45,0.25,0.15")
     bd.add_argument("--out", help="also write the table (markdown) to this new file")
+    bl = bsub.add_parser("link", help="measure host->device copy bandwidth; saves the this-machine profile")
+    bl.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
+    bl.add_argument("--size-mb", type=_positive_int, default=256)
+    br = bsub.add_parser("replay", help="simulator speed in expert accesses per second (synthetic 48x128x8)")
+    br.add_argument("--seconds", type=_float, default=5.0)
     return ap
 
 
@@ -201,7 +217,83 @@ def _cmd_trace(args) -> int:
     return 0
 
 
+def _split_floats(text: str, what: str) -> list[float]:
+    try:
+        vals = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise MoeOffloadError(f"{what} must be comma-separated numbers, got {text!r}") from None
+    if not vals:
+        raise MoeOffloadError(f"{what} is empty")
+    return vals
+
+
+def _cmd_simulate(args) -> int:
+    from .sim.profiles import load_hardware, load_model_profile
+    from .sim.report import write_report
+    from .sim.simulator import build_policy, layer_needs, replay
+    from .sim.timemodel import OnDemandTimeModel
+    from .trace.format import load_trace
+
+    residencies = _split_floats(args.residency, "--residency")
+    if any(not (0 < r <= 1) for r in residencies):
+        raise MoeOffloadError(f"--residency values must be in (0, 1], got {args.residency}")
+    policies = [p.strip() for p in args.policy.split(",") if p.strip()]
+    out = Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise MoeOffloadError(f"{out} already exists and is not an empty directory; choose a new --out")
+    hw, mp = load_hardware(args.hardware), load_model_profile(args.model_profile)
+    tm = OnDemandTimeModel(hw, mp, full_load_tok_s=args.full_load_tok_s)
+    model_id = None
+    if args.model:
+        from .trace.format import model_fingerprint
+
+        model_id = model_fingerprint(json.loads((resolve_model(args.model) / "config.json").read_text()))
+    traces = [(t, load_trace(t)) for t in args.trace]
+    for _, tr in traces:
+        if model_id:
+            tr.check_model(model_id)
+        for p in policies:  # validate every name before the long loop
+            build_policy(p, tr, 1, needs=[])
+    rows = []
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=len(traces) * len(policies) * len(residencies), desc="replays", leave=False)
+    for name, tr in traces:
+        needs = layer_needs(tr)
+        n_total = tr.num_moe_layers * tr.num_experts
+        for p in policies:
+            for r in residencies:
+                slots = max(1, math.ceil(r * n_total - 1e-9))
+                res = replay(tr, slots, p, needs=needs)
+                t = tm.decode_time(res.per_step, tr)
+                rows.append({"trace": Path(name).name, "synthetic": bool(tr.header.get("synthetic")),
+                             "model": mp.name, "hardware": hw.name, "policy": res.policy, "residency": r,
+                             "slots": slots, "hit_rate": res.hit_rate, "decode_hit_rate": res.decode_hit_rate,
+                             "hits": res.hits, "misses": res.misses, "decode_misses": res.decode_misses,
+                             "accesses": res.accesses, "projection": t["projection"],
+                             "projected_tok_s": t["projected_tok_s"], "full_load_tok_s": t["full_load_tok_s"],
+                             "fraction_of_full_load": t["fraction_of_full_load"],
+                             "stall_s_per_step": t["stall_s_per_step"]})
+                bar.update(1)
+    bar.close()
+    files = write_report(rows, out, f"Expert hit rate and projected decode speed ({mp.name} on {hw.name})")
+    print((out / "results.md").read_text())
+    print("wrote " + ", ".join(str(f) for f in files))
+    return 0
+
+
 def _cmd_bench(args) -> int:
+    if args.bench_cmd == "link":
+        from .sim.profiles import measure_link
+
+        res = measure_link(device=args.device, size_mb=args.size_mb)
+        print(json.dumps(res, indent=1))
+        return 0
+    if args.bench_cmd == "replay":
+        from .sim.speed import bench_replay_speed
+
+        print(json.dumps(bench_replay_speed(seconds=args.seconds), indent=1))
+        return 0
     from .bench import bench_decode
 
     try:
@@ -235,6 +327,8 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_testbed(args)
         if args.cmd == "trace":
             return _cmd_trace(args)
+        if args.cmd == "simulate":
+            return _cmd_simulate(args)
         return _cmd_bench(args)
     except MoeOffloadError as e:
         print(f"moe-offload: error: {e}", file=sys.stderr)

@@ -62,13 +62,18 @@ def layer_needs(trace: Trace) -> list[tuple[int, int, list[list[int]], list[list
     out = []
     offs = (np.arange(L, dtype=np.int64) * E)[None, :, None]
     gids = trace.expert_ids.astype(np.int64) + offs  # [N, L, k]
+    sorted_rows = np.sort(gids, axis=-1)  # a one-token step's experts are distinct: sorting is its np.unique
+    ones = [1] * trace.top_k
     for req, step, a, b in trace.steps():
-        needed, tokens = [], []
-        block = gids[a:b]
-        for layer in range(L):
-            u, c = np.unique(block[:, layer, :], return_counts=True)
-            needed.append(u.tolist())
-            tokens.append(c.tolist())
+        if b - a == 1:
+            needed = sorted_rows[a].tolist()
+            tokens = [ones] * L
+        else:
+            needed, tokens = [], []
+            for layer in range(L):
+                u, c = np.unique(gids[a:b, layer, :], return_counts=True)
+                needed.append(u.tolist())
+                tokens.append(c.tolist())
         out.append((req, step, needed, tokens))
     return out
 

@@ -1,0 +1,307 @@
+"""Hardware and model profiles for the cost model (DESIGN.md §5 "Cost model", §6; SeqMoE §9.1, Table 1, fig. 6).
+
+Profiles are JSON data files shipped in ``moe_offload/data/profiles/{hardware,models}/<name>.json``. Every number
+in them has an entry in ``sources`` (paper section / figure / spec sheet / config it comes from, or the arithmetic
+it is derived by) or is listed in ``unsourced`` with a ``note`` saying what was assumed.
+
+One hardware profile is not shipped: ``this-machine``, written by :func:`measure_link` into
+``<cache>/hardware/this-machine.json`` (cache = ``$MOE_OFFLOAD_CACHE`` or ``~/.cache/moe-offload``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+from ..errors import MoeOffloadError
+
+THIS_MACHINE = "this-machine"
+
+_HW_FIELDS = ("name", "device_memory_gb", "link", "link_gbps")
+_MODEL_FIELDS = ("name", "num_moe_layers", "num_experts", "top_k", "expert_bytes")
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """One platform: device memory and the host->device link (SeqMoE §9.1 "Hardware").
+
+    Attributes:
+        name: profile name (file stem), e.g. ``"rtx4090"``.
+        device_memory_gb: device memory in GB (10^9 bytes, as the spec sheets count).
+        link: the host->device link in words, e.g. ``"PCIe 4.0 x16"``.
+        link_gbps: effective host->device copy bandwidth for large pinned copies, GB/s (10^9 bytes per second).
+        link_theoretical_gbps: the link's per-direction theoretical bandwidth, GB/s (None when measured).
+        link_efficiency: ``link_gbps / link_theoretical_gbps`` as assumed (None when measured).
+        sources: ``{field: where the number comes from}``.
+        unsourced: fields whose values are assumptions (explained in ``note``).
+        note: free text.
+        extra: any other keys of the JSON file (kept for later cost-model fields).
+    """
+
+    name: str
+    device_memory_gb: float
+    link: str
+    link_gbps: float
+    link_theoretical_gbps: float | None = None
+    link_efficiency: float | None = None
+    description: str = ""
+    sources: dict = field(default_factory=dict)
+    unsourced: tuple = ()
+    note: str = ""
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def link_bytes_per_s(self) -> float:
+        """Effective host->device bandwidth in bytes per second."""
+        return self.link_gbps * 1e9
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """One MoE model's offloading geometry (SeqMoE Table 1) and its measured FullLoad speeds (SeqMoE fig. 6).
+
+    Attributes:
+        name: profile name (file stem), e.g. ``"qwen3-30b-a3b-fp8"``.
+        num_moe_layers: L, MoE layers (layers whose routed experts are offloaded).
+        num_experts: routed experts per MoE layer (shared experts excluded: they stay on the device).
+        top_k: experts each token selects per MoE layer.
+        expert_bytes: bytes of one routed expert as stored (payload + quantisation scales + biases): the size of
+            one host->device copy.
+        full_load_tok_s: ``{hardware_name: decode tokens/s with every weight on the device}``, batch size 1
+            (SeqMoE fig. 6 first row, decode length 128-1024). May be empty (then the time model needs an override).
+        full_load_tok_s_long_decode: same for decode length 4096-8192 (fig. 6 second row), where known.
+        paper_overlap_experts_per_layer: ``{hardware_name: experts whose transfer one layer's compute overlaps}``
+            as stated by a paper (SeqMoE §2.2), recorded for calibration checks only.
+        hidden_size, moe_intermediate_size, expert_dtype, model_type, description: descriptive fields.
+        sources, unsourced, note: provenance, as for HardwareProfile.
+        extra: any other keys of the JSON file.
+    """
+
+    name: str
+    num_moe_layers: int
+    num_experts: int
+    top_k: int
+    expert_bytes: int
+    full_load_tok_s: dict = field(default_factory=dict)
+    full_load_tok_s_long_decode: dict = field(default_factory=dict)
+    paper_overlap_experts_per_layer: dict = field(default_factory=dict)
+    hidden_size: int | None = None
+    moe_intermediate_size: int | None = None
+    expert_dtype: str = ""
+    model_type: str = ""
+    description: str = ""
+    sources: dict = field(default_factory=dict)
+    unsourced: tuple = ()
+    note: str = ""
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def accesses_per_step(self) -> int:
+        """Expert accesses of one single-token decode step: ``num_moe_layers * top_k``."""
+        return self.num_moe_layers * self.top_k
+
+    @property
+    def total_expert_bytes(self) -> int:
+        """Bytes of all routed experts of the model: ``num_moe_layers * num_experts * expert_bytes``."""
+        return self.num_moe_layers * self.num_experts * self.expert_bytes
+
+
+# ------------------------------------------------------------------------------------------------ locations
+
+
+def cache_dir() -> Path:
+    """The user cache: ``$MOE_OFFLOAD_CACHE`` if set, else ``~/.cache/moe-offload``."""
+    env = os.environ.get("MOE_OFFLOAD_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "moe-offload"
+
+
+def this_machine_path() -> Path:
+    """Where :func:`measure_link` writes, and ``load_hardware("this-machine")`` reads, the measured profile."""
+    return cache_dir() / "hardware" / f"{THIS_MACHINE}.json"
+
+
+def _data_dir(kind: str):
+    return resources.files("moe_offload").joinpath("data", "profiles", kind)
+
+
+def _shipped(kind: str) -> list[str]:
+    d = _data_dir(kind)
+    if not d.is_dir():
+        return []
+    return sorted(p.name[:-5] for p in d.iterdir() if p.name.endswith(".json"))
+
+
+def list_hardware() -> list[str]:
+    """Names accepted by :func:`load_hardware`: the shipped profiles plus ``"this-machine"`` (measured)."""
+    return _shipped("hardware") + [THIS_MACHINE]
+
+
+def list_models() -> list[str]:
+    """Names accepted by :func:`load_model_profile` (the shipped model profiles)."""
+    return _shipped("models")
+
+
+def _read_json(path, what: str) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise MoeOffloadError(f"cannot read {what} profile {path}: {e}") from None
+    if not isinstance(data, dict):
+        raise MoeOffloadError(f"{what} profile {path} is not a JSON object")
+    return data
+
+
+def _split(data: dict, cls, required: tuple, path) -> dict:
+    missing = [k for k in required if k not in data]
+    if missing:
+        raise MoeOffloadError(f"profile {path} lacks fields {missing}")
+    known = set(cls.__dataclass_fields__) - {"extra"}
+    kw = {k: v for k, v in data.items() if k in known}
+    kw["extra"] = {k: v for k, v in data.items() if k not in known}
+    if "unsourced" in kw:
+        kw["unsourced"] = tuple(kw["unsourced"])
+    return kw
+
+
+# ------------------------------------------------------------------------------------------------ loading
+
+
+def load_hardware(name: str) -> HardwareProfile:
+    """Load a hardware profile by name (see :func:`list_hardware`).
+
+    ``"this-machine"`` reads the file :func:`measure_link` wrote into the user cache.
+
+    Raises:
+        MoeOffloadError: unknown name (the message lists the known ones), a missing this-machine measurement
+            ("run `moe-offload bench link` first"), or an unreadable / incomplete file.
+    """
+    if name == THIS_MACHINE:
+        path = this_machine_path()
+        if not path.is_file():
+            raise MoeOffloadError(f"no measured profile for this machine at {path}: run `moe-offload bench link` first")
+        data = _read_json(path, "hardware")
+    else:
+        known = _shipped("hardware")
+        if name not in known:
+            raise MoeOffloadError(f"unknown hardware profile {name!r}; known: {', '.join(known + [THIS_MACHINE])}")
+        path = _data_dir("hardware").joinpath(f"{name}.json")
+        data = _read_json(path, "hardware")
+    kw = _split(data, HardwareProfile, _HW_FIELDS, path)
+    kw["device_memory_gb"] = float(kw["device_memory_gb"])
+    kw["link_gbps"] = float(kw["link_gbps"])
+    if kw["link_gbps"] <= 0:
+        raise MoeOffloadError(f"hardware profile {path}: link_gbps must be > 0, got {kw['link_gbps']}")
+    return HardwareProfile(**kw)
+
+
+def load_model_profile(name: str) -> ModelProfile:
+    """Load a model profile by name (see :func:`list_models`).
+
+    Raises:
+        MoeOffloadError: unknown name (the message lists the known ones) or an unreadable / incomplete file.
+    """
+    known = _shipped("models")
+    if name not in known:
+        raise MoeOffloadError(f"unknown model profile {name!r}; known: {', '.join(known)}")
+    path = _data_dir("models").joinpath(f"{name}.json")
+    kw = _split(_read_json(path, "model"), ModelProfile, _MODEL_FIELDS, path)
+    for k in ("num_moe_layers", "num_experts", "top_k", "expert_bytes"):
+        kw[k] = int(kw[k])
+    return ModelProfile(**kw)
+
+
+# ------------------------------------------------------------------------------------------------ measuring
+
+
+def measure_link(device=None, size_mb: int = 256, repeats: int = 5) -> dict:
+    """Measure this machine's host->device copy bandwidth and write the ``this-machine`` hardware profile.
+
+    On CUDA: a pinned host uint8 tensor of ``size_mb`` MiB copied to the device (``non_blocking``), timed with CUDA
+    events after one warm-up copy. On the CPU: a copy between two host tensors of that size, timed with
+    ``time.perf_counter`` — what the CPU "device" tier pays to move an expert from the host store into a slot.
+
+    Args:
+        device: ``None`` (CUDA if available, else CPU), ``"cpu"``, ``"cuda"`` or ``"cuda:N"`` (or a torch.device).
+        size_mb: bytes per copy, in MiB (2^20 bytes).
+        repeats: timed copies; the profile's ``link_gbps`` is their median (GB/s = 10^9 bytes/s).
+
+    Returns:
+        The profile dict written to ``<cache>/hardware/this-machine.json`` (``name``, ``device``, ``device_name``,
+        ``device_memory_gb``, ``link``, ``link_gbps``, ``measured`` with the samples, ``sources``).
+
+    Raises:
+        MoeOffloadError: bad arguments or a CUDA device that is not available.
+    """
+    import torch
+
+    if size_mb < 1 or repeats < 1:
+        raise MoeOffloadError(f"measure_link needs size_mb >= 1 and repeats >= 1, got {size_mb}, {repeats}")
+    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    nbytes = int(size_mb) << 20
+    samples = []
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise MoeOffloadError(f"device {dev} requested but CUDA is not available")
+        with torch.cuda.device(dev):
+            src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            src.fill_(1)
+            dst = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+            dst.copy_(src, non_blocking=True)  # warm-up
+            torch.cuda.synchronize(dev)
+            for _ in range(repeats):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                dst.copy_(src, non_blocking=True)
+                end.record()
+                end.synchronize()
+                samples.append(nbytes / (start.elapsed_time(end) / 1e3) / 1e9)
+        props = torch.cuda.get_device_properties(dev)
+        device_name, mem_gb = props.name, props.total_memory / 1e9
+        link, method = "host->device (pinned, CUDA copy engine)", "pinned host -> device copy_, CUDA events"
+    elif dev.type == "cpu":
+        src = torch.ones(nbytes, dtype=torch.uint8)
+        dst = torch.empty(nbytes, dtype=torch.uint8)
+        dst.copy_(src)  # warm-up (faults the pages in)
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            samples.append(nbytes / (time.perf_counter() - t0) / 1e9)
+        device_name = platform.processor() or platform.machine()
+        try:
+            mem_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+        except (ValueError, OSError, AttributeError):
+            mem_gb = 0.0
+        link, method = "host memory copy (CPU device tier)", "host tensor -> host tensor copy_, perf_counter"
+    else:
+        raise MoeOffloadError(f"measure_link supports cpu and cuda devices, not {dev}")
+    when = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    profile = {
+        "name": THIS_MACHINE,
+        "description": f"measured on {platform.node()} ({device_name})",
+        "device": str(dev),
+        "device_name": device_name,
+        "device_memory_gb": round(mem_gb, 3),
+        "link": link,
+        "link_gbps": round(statistics.median(samples), 3),
+        "measured": {"method": method, "size_mb": int(size_mb), "repeats": int(repeats),
+                     "samples_gbps": [round(s, 3) for s in samples], "time": when,
+                     "torch": torch.__version__},
+        "sources": {"link_gbps": f"measured by profiles.measure_link at {when} (median of {repeats} copies of "
+                                 f"{size_mb} MiB)",
+                    "device_memory_gb": "torch.cuda.get_device_properties" if dev.type == "cuda"
+                    else "os.sysconf physical memory"},
+        "unsourced": [],
+        "note": "Measured, not from a paper. On the CPU the 'device' is host memory and the link is a memcpy.",
+    }
+    path = this_machine_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".partial")
+    tmp.write_text(json.dumps(profile, indent=2) + "\n")
+    tmp.replace(path)
+    return profile
