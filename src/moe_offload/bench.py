@@ -27,23 +27,25 @@ def bench_decode(path: Path, prompts: list[str], residencies: list[float], *, ma
     full = load_full(path, device=device, dtype=dtype)
     ref_out, ref = measure(full)
     ref_tokens = [o.token_ids for o in ref_out]
+    total_bytes = full.num_moe_layers * full.num_experts * full.expert_bytes
     del full
     gc.collect()
-    rows = [("FullLoad", "all", ref.decode_tokens_per_s, 1.0, None, 0, sum(ref.ttft_s) / len(ref.ttft_s), True)]
+    rows = [("FullLoad", "all", ref.decode_tokens_per_s, 1.0, None, 0, sum(ref.ttft_s) / len(ref.ttft_s), True,
+             total_bytes)]
     for r in residencies:
         lm = load_offloaded(path, device=device, dtype=dtype, residency=r, policy=policy, progress=False)
         outs, s = measure(lm)
         same = [o.token_ids for o in outs] == ref_tokens
         rows.append((f"{r:.2f}", str(lm.engine.pool.num_slots), s.decode_tokens_per_s,
                      s.decode_tokens_per_s / ref.decode_tokens_per_s, s.offload.hit_rate, s.offload.bytes_loaded,
-                     sum(s.ttft_s) / len(s.ttft_s), same))
+                     sum(s.ttft_s) / len(s.ttft_s), same, lm.engine.pool.nbytes))
         del lm
         gc.collect()
-    head = ("| residency | slots | decode tok/s | vs FullLoad | hit rate | MiB loaded | mean TTFT s | same tokens |\n"
-            "|---|---|---|---|---|---|---|---|")
+    head = ("| residency | slots | decode tok/s | vs FullLoad | hit rate | MiB loaded | mean TTFT s | same tokens "
+            "| device expert MiB |\n|---|---|---|---|---|---|---|---|---|")
     lines = [head]
-    for name, slots, tps, ratio, hr, nbytes, ttft, same in rows:
+    for name, slots, tps, ratio, hr, nbytes, ttft, same, dev_bytes in rows:
         lines.append(f"| {name} | {slots} | {tps:.2f} | {ratio:.3f} | {'-' if hr is None else f'{hr:.4f}'} | "
-                     f"{nbytes / 2**20:.1f} | {ttft:.3f} | {'yes' if same else 'NO'} |")
+                     f"{nbytes / 2**20:.1f} | {ttft:.3f} | {'yes' if same else 'NO'} | {dev_bytes / 2**20:.1f} |")
     lines.append(f"\n{len(prompts)} prompts x {max_new_tokens} new tokens, policy {policy}, model {path}")
     return "\n".join(lines)
