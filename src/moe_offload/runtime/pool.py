@@ -8,6 +8,7 @@ turns a router's expert ids into slot ids. The pool only moves bytes; *which* ex
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .store import ExpertLayout, HostStore
@@ -35,6 +36,10 @@ class SlotPool:
         self.buf = torch.zeros((num_slots, layout.numel), dtype=layout.dtype, device=self.device)
         self.views = layout.views(self.buf)
         self.lookup = torch.full((num_experts_total,), -1, dtype=torch.long, device=self.device)
+        # on the CPU a slot copy is a plain single-threaded memcpy through a byte view: torch's copy_ splits a row
+        # of a few hundred KB across its intra-op threads, which costs far more than the copy when the cores are
+        # busy (measured: 20 us vs 6 ms per 330 KB expert with another process on both cores)
+        self._bytes = self.buf.view(torch.uint8).numpy() if self.device.type == "cpu" else None
 
     @property
     def nbytes(self) -> int:
@@ -50,9 +55,14 @@ class SlotPool:
             evicted: experts that left their slots for these loads (set to -1 in the lookup table).
         Copies are issued non-blocking; they are ordered before later kernels on the current stream.
         """
-        non_blocking = store.pinned and self.device.type == "cuda"
-        for e, s in zip(eids, slots):
-            self.buf[s].copy_(store.buf[e], non_blocking=non_blocking)
+        if self._bytes is not None:
+            src = store.bytes_view()
+            for e, s in zip(eids, slots):
+                np.copyto(self._bytes[s], src[e])
+        else:
+            non_blocking = store.pinned and self.device.type == "cuda"
+            for e, s in zip(eids, slots):
+                self.buf[s].copy_(store.buf[e], non_blocking=non_blocking)
         if evicted:
             self.lookup[torch.tensor(evicted, dtype=torch.long).to(self.device)] = -1
         self.lookup[torch.tensor(eids, dtype=torch.long).to(self.device)] = torch.tensor(

@@ -81,6 +81,13 @@ class HostStore:
         self.num_experts_total = num_experts_total
         self.buf = torch.empty((num_experts_total, layout.numel), dtype=layout.dtype, pin_memory=pin)
         self.pinned = pin
+        self._bytes = None
+
+    def bytes_view(self):
+        """The buffer as a numpy ``uint8`` array ``[num_experts_total, expert_bytes]`` (no copy)."""
+        if self._bytes is None:
+            self._bytes = self.buf.view(torch.uint8).numpy()
+        return self._bytes
 
     @property
     def nbytes(self) -> int:
