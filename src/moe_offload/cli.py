@@ -42,7 +42,7 @@ def resolve_model(name: str | None, progress: bool = True) -> Path:
     if name in BUILTIN_MODELS and not Path(name).exists():
         from .testbed.build import ensure_testbed
 
-        return ensure_testbed(name)
+        return ensure_testbed(name, progress=progress)
     return Path(name)
 
 
@@ -101,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     tb = tsub.add_parser("build", help="convert SmolLM2-135M-Instruct into an MoE checkpoint")
     tb.add_argument("--sparse", action="store_true", help="top-8 of 32 (testbed-sparse) instead of top-24")
     tb.add_argument("--out", help="directory to write (default: the user cache)")
+    tb.add_argument("--quiet", action="store_true", help="no progress bars")
     tt = tsub.add_parser("tiny", help="write a tiny random checkpoint of an architecture")
     tt.add_argument("--arch", required=True, help="model_type, e.g. qwen3_moe, mixtral, gpt_oss")
     tt.add_argument("--out", required=True)
@@ -179,10 +180,16 @@ def _cmd_testbed(args) -> int:
         out = make_tiny(args.arch, args.out, seed=args.seed)
         print(f"wrote a tiny random {args.arch} checkpoint to {out}")
         return 0
-    from .testbed.build import ensure_testbed
+    from .testbed.build import VARIANTS, build_testbed, ensure_testbed
 
     name = "testbed-sparse" if args.sparse else "testbed"
-    out = ensure_testbed(name, out_dir=Path(args.out) if args.out else None)
+    if args.out:
+        out = Path(args.out)
+        if out.exists() and (not out.is_dir() or any(out.iterdir())):
+            raise MoeOffloadError(f"{out} already exists and is not empty; choose another --out")
+        out = build_testbed(out, top_k=VARIANTS[name], progress=not args.quiet)
+    else:
+        out = ensure_testbed(name, progress=not args.quiet)
     print(f"{name} checkpoint: {out}")
     return 0
 

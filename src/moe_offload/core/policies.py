@@ -18,6 +18,7 @@ Event order the table guarantees:
 from __future__ import annotations
 
 import bisect
+import heapq
 import math
 import re
 from abc import ABC, abstractmethod
@@ -186,6 +187,9 @@ class Belady(EvictionPolicy):
         window: ``None`` for the full future; else only the next ``window`` ticks are visible (Belady-k with
             ``window = k * num_moe_layers`` for k decode steps), and an expert not used within it counts as never.
     Ties (experts never used again within the horizon) are broken by least recent use, then by smaller id.
+
+    Cost: a max-heap keyed by (next use, least recent) with lazy invalidation gives O(log S) per eviction for the
+    full oracle; the windowed variant first walks the recency order for an expert beyond the window.
     """
 
     name = "belady"
@@ -198,32 +202,76 @@ class Belady(EvictionPolicy):
             for e in needed:
                 self._uses.setdefault(int(e), []).append(t)
         self._tick = 0
-        self._last: dict[int, int] = {}
         self._seq = 0
+        self._next: dict[int, float] = {}
+        self._last: dict[int, int] = {}
+        self._heap: list[tuple[float, int, int, int]] = []
+        self._order: OrderedDict[int, None] = OrderedDict()
+
+    def _next_after(self, eid: int, tick: int) -> float:
+        uses = self._uses.get(eid)
+        if not uses:
+            return math.inf
+        i = bisect.bisect_right(uses, tick)
+        return uses[i] if i < len(uses) else math.inf
 
     def on_access(self, eid: int, tick: int, tokens: int = 1) -> None:
         self._tick = tick
         self._seq += 1
+        nxt = self._next_after(eid, tick)
+        self._next[eid] = nxt
         self._last[eid] = self._seq
+        if eid in self.resident:
+            heapq.heappush(self._heap, (-nxt, self._seq, -eid, eid))
+            if len(self._heap) > 4 * len(self.resident) + 1024:  # drop stale entries now and then
+                self._heap = [(-self._next[e], self._last[e], -e, e) for e in self.resident]
+                heapq.heapify(self._heap)
+        if eid in self._order:
+            self._order.move_to_end(eid)
+
+    def on_insert(self, eid: int, tick: int) -> None:
+        super().on_insert(eid, tick)
+        self._order[eid] = None
+        # the entry pushed by on_access may have been dropped as stale while eid was not yet resident
+        heapq.heappush(self._heap, (-self._next[eid], self._last[eid], -eid, eid))
+
+    def on_evict(self, eid: int) -> None:
+        super().on_evict(eid)
+        self._order.pop(eid, None)
 
     def next_use(self, eid: int) -> float:
         """Ticks until ``eid`` is next needed after the current tick (inf if never / beyond the window)."""
-        uses = self._uses.get(eid)
-        if not uses:
-            return math.inf
-        i = bisect.bisect_right(uses, self._tick)
-        if i == len(uses):
-            return math.inf
-        d = uses[i] - self._tick
+        nxt = self._next_after(eid, self._tick)
+        d = nxt - self._tick
         return math.inf if self.window is not None and d > self.window else d
 
     def victim(self, pinned: set[int]) -> int:
-        return max((e for e in self.resident if e not in pinned),
-                   key=lambda e: (self.next_use(e), -self._last.get(e, 0), -e))
+        if self.window is not None:  # beyond the window = never: the least recent such expert
+            limit = self._tick + self.window
+            for eid in self._order:
+                if eid not in pinned and self._next[eid] > limit:
+                    return eid
+        stash, found = [], None
+        while self._heap:
+            entry = heapq.heappop(self._heap)
+            neg_next, seq, _, eid = entry
+            if eid not in self.resident or self._last.get(eid) != seq:
+                continue  # stale entry
+            stash.append(entry)
+            if eid not in pinned:
+                found = eid
+                break
+        for entry in stash:
+            heapq.heappush(self._heap, entry)
+        if found is None:
+            raise RuntimeError("no evictable expert")  # the slot table never asks in that case
+        return found
 
     def reset(self) -> None:
         super().reset()
-        self._tick, self._seq, self._last = 0, 0, {}
+        self._tick, self._seq = 0, 0
+        self._next, self._last, self._heap = {}, {}, []
+        self._order.clear()
 
 
 POLICIES = ("lru", "lfu", "prefill-hot", "belady", "belady-K")
