@@ -1,4 +1,4 @@
-"""``moe-offload`` command line: generate, testbed build/tiny, bench decode.
+"""moe-offload command line: generate, testbed, trace, simulate, bench.
 
 Every user error is one line on stderr and exit status 2 (no traceback); nothing is written except into the
 cache directory or an ``--out`` the user named, and an existing non-empty ``--out`` is never overwritten.
@@ -73,7 +73,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="checkpoint directory, or a built-in name: testbed (default), testbed-sparse")
     p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: the checkpoint's")
-    p.add_argument("--policy", default="lru", help="eviction policy: lru (default), lfu")
+    p.add_argument("--policy", default="lru", help="eviction policy: lru (default), lfu, prefill-hot")
     p.add_argument("--max-new-tokens", type=_positive_int, default=64)
     p.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     p.add_argument("--prompts", metavar="FILE", help="file with one prompt per line")
@@ -123,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     sm.add_argument("--trace", required=True, action="append", help="trace file (repeatable)")
     sm.add_argument("--residency", default="0.15,0.25,0.35,0.45", help="comma-separated fractions in (0, 1]")
     sm.add_argument("--policy", default="lru,lfu,prefill-hot,belady,belady-8", help="comma-separated policies")
-    sm.add_argument("--hardware", default="rtx4090", help="hardware profile (see docs/simulator.md), or this-machine")
+    sm.add_argument("--hardware", default="rtx4090", help="hardware profile (see docs/traces-and-simulator.md), or this-machine")
     sm.add_argument("--model-profile", default="qwen3-30b-a3b-fp8", help="model profile for the time model")
     sm.add_argument("--full-load-tok-s", type=_float, help="FullLoad decode tok/s when the profile has none")
     sm.add_argument("--model", help="check that every trace was recorded on this checkpoint directory")
@@ -307,6 +307,8 @@ def _cmd_bench(args) -> int:
         residencies = [float(x) for x in args.residencies.split(",")]
     except ValueError:
         raise MoeOffloadError(f"--residencies must be comma-separated numbers, got {args.residencies!r}") from None
+    if any(not (0 < r <= 1) for r in residencies):
+        raise MoeOffloadError(f"--residencies values must be in (0, 1], got {args.residencies}")
     if args.out and Path(args.out).exists():
         raise MoeOffloadError(f"{args.out} already exists; choose a new --out")
     prompts = load_prompts(args)
