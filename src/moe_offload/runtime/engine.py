@@ -110,10 +110,8 @@ class OffloadEngine:
                 slot_ids = slot_ids.masked_fill(~in_round, self.pool.num_slots)
             out, perm, valid = slot_pair_outputs(module, self.pool.views, hidden_states, slot_ids, weights, k,
                                                  min(rnd.slots), max(rnd.slots))
-            if len(plan.rounds) == 1:
-                inv = torch.empty_like(perm)
-                inv[perm] = torch.arange(perm.numel(), device=perm.device)
-                pairs = out[inv]
+            if len(plan.rounds) == 1:  # undo the sort: row i of out is pair perm[i]
+                pairs = torch.empty_like(out).index_copy_(0, perm, out)
             else:
                 if pairs is None:
                     pairs = torch.zeros_like(out)
