@@ -29,6 +29,16 @@ def _positive_int(s: str) -> int:
     return v
 
 
+def _nonneg_int(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {s!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {s}")
+    return v
+
+
 def _float(s: str) -> float:
     try:
         return float(s)
@@ -61,7 +71,7 @@ def load_prompts(args) -> list[str]:
     if args.sharegpt:
         from .testbed.sharegpt import human_turns
 
-        prompts += human_turns(args.sharegpt)
+        prompts += human_turns(args.sharegpt, offset=args.sharegpt_offset)
     if not prompts:
         from .testbed.sharegpt import human_turns
 
@@ -78,6 +88,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     p.add_argument("--prompts", metavar="FILE", help="file with one prompt per line")
     p.add_argument("--sharegpt", type=_positive_int, metavar="N", help="the first N human turns of ShareGPT")
+    p.add_argument("--sharegpt-offset", type=_nonneg_int, default=0, metavar="K",
+                   help="with --sharegpt: skip the first K human turns (for disjoint prompt sets)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
@@ -95,6 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=_float, default=1.0)
     g.add_argument("--seed", type=int)
     g.add_argument("--json", action="store_true", help="print one JSON object instead of text and a table")
+    g.add_argument("--predictor", help="run this trained predictor during generation (see `predictor train`)")
+    g.add_argument("--rollout", type=_nonneg_int, default=0, help="with --predictor: recursive steps per decode step")
 
     t = sub.add_parser("testbed", help="the built-in testbed MoE made from SmolLM2-135M")
     tsub = t.add_subparsers(dest="testbed_cmd", required=True)
@@ -140,6 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
     bl.add_argument("--size-mb", type=_positive_int, default=256)
     br = bsub.add_parser("replay", help="simulator speed in expert accesses per second (synthetic 48x128x8)")
     br.add_argument("--seconds", type=_float, default=5.0)
+    from .predictor.cli import add_parser as add_predictor_parser
+
+    add_predictor_parser(sub, _positive_int, _nonneg_int, _float, _add_model_args)
     return ap
 
 
@@ -159,9 +176,26 @@ def _cmd_generate(args) -> int:
                             policy=args.policy, progress=not args.quiet)
     if lm.tokenizer is None:
         raise MoeOffloadError(f"{path} has no tokenizer: cannot encode prompts")
+    runner = None
+    if args.rollout and not args.predictor:
+        raise MoeOffloadError("--rollout needs --predictor")
+    if args.predictor:
+        if lm.engine is None:
+            raise MoeOffloadError("--predictor needs the offloaded runtime (not --full-load)")
+        from .predictor.model import load_predictor
+        from .predictor.runtime import PredictorRunner
+
+        runner = PredictorRunner(load_predictor(args.predictor, model_id=lm.model_id, device=lm.device),
+                                 rollout=args.rollout)
+        lm.engine.observers.append(runner)
     outputs, stats = run(lm, prompts, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                          seed=args.seed, progress=not args.quiet)
     info = stats_dict(lm, stats)
+    if runner is not None:
+        ps = runner.stats
+        info["predictor"] = {"path": args.predictor, "rollout": args.rollout, "prefill_s": ps.prefill_s,
+                             "decode_s": ps.decode_s, "decode_steps": ps.decode_steps,
+                             "ms_per_decode_step": 1e3 * ps.decode_s / max(1, ps.decode_steps)}
     if args.json:
         print(json.dumps({"model": str(path), "outputs": [
             {"prompt": o.prompt, "text": o.text, "token_ids": o.token_ids, "prompt_tokens": o.prompt_tokens,
@@ -170,6 +204,10 @@ def _cmd_generate(args) -> int:
         for o in outputs:
             print(f"### prompt\n{o.prompt}\n### output\n{o.text}\n")
         print(stats_table(info))
+        if "predictor" in info:
+            p = info["predictor"]
+            print(f"predictor: {p['ms_per_decode_step']:.2f} ms per decode step ({p['decode_steps']} steps, "
+                  f"rollout {p['rollout']}), {p['prefill_s']:.3f} s in prefill")
     return 0
 
 
@@ -338,6 +376,10 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_trace(args)
         if args.cmd == "simulate":
             return _cmd_simulate(args)
+        if args.cmd == "predictor":
+            from .predictor.cli import run as run_predictor
+
+            return run_predictor(args)
         return _cmd_bench(args)
     except MoeOffloadError as e:
         print(f"moe-offload: error: {e}", file=sys.stderr)

@@ -100,11 +100,11 @@ def generate_ids(lm: LoadedModel, prompt_ids: list[int], max_new_tokens: int, *,
     cache_kw = "cache" if "cache" in inspect.signature(lm.model.forward).parameters else "past_key_values"
     gen = torch.Generator().manual_seed(seed) if seed is not None else None
     eos = _eos_ids(lm)
-    table = lm.engine.table if lm.engine is not None else None
+    engine = lm.engine
 
     def forward(step: int, **kw):
-        if table is not None:
-            table.begin_step(request, step)
+        if engine is not None:
+            engine.begin_step(request, step)
         o = lm.model(use_cache=True, **kw)
         if on_step is not None:
             on_step(step)

@@ -63,3 +63,11 @@ def stats_table(d: dict) -> str:
     ]
     w = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)
+
+
+def format_table(head: list[str], rows: list[list[str]]) -> str:
+    """A markdown table (pipes in cells escaped) of string cells: ``head`` then ``rows``."""
+    def line(cells):
+        return "| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |"
+
+    return "\n".join([line(head), "|" + "---|" * len(head)] + [line(r) for r in rows])

@@ -71,6 +71,15 @@ class OffloadEngine:
             mod._moe_offload = (self, layer)
             mod.config._experts_implementation = IMPLEMENTATION_NAME
 
+    def begin_step(self, request: int, step: int) -> None:
+        """Before each forward pass (step 0 = a request's prefill, i = its i-th decode step): tell the slot table
+        and every observer that has a ``begin_step(request, step)`` method (e.g. a predictor runner)."""
+        self.table.begin_step(request, step)
+        for obs in self.observers:
+            hook = getattr(obs, "begin_step", None)
+            if hook is not None:
+                hook(request, step)
+
     def reset_stats(self) -> None:
         self.stats = EngineStats()
 

@@ -1,0 +1,180 @@
+"""``moe-offload predictor train|eval`` (SeqMoE §5.4, §9.4)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from ..errors import MoeOffloadError
+
+
+def add_parser(sub, positive_int, nonneg_int, fl, add_model_args) -> None:
+    """Add the ``predictor`` command group to the top-level subparsers ``sub``."""
+    pr = sub.add_parser("predictor", help="SeqMoE's seq2seq expert-activation predictor: train, eval")
+    psub = pr.add_subparsers(dest="predictor_cmd", required=True)
+    t = psub.add_parser("train", help="train predictors on traces (90/10 split by request)")
+    t.add_argument("--traces", nargs="+", required=True, metavar="FILE", help="trace files of one model")
+    t.add_argument("--out", required=True, help="new directory for predictor.safetensors + predictor.json")
+    t.add_argument("--predictors", type=positive_int, default=2, help="number of layer ranges (default 2)")
+    t.add_argument("--hidden-size", type=positive_int, default=128, help="Mamba2 hidden size m (default 128)")
+    t.add_argument("--mamba-layers", type=positive_int, default=1)
+    t.add_argument("--epochs", type=positive_int, default=6, help="teacher-forcing epochs (default 6)")
+    t.add_argument("--ss-epochs", type=nonneg_int, default=3, help="scheduled-sampling epochs after them (default 3)")
+    t.add_argument("--ss-max-prob", type=fl, default=0.5,
+                   help="final scheduled-sampling replacement probability (default 0.5)")
+    t.add_argument("--lr", type=fl, default=3e-3)
+    t.add_argument("--max-len", type=positive_int, default=256, help="positions kept per request (its last ones)")
+    t.add_argument("--test-fraction", type=fl, default=0.1, help="requests held out for eval (default 0.1)")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--shuffle-steps", action="store_true",
+                   help="train the step-shuffled control (SeqMoE §3.1): every request's positions permuted")
+    t.add_argument("--quiet", action="store_true", help="no progress bars")
+    e = psub.add_parser("eval", help="recall of top-(k+3) forecasts vs baselines; overhead")
+    e.add_argument("--predictor", required=True, help="predictor directory")
+    e.add_argument("--traces", nargs="+", required=True, metavar="FILE",
+                   help="the training traces (their held-out requests are used) or other traces (all requests)")
+    e.add_argument("--control", help="a predictor trained with --shuffle-steps on the same traces")
+    e.add_argument("--horizon", type=positive_int, default=8, help="h of the Seq-h row (default 8)")
+    e.add_argument("--long-threshold", type=positive_int, default=256, help="positions for Seq-L1 (default 256)")
+    e.add_argument("--model", help="also measure the predictor's time per decode step on this model")
+    e.add_argument("--overhead-prompts", type=positive_int, default=4)
+    e.add_argument("--max-new-tokens", type=positive_int, default=32)
+    e.add_argument("--rollout", type=nonneg_int, default=8, help="recursive steps in the overhead run (default 8)")
+    e.add_argument("--json", action="store_true")
+    e.add_argument("--quiet", action="store_true")
+
+
+def _load_traces(paths: list[str]):
+    """Load trace files, requiring one model id across them."""
+    from ..trace.format import load_trace
+
+    traces = [load_trace(p) for p in paths]
+    ids = {t.header.get("model_id") for t in traces}
+    if len(ids) > 1:
+        raise MoeOffloadError(f"the traces come from different models: {sorted(map(str, ids))}")
+    return traces
+
+
+def _sequences(traces):
+    from .features import trace_sequences
+
+    seqs = []
+    for i, t in enumerate(traces):
+        seqs += trace_sequences(t, i)
+    return seqs
+
+
+def cmd_train(args) -> int:
+    """``predictor train``: load the traces, split 90/10 by request, train, save. Returns the exit status.
+
+    Raises:
+        MoeOffloadError: bad arguments, unreadable or mixed-model traces, a non-empty ``--out``.
+    """
+    from .features import split_requests, trace_digest
+    from .model import PredictorHeader, PredictorSpec, default_ranges
+    from .train import TrainConfig, train_predictors
+
+    if not 0 < args.test_fraction < 1:
+        raise MoeOffloadError(f"--test-fraction must be in (0, 1), got {args.test_fraction}")
+    out = Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise MoeOffloadError(f"{out} already exists and is not an empty directory; choose a new --out")
+    traces = _load_traces(args.traces)
+    h0 = traces[0].header
+    seqs = _sequences(traces)
+    if len(seqs) < 2:
+        raise MoeOffloadError("need at least 2 requests in the traces to split into train and test")
+    train_idx, test_idx = split_requests([s.key for s in seqs], args.test_fraction, args.seed)
+    train = [seqs[i] for i in train_idx]
+    if args.shuffle_steps:
+        train = [s.shuffled(args.seed + 1 + i) for i, s in enumerate(train)]
+    L = int(h0["num_moe_layers"])
+    specs = [PredictorSpec(layers=r, hidden_size=args.hidden_size, num_mamba_layers=args.mamba_layers)
+             for r in default_ranges(L, args.predictors)]
+    header = PredictorHeader(model_id=h0["model_id"], model_type=h0.get("model_type", ""), num_moe_layers=L,
+                             num_experts=int(h0["num_experts"]), top_k=int(h0["top_k"]), specs=specs,
+                             shuffled_control=args.shuffle_steps,
+                             training={"split": {"seed": args.seed, "test_fraction": args.test_fraction,
+                                                 "traces": [{"name": Path(p).name, "digest": trace_digest(t)}
+                                                            for p, t in zip(args.traces, traces)]},
+                                       "test_requests": len(test_idx)})
+    if not 0 <= args.ss_max_prob <= 1:
+        raise MoeOffloadError(f"--ss-max-prob must be in [0, 1], got {args.ss_max_prob}")
+    cfg = TrainConfig(epochs=args.epochs, ss_epochs=args.ss_epochs, ss_max_prob=args.ss_max_prob, lr=args.lr,
+                      max_len=args.max_len, seed=args.seed)
+    pset = train_predictors(header, train, cfg, progress=not args.quiet)
+    pset.save(out)
+    last = [h[-1]["loss"] for h in header.training["history"]]
+    print(f"wrote {out}: {len(specs)} predictors (layers " + ", ".join(f"{a}-{b - 1}" for a, b in
+          (s.layers for s in specs)) + f"), m={args.hidden_size}, {pset.num_parameters():,} parameters; "
+          f"trained on {len(train)} requests in {header.training['seconds']:.0f} s; final loss "
+          + ", ".join(f"{x:.3f}" for x in last))
+    return 0
+
+
+def cmd_eval(args) -> int:
+    """``predictor eval``: recall table (and overhead with ``--model``). Returns the exit status.
+
+    Raises:
+        MoeOffloadError: unreadable predictor/traces, a predictor or control of another model, mismatched ranges.
+    """
+    from ..report import format_table
+    from .baselines import MarkovPredictor
+    from .evaluate import evaluate_predictor, popularity_counts, recall_table
+    from .features import split_requests, trace_digest
+    from .model import load_predictor
+
+    traces = _load_traces(args.traces)
+    model_id = traces[0].header.get("model_id")
+    pset = load_predictor(args.predictor, model_id=model_id)
+    control = load_predictor(args.control, model_id=model_id) if args.control else None
+    if control is not None and [s.layers for s in control.header.specs] != [s.layers for s in pset.header.specs]:
+        raise MoeOffloadError("--control must have the same layer ranges as --predictor")
+    seqs = _sequences(traces)
+    split = pset.header.training.get("split", {})
+    same = [t.get("digest") for t in split.get("traces", [])] == [trace_digest(t) for t in traces]
+    if same:
+        train_idx, test_idx = split_requests([s.key for s in seqs], split["test_fraction"], split["seed"])
+        note = f"held-out {len(test_idx)} of {len(seqs)} requests (the predictor's training split)"
+    else:
+        train_idx, test_idx = [], list(range(len(seqs)))
+        note = f"all {len(seqs)} requests (these traces are not the predictor's training traces)"
+    test = [seqs[i] for i in test_idx]
+    h = pset.header
+    fit_on = [seqs[i] for i in train_idx] if train_idx else test
+    markov = MarkovPredictor(h.num_moe_layers, h.num_experts).fit(fit_on)
+    pop = popularity_counts(fit_on, h.num_moe_layers, h.num_experts)
+    res = evaluate_predictor(pset, test, horizon=args.horizon, long_threshold=args.long_threshold, markov=markov,
+                             popularity=pop, control=control, progress=not args.quiet)
+    head, rows = recall_table(res)
+    out = {"requests": note, "top_k": h.top_k, "num_experts": h.num_experts, "long_requests": res.long_requests,
+           "recall": {r[0]: {"top_k_plus_3": r[1], "top_k": r[2], "pairs": r[3]} for r in rows},
+           "markov_fitted_on": "training split" if train_idx else "the evaluated requests themselves (in-sample)",
+           "parameters": pset.num_parameters(), "parameter_bytes": pset.parameter_bytes(),
+           "state_bytes": pset.state_bytes()}
+    if args.model:
+        from .evaluate import measure_overhead
+
+        out["overhead"] = measure_overhead(args.model, pset, args.overhead_prompts, args.max_new_tokens,
+                                           args.rollout, progress=not args.quiet)
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    print(f"Predictor {args.predictor} on {note}; top-{h.top_k} of {h.num_experts}, Seq-L1 = requests of >= "
+          f"{args.long_threshold} positions ({res.long_requests} requests); Markov/Last fitted on the "
+          f"{out['markov_fitted_on']}")
+    print(format_table(head, rows))
+    print(f"predictor memory: {pset.num_parameters():,} parameters = {pset.parameter_bytes() / 2**20:.2f} MiB; "
+          f"recurrent state {pset.state_bytes() / 2**10:.1f} KiB per request")
+    if "overhead" in out:
+        ov = out["overhead"]
+        print(format_table(["predictor mode", "ms / decode step", "decode step ms (without predictor)", "share"],
+                           [[m["mode"], f"{m['predictor_ms_per_step']:.2f}", f"{m['decode_ms_per_step']:.2f}",
+                             f"{100 * m['share']:.2f}%"] for m in ov["modes"]]))
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    """Dispatch ``moe-offload predictor ...``; returns the exit status."""
+    return cmd_train(args) if args.predictor_cmd == "train" else cmd_eval(args)

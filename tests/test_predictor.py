@@ -1,0 +1,252 @@
+"""SeqMoE predictor (SeqMoE §5): Psi, execution modes, training on a planted rule, baselines, persistence, runtime."""
+
+import numpy as np
+import pytest
+import torch
+
+from moe_offload.errors import MoeOffloadError
+from moe_offload.predictor.baselines import MarkovPredictor, OracleForecaster
+from moe_offload.predictor.evaluate import Recall, evaluate_predictor
+from moe_offload.predictor.features import Sequence, psi, psi_from_logits, psi_topk, split_requests, trace_sequences
+from moe_offload.predictor.model import (PredictorHeader, PredictorSet, PredictorSpec, SeqPredictor, default_ranges,
+                                         load_predictor, snapshot_state)
+from moe_offload.predictor.train import TrainConfig, predictor_loss, train_predictors
+from moe_offload.trace.format import FORMAT, VERSION, Trace
+
+
+def test_psi_hand_made():
+    # one position, 2 layers, e = 4, k = 2
+    ids = torch.tensor([[[0, 2], [3, 1]]])
+    w = torch.tensor([[[0.3, 0.1], [0.2, 0.2]]])
+    out = psi(ids, w, 4)
+    assert out.shape == (1, 8)
+    assert torch.allclose(out, torch.tensor([[0.75, 0, 0.25, 0, 0, 0.5, 0, 0.5]]))
+    # the definition: inactive experts at -inf, softmax over experts; equal for a softmax router's weights
+    logits = torch.tensor([[[2.0, -1.0, 0.5, 0.0], [0.1, 1.0, -3.0, 1.0]]])
+    active = torch.tensor([[[0, 2], [3, 1]]])
+    probs = logits.softmax(-1)
+    by_def = psi_from_logits(logits, active)
+    assert torch.allclose(by_def, psi(active, probs.gather(-1, active), 4), atol=1e-6)
+    e0 = torch.exp(torch.tensor(2.0)) / (torch.exp(torch.tensor(2.0)) + torch.exp(torch.tensor(0.5)))
+    assert by_def[0, 0] == pytest.approx(float(e0), abs=1e-6)
+    assert torch.equal(psi_topk(logits, 2), by_def)  # the top-2 of these logits are exactly `active`
+
+
+def _tiny_predictor(layers=(0, 2), E=6, k=2, m=32, seed=0):
+    torch.manual_seed(seed)
+    return SeqPredictor(PredictorSpec(layers=layers, hidden_size=m, state_size=16, head_dim=16, chunk_size=8),
+                        E, k).eval()
+
+
+def test_recurrent_equals_parallel_and_rollout_restores_state():
+    p = _tiny_predictor()
+    x = torch.softmax(torch.randn(1, 21, 12), -1)
+    with torch.no_grad():
+        full, _ = p(x)
+        nxt, state = p.prefill(x[0, :5])
+        outs = [nxt]
+        for t in range(5, 21):
+            before = snapshot_state(state)
+            roll = p.rollout(outs[-1], state, 4)
+            assert roll.shape == (4, 2, 6)
+            after = snapshot_state(state)
+            for (c0, r0), (c1, r1) in zip(before, after):  # exactly as it was
+                assert all(torch.equal(c0[i], c1[i]) for i in c0) and all(torch.equal(r0[i], r1[i]) for i in r0)
+            outs.append(p.step(x[0, t], state))
+    rec = torch.stack(outs)          # rec[j] forecasts position 5 + j, like full[0, 4 + j]
+    assert torch.allclose(rec, full[0, 4:], atol=1e-5)
+
+
+def test_rollout_feeds_psi_of_own_output():
+    p = _tiny_predictor()
+    x = torch.softmax(torch.randn(7, 12), -1)
+    with torch.no_grad():
+        nxt, state = p.prefill(x)
+        roll = p.rollout(nxt, state, 2)
+        manual = torch.cat([x, psi_topk(nxt, 2).view(1, -1), psi_topk(roll[0], 2).view(1, -1)])
+        full, _ = p(manual.unsqueeze(0))
+    assert torch.allclose(roll, full[0, -2:], atol=1e-5)
+
+
+def test_loss_hand_worked():
+    logits = torch.tensor([[[[3.0, 1.0, 0.0]]]])            # [B=1, T=1, n=1, e=3]
+    target = torch.tensor([[[[1.0, 0.0, 0.0]]]])
+    ids = torch.tensor([[[[0]]]])
+    total, rank, kl = predictor_loss(logits, target, ids, torch.ones(1, 1, dtype=torch.bool), margin=1.0,
+                                     hard_negatives=1)
+    assert float(rank) == pytest.approx(0.0)                 # 3 - 1 >= margin
+    assert float(kl) == pytest.approx(float(-torch.log_softmax(logits, -1)[0, 0, 0, 0]), abs=1e-6)
+    _, rank2, _ = predictor_loss(torch.tensor([[[[1.5, 1.0, 0.0]]]]), target, ids,
+                                 torch.ones(1, 1, dtype=torch.bool), margin=1.0, hard_negatives=2)
+    assert float(rank2) == pytest.approx((0.5 + 0.0) / 2)    # negatives 1.0 (violates by 0.5) and 0.0
+
+
+def planted_trace(requests=120, length=40, L=2, E=16, k=2, seed=0, prompt=8) -> Trace:
+    """Expert set at t+1 = the set at t shifted by +1 (mod E), per layer; random start sets and weights."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for _ in range(requests):
+        start = np.stack([rng.choice(E, k, replace=False) for _ in range(L)])      # [L, k]
+        rows.append(np.stack([(start + t) % E for t in range(length)]))            # [T, L, k]
+    ids = np.concatenate(rows).astype(np.int16)
+    n = len(ids)
+    w = rng.uniform(0.2, 1.0, size=(n, L, k)).astype(np.float16)
+    req = np.repeat(np.arange(requests, dtype=np.int32), length)
+    step = np.tile(np.concatenate([np.zeros(prompt, np.int32), np.arange(1, length - prompt + 1, dtype=np.int32)]),
+                   requests)
+    header = {"format": FORMAT, "version": VERSION, "model_id": f"planted-{L}x{E}x{k}", "model_type": "synthetic",
+              "num_moe_layers": L, "num_experts": E, "top_k": k, "synthetic": True, "router_probs": False,
+              "requests": [{"prompt_tokens": prompt, "decode_steps": length - prompt}] * requests,
+              "source": "tests: planted shift rule"}
+    return Trace(header, ids, w, req, step, np.zeros(requests * prompt, dtype=np.int32))
+
+
+def _header(tr, ranges, m=32, shuffled=False):
+    h = tr.header
+    return PredictorHeader(model_id=h["model_id"], model_type="synthetic", num_moe_layers=h["num_moe_layers"],
+                           num_experts=h["num_experts"], top_k=h["top_k"], shuffled_control=shuffled,
+                           specs=[PredictorSpec(layers=r, hidden_size=m, state_size=16, head_dim=16, chunk_size=16)
+                                  for r in ranges])
+
+
+def test_planted_rule_learned_and_shuffled_control_at_chance():
+    tr = planted_trace()
+    seqs = trace_sequences(tr)
+    assert len(seqs) == 120 and seqs[0].prompt_len == 8
+    train_idx, test_idx = split_requests([s.key for s in seqs], 0.1, 0)
+    assert len(test_idx) == 12 and not set(train_idx) & set(test_idx)
+    train, test = [seqs[i] for i in train_idx], [seqs[i] for i in test_idx]
+    cfg = TrainConfig(epochs=8, ss_epochs=2, lr=1e-2, batch_tokens=1024, seed=0)
+    pset = train_predictors(_header(tr, default_ranges(2, 2)), train, cfg)
+    control = train_predictors(_header(tr, default_ranges(2, 2), shuffled=True),
+                               [s.shuffled(i) for i, s in enumerate(train)], cfg)
+    markov = MarkovPredictor(2, 16).fit(train)
+    res = evaluate_predictor(pset, test, horizon=4, long_threshold=30, markov=markov, control=control)
+    assert res.rows["Seq-1"].wide > 0.95
+    assert res.rows["Seq-4"].wide > 0.95          # the rule composes: recursive prediction stays right
+    assert res.rows["Seq-L1"].pairs == res.rows["Seq-1"].pairs   # every request has 40 >= 30 positions
+    assert res.rows["Markov"].wide > 0.95         # a first-order rule is within Markov's reach too
+    chance = (2 + 3) / 16
+    assert res.rows["Shuffled control (all positions)"].wide < chance + 0.15
+    assert res.rows["Seq-1 (all positions)"].wide > 0.9
+
+
+def test_markov_hand_worked():
+    # one layer, e = 3, k = 1: 0 -> 1 -> 0 -> 1 ... ; and 2 -> 2
+    ids = torch.tensor([0, 1, 0, 1, 2, 2]).view(6, 1, 1)
+    s = Sequence(ids, torch.ones(6, 1, 1), 1, (0, 0))
+    m = MarkovPredictor(1, 3, alpha=0.0).fit([s])
+    # transitions: 0->1 (x2), 1->0 (x1), 1->2 (x1), 2->2 (x1)
+    assert torch.allclose(m.transition[0], torch.tensor([[0, 1, 0], [0.5, 0, 0.5], [0, 0, 1.0]]))
+    pred = m.predict(torch.tensor([[[1]]]), torch.ones(1, 1, 1))
+    assert torch.allclose(pred, torch.tensor([[[0.5, 0, 0.5]]]))
+
+
+def test_recall_metric():
+    r = Recall()
+    scores = torch.tensor([[[0.9, 0.8, 0.1, 0.0, 0.05, 0.02]]])   # order 0,1,2,4,5,3
+    r.add(scores, torch.tensor([[[1, 3]]]), k=2, extra=3)          # top-5 = {0,1,2,4,5}: finds 1 of {1,3}
+    assert r.wide == pytest.approx(0.5) and r.narrow == pytest.approx(0.5)
+
+
+def test_oracle_forecaster():
+    tr = planted_trace(requests=2, length=10)
+    o = OracleForecaster(tr)
+    f = o.forecast(1, 3, 8)
+    assert f.shape == (8, 2, 16)
+    true = tr.expert_ids[10 + 4]
+    assert set(np.flatnonzero(f[0, 0].numpy())) == set(true[0].tolist())
+    assert float(f[6:].abs().sum()) == 0.0          # past the request's end
+
+
+def test_save_load_round_trip_and_errors(tmp_path):
+    tr = planted_trace(requests=4, length=12)
+    pset = PredictorSet(_header(tr, [(0, 1), (1, 2)]))
+    pset.save(tmp_path / "p")
+    back = load_predictor(tmp_path / "p", model_id=tr.header["model_id"])
+    for a, b in zip(pset.state_dict().values(), back.state_dict().values()):
+        assert torch.equal(a, b)
+    with pytest.raises(MoeOffloadError, match="trained for model"):
+        load_predictor(tmp_path / "p", model_id="mixtral-000000000000")
+    with pytest.raises(MoeOffloadError, match="already holds a predictor"):
+        pset.save(tmp_path / "p")
+    with pytest.raises(MoeOffloadError, match="not a predictor directory"):
+        load_predictor(tmp_path / "nothing")
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "predictor.json").write_text("{not json")
+    (tmp_path / "bad" / "predictor.safetensors").write_bytes(b"xx")
+    with pytest.raises(MoeOffloadError, match="unreadable predictor config"):
+        load_predictor(tmp_path / "bad")
+    with pytest.raises(MoeOffloadError, match="overlap"):
+        PredictorSet(_header(tr, [(0, 2), (1, 2)]))
+    assert default_ranges(30, 2) == [(0, 15), (15, 30)]
+    with pytest.raises(MoeOffloadError):
+        default_ranges(2, 3)
+
+
+def test_runtime_runner_matches_trace_features_and_keeps_tokens(tiny_dirs):
+    """With a predictor attached the tokens are unchanged, and its prefill forecast equals the predictor applied
+    (parallel mode) to the trace of the same run: the runtime feeds exactly the training features."""
+    from moe_offload.generate import run
+    from moe_offload.models.loader import load_offloaded
+    from moe_offload.predictor.runtime import PredictorRunner
+    from moe_offload.trace.collect import TraceRecorder
+
+    lm = load_offloaded(tiny_dirs["qwen3_moe"], residency=0.5, progress=False)
+    ref, _ = run(lm, ["hello world", "the cat"], 6)
+    h = PredictorHeader(model_id=lm.model_id, model_type="qwen3_moe", num_moe_layers=lm.num_moe_layers,
+                        num_experts=lm.num_experts, top_k=lm.top_k,
+                        specs=[PredictorSpec(layers=r, hidden_size=32, state_size=16, head_dim=16)
+                               for r in default_ranges(lm.num_moe_layers, 2)])
+    torch.manual_seed(0)
+    pset = PredictorSet(h).eval()
+    runner = PredictorRunner(pset, rollout=3)
+    lm.engine.observers.append(runner)
+    with TraceRecorder(lm) as rec:
+        outs, _ = run(lm, ["hello world", "the cat"], 6, recorder=rec)
+        tr = rec.trace()
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    assert runner.stats.decode_steps == sum(len(o.token_ids) - 1 for o in outs)
+    state_tensors = [t for st in runner._states for conv, rec in snapshot_state(st) for t in (*conv.values(),
+                                                                                           *rec.values())]
+    assert sum(t.numel() * t.element_size() for t in state_tensors) == pset.state_bytes()
+    last = trace_sequences(tr)[-1]
+    for i, p in enumerate(pset.predictors):
+        f = runner.forecasts[i]
+        assert f is not None and f.request == 1 and f.probs.shape == (4, p.spec.num_layers, lm.num_experts)
+        # the runner consumed every position of request 1 except the last generated token (never fed back)
+        with torch.no_grad():
+            full, _ = p(last.features(p.spec.layers, lm.num_experts).unsqueeze(0))
+        assert torch.allclose(f.probs[0], full[0, -1].softmax(-1), atol=2e-3)
+
+
+def test_cli_train_eval_generate_and_errors(tmp_path, capsys, tiny_dirs):
+    """End to end through the CLI on a small planted trace; bad input gives one-line errors and overwrites nothing."""
+    from moe_offload.cli import main
+
+    def assert_one_line_error(code, err, needle):
+        lines = [ln for ln in err.splitlines() if ln.strip()]
+        assert code == 2 and len(lines) == 1 and lines[0].startswith("moe-offload: error: ") and needle in lines[0], err
+
+    tr = planted_trace(requests=30, length=20)
+    tr.save(tmp_path / "t.trace")
+    out = tmp_path / "pred"
+    assert main(["predictor", "train", "--traces", str(tmp_path / "t.trace"), "--out", str(out), "--epochs", "1",
+                 "--ss-epochs", "1", "--hidden-size", "32", "--quiet"]) == 0
+    assert "2 predictors (layers 0-0, 1-1)" in capsys.readouterr().out
+    before = (out / "predictor.safetensors").read_bytes()
+    assert main(["predictor", "eval", "--predictor", str(out), "--traces", str(tmp_path / "t.trace"), "--horizon", "3",
+                 "--quiet"]) == 0
+    printed = capsys.readouterr().out
+    assert "held-out 3 of 30 requests" in printed and "| Seq-3 |" in printed and "| Markov |" in printed
+    assert_one_line_error(main(["predictor", "train", "--traces", str(tmp_path / "t.trace"), "--out", str(out),
+                                "--quiet"]), capsys.readouterr().err, "not an empty directory")
+    assert (out / "predictor.safetensors").read_bytes() == before
+    assert_one_line_error(main(["predictor", "train", "--traces", str(tmp_path / "missing.trace"), "--out",
+                                str(tmp_path / "p2")]), capsys.readouterr().err, "trace file not found")
+    assert_one_line_error(main(["predictor", "eval", "--predictor", str(tmp_path), "--traces",
+                                str(tmp_path / "t.trace")]), capsys.readouterr().err, "not a predictor directory")
+    # a predictor of another model is refused by generate
+    assert_one_line_error(main(["generate", "--model", str(tiny_dirs["mixtral"]), "--prompt", "hi",
+                                "--max-new-tokens", "2", "--quiet", "--predictor", str(out)]),
+                          capsys.readouterr().err, "was trained for model")
