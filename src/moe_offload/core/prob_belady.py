@@ -1,0 +1,150 @@
+"""Probabilistic Belady eviction (SeqMoE §7.1): evict the resident expert least likely to be needed soon.
+
+After the one-step prediction at step ``i - 1``, layer ``l'``, the predictor's recursive rollout estimates expert
+activation probabilities for the following steps. Each expert ``E_{p,q}`` of the forecast layers ``l <= p < l'``
+gets the retention priority
+
+    CacheScore_{p,q} = sum_{j=0}^{c-1} lambda^j * Mean(A'[:, i+j, p, q]) / sum_{j=0}^{c-1} lambda^j,  0 < lambda < 1
+
+(the mean is over the batch of requests), a discounted average that favours experts likely to be activated in
+the nearer future, approximating Belady's preference for the earliest reuse. The victim is the resident,
+unpinned expert with the lowest score.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import MoeOffloadError
+from .policies import EvictionPolicy
+
+
+class ProbabilisticBelady(EvictionPolicy):
+    """Forecast-driven eviction policy (SeqMoE §7.1; defaults ``c = 8``, ``lambda = 0.5`` from §9.1).
+
+    Feed it forecasts with ``update_forecast(layers, probs)`` or ``observe(forecast)`` (a
+    ``predictor.runtime.Forecast``) whenever a predictor produces one; a forecast replaces the scores of its
+    layers until the next forecast of those layers.
+
+    Rows: row ``j`` of a forecast is step ``i + j`` (row 0: the one-step prediction for step ``i``, rows 1..: the
+    recursive rollout, the layout of ``Forecast.probs``). The score uses rows ``0 .. c-1`` exactly as the paper's
+    sum ``j = 0 .. c-1``; a forecast with fewer rows uses all of them, normalised by the matching
+    ``sum lambda^j`` (so the score is always a weighted mean of probabilities). With the runner's ``rollout = c``
+    (``1 + c`` rows) the last row is therefore unused; pass ``horizon = c + 1`` to include it.
+
+    Experts without a forecast (layers no predictor covers, or before the first forecast of a request) score
+    ``no_forecast_score`` (default 0: nothing suggests they will be reused). Ties, including all experts without
+    a forecast, are broken by least recent access or insertion (LRU), then by the smaller expert id; so with no
+    forecast at all the policy is plain LRU. A new request (``on_step(request, 0)``) forgets all forecasts.
+
+    Args:
+        num_experts: e, routed experts per MoE layer (expert ids are ``layer * e + expert``).
+        horizon: c, forecast rows used (>= 1).
+        lam: lambda, the discount, ``0 < lam < 1``.
+        no_forecast_score: the score of an expert whose layer has no forecast.
+    Raises:
+        MoeOffloadError: ``num_experts < 1``, ``horizon < 1`` or ``lam`` outside ``(0, 1)``.
+
+    Cost: ``update_forecast`` O(c * n * e) (vectorised); ``victim`` O(resident).
+    """
+
+    name = "prob-belady"
+
+    def __init__(self, num_experts: int, horizon: int = 8, lam: float = 0.5, no_forecast_score: float = 0.0):
+        super().__init__()
+        if num_experts < 1:
+            raise MoeOffloadError(f"num_experts must be >= 1, got {num_experts}")
+        if horizon < 1:
+            raise MoeOffloadError(f"horizon c must be >= 1, got {horizon}")
+        if not 0.0 < lam < 1.0:
+            raise MoeOffloadError(f"lambda must be in (0, 1), got {lam}")
+        self.num_experts = num_experts
+        self.horizon = horizon
+        self.lam = float(lam)
+        self.no_forecast_score = float(no_forecast_score)
+        self._scores: dict[int, list[float]] = {}   # MoE layer -> score of each of its experts
+        self._last: dict[int, int] = {}             # resident expert -> recency sequence number
+        self._seq = 0
+
+    def weights(self, rows: int) -> np.ndarray:
+        """float64 ``[min(rows, c)]``: ``lambda^j / sum_j lambda^j``, the weight of forecast row j."""
+        w = self.lam ** np.arange(min(rows, self.horizon), dtype=np.float64)
+        return w / w.sum()
+
+    def update_forecast(self, layers: tuple[int, int], probs) -> None:
+        """Replace the scores of MoE layers ``l <= p < l'`` from a forecast.
+
+        Args:
+            layers: ``(l, l')``, ``0 <= l < l'``.
+            probs: float array or tensor ``[R, n, e]`` (``Forecast.probs``: row j = step i + j, R >= 1) or
+                ``[b, R, n, e]`` for a batch (averaged over b), with ``n = l' - l``.
+        Raises:
+            MoeOffloadError: a shape that does not match ``layers``/``num_experts``, or non-finite values.
+        """
+        lo, hi = (int(x) for x in layers)
+        if not 0 <= lo < hi:
+            raise MoeOffloadError(f"layers must satisfy 0 <= l < l', got {layers}")
+        if hasattr(probs, "detach"):  # a torch tensor, without importing torch here
+            probs = probs.detach().float().cpu().numpy()
+        a = np.asarray(probs, dtype=np.float64)
+        if a.ndim == 4:
+            a = a.mean(axis=0)
+        if a.ndim != 3 or a.shape[0] < 1 or a.shape[1:] != (hi - lo, self.num_experts):
+            raise MoeOffloadError(f"probs must be [R, {hi - lo}, {self.num_experts}] (or with a leading batch "
+                                  f"dimension), got shape {tuple(np.shape(probs))}")
+        if not np.isfinite(a).all():
+            raise MoeOffloadError("probs contains non-finite values")
+        w = self.weights(a.shape[0])
+        scores = np.tensordot(w, a[:len(w)], axes=1)    # [n, e]
+        for r, row in enumerate(scores.tolist()):
+            self._scores[lo + r] = row
+
+    def observe(self, forecast) -> None:
+        """``update_forecast(forecast.layers, forecast.probs)`` for a ``predictor.runtime.Forecast``."""
+        self.update_forecast(forecast.layers, forecast.probs)
+
+    def score(self, eid: int) -> float:
+        """CacheScore of expert ``eid`` (``no_forecast_score`` when its layer has no forecast)."""
+        layer, q = divmod(eid, self.num_experts)
+        row = self._scores.get(layer)
+        return self.no_forecast_score if row is None else row[q]
+
+    def on_step(self, request: int, step: int) -> None:
+        if step == 0:
+            self._scores.clear()
+
+    def on_access(self, eid: int, tick: int, tokens: int = 1) -> None:
+        if eid in self.resident:
+            self._seq += 1
+            self._last[eid] = self._seq
+
+    def on_insert(self, eid: int, tick: int) -> None:
+        super().on_insert(eid, tick)
+        self._seq += 1
+        self._last[eid] = self._seq
+
+    def on_evict(self, eid: int) -> None:
+        super().on_evict(eid)
+        self._last.pop(eid, None)
+
+    def victim(self, pinned: set[int]) -> int:
+        """The resident expert not in ``pinned`` with the lowest (score, last use, id)."""
+        E, scores, default, last = self.num_experts, self._scores, self.no_forecast_score, self._last
+        best, best_key = -1, None
+        for eid in self.resident:
+            if eid in pinned:
+                continue
+            layer, q = divmod(eid, E)
+            row = scores.get(layer)
+            key = (default if row is None else row[q], last.get(eid, 0), eid)
+            if best_key is None or key < best_key:
+                best, best_key = eid, key
+        if best_key is None:
+            raise RuntimeError("no evictable expert")  # the slot table never asks in that case
+        return best
+
+    def reset(self) -> None:
+        super().reset()
+        self._scores.clear()
+        self._last.clear()
+        self._seq = 0
