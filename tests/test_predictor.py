@@ -184,6 +184,16 @@ def test_save_load_round_trip_and_errors(tmp_path):
         default_ranges(2, 3)
 
 
+def _random_pset(lm, seed: int) -> PredictorSet:
+    """An untrained two-range predictor set for a loaded model (weights from ``seed``)."""
+    h = PredictorHeader(model_id=lm.model_id, model_type=lm.model.config.model_type, num_moe_layers=lm.num_moe_layers,
+                        num_experts=lm.num_experts, top_k=lm.top_k,
+                        specs=[PredictorSpec(layers=r, hidden_size=32, state_size=16, head_dim=16)
+                               for r in default_ranges(lm.num_moe_layers, 2)])
+    torch.manual_seed(seed)
+    return PredictorSet(h).eval()
+
+
 def test_runtime_runner_matches_trace_features_and_keeps_tokens(tiny_dirs):
     """With a predictor attached the tokens are unchanged, and its prefill forecast equals the predictor applied
     (parallel mode) to the trace of the same run: the runtime feeds exactly the training features."""
@@ -194,12 +204,7 @@ def test_runtime_runner_matches_trace_features_and_keeps_tokens(tiny_dirs):
 
     lm = load_offloaded(tiny_dirs["qwen3_moe"], residency=0.5, progress=False)
     ref, _ = run(lm, ["hello world", "the cat"], 6)
-    h = PredictorHeader(model_id=lm.model_id, model_type="qwen3_moe", num_moe_layers=lm.num_moe_layers,
-                        num_experts=lm.num_experts, top_k=lm.top_k,
-                        specs=[PredictorSpec(layers=r, hidden_size=32, state_size=16, head_dim=16)
-                               for r in default_ranges(lm.num_moe_layers, 2)])
-    torch.manual_seed(0)
-    pset = PredictorSet(h).eval()
+    pset = _random_pset(lm, seed=0)
     runner = PredictorRunner(pset, rollout=3)
     lm.engine.observers.append(runner)
     with TraceRecorder(lm) as rec:
@@ -250,3 +255,43 @@ def test_cli_train_eval_generate_and_errors(tmp_path, capsys, tiny_dirs):
     assert_one_line_error(main(["generate", "--model", str(tiny_dirs["mixtral"]), "--prompt", "hi",
                                 "--max-new-tokens", "2", "--quiet", "--predictor", str(out)]),
                           capsys.readouterr().err, "was trained for model")
+
+
+def test_seqmoe_cacheonly_runtime_equals_simulator(tiny_dirs):
+    """Probabilistic Belady fed by a predictor: the runtime's hits/misses equal the simulator's replay of the
+    trace recorded in the same run (forecasts recomputed from the trace by ``forecast_stream``)."""
+    from moe_offload.generate import run
+    from moe_offload.models.loader import load_offloaded
+    from moe_offload.predictor.runtime import ForecastFeed, PredictorRunner
+    from moe_offload.sim.forecasts import forecast_stream
+    from moe_offload.sim.simulator import replay
+    from moe_offload.trace.collect import TraceRecorder
+
+    lm = load_offloaded(tiny_dirs["mixtral"], residency=0.5, policy="seqmoe-cacheonly", progress=False)
+    pset = _random_pset(lm, seed=1)
+    ref, _ = run(load_offloaded(tiny_dirs["mixtral"], residency=1.0, progress=False), ["a b c", "hello"], 8)
+    with TraceRecorder(lm) as rec:
+        lm.engine.observers.append(ForecastFeed(PredictorRunner(pset, rollout=7), lm.engine.table.policy))
+        outs, st = run(lm, ["a b c", "hello"], 8, recorder=rec)
+        tr = rec.trace()
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]          # lossless
+    sim = replay(tr, lm.engine.pool.num_slots, "seqmoe-cacheonly", forecasts=forecast_stream(pset, tr))
+    assert (sim.hits, sim.misses) == (st.offload.hits, st.offload.misses)
+    assert st.offload.misses > 0
+    with pytest.raises(MoeOffloadError, match="needs a predictor"):
+        replay(tr, 4, "seqmoe-cacheonly")
+
+
+def test_cli_forecast_policy_needs_predictor(tiny_dirs, tmp_path, capsys):
+    from moe_offload.cli import main
+
+    code = main(["generate", "--model", str(tiny_dirs["mixtral"]), "--prompt", "hi", "--max-new-tokens", "2",
+                 "--quiet", "--policy", "seqmoe-cacheonly", "--residency", "0.5"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "needs --predictor" in err[0]
+    tr = planted_trace(requests=3, length=6)
+    tr.save(tmp_path / "t.trace")
+    code = main(["simulate", "--trace", str(tmp_path / "t.trace"), "--policy", "lru,seqmoe-cacheonly",
+                 "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and "needs --predictor" in err[-1] and not (tmp_path / "out").exists()

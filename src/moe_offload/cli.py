@@ -83,7 +83,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="checkpoint directory, or a built-in name: testbed (default), testbed-sparse")
     p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: the checkpoint's")
-    p.add_argument("--policy", default="lru", help="eviction policy: lru (default), lfu, prefill-hot")
+    p.add_argument("--policy", default="lru",
+                   help="eviction policy: lru (default), lfu, prefill-hot, seqmoe-cacheonly (needs --predictor)")
     p.add_argument("--max-new-tokens", type=_positive_int, default=64)
     p.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     p.add_argument("--prompts", metavar="FILE", help="file with one prompt per line")
@@ -141,6 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
     sm.add_argument("--model-profile", default="qwen3-30b-a3b-fp8", help="model profile for the time model")
     sm.add_argument("--full-load-tok-s", type=_float, help="FullLoad decode tok/s when the profile has none")
     sm.add_argument("--model", help="check that every trace was recorded on this checkpoint directory")
+    sm.add_argument("--predictor", help="a trained predictor (for seqmoe-cacheonly); when the traces are its training "
+                    "traces, every policy replays only its held-out requests")
     sm.add_argument("--out", required=True, help="new (or empty) directory for CSV, markdown and PNG plots")
 
     b = sub.add_parser("bench", help="benchmarks")
@@ -179,15 +182,22 @@ def _cmd_generate(args) -> int:
     runner = None
     if args.rollout and not args.predictor:
         raise MoeOffloadError("--rollout needs --predictor")
+    forecast_policy = lm.engine is not None and hasattr(lm.engine.table.policy, "observe")
+    if forecast_policy and not args.predictor:
+        raise MoeOffloadError(f"--policy {args.policy} needs --predictor DIR (it evicts by the predictor's forecast)")
     if args.predictor:
         if lm.engine is None:
             raise MoeOffloadError("--predictor needs the offloaded runtime (not --full-load)")
         from .predictor.model import load_predictor
-        from .predictor.runtime import PredictorRunner
+        from .predictor.runtime import ForecastFeed, PredictorRunner
 
-        runner = PredictorRunner(load_predictor(args.predictor, model_id=lm.model_id, device=lm.device),
-                                 rollout=args.rollout)
-        lm.engine.observers.append(runner)
+        pset = load_predictor(args.predictor, model_id=lm.model_id, device=lm.device)
+        if forecast_policy:  # c = 8 CacheScore rows: the one-step row + 7 recursive ones (SeqMoE §7.1)
+            runner = PredictorRunner(pset, rollout=max(args.rollout, 7))
+            lm.engine.observers.append(ForecastFeed(runner, lm.engine.table.policy))
+        else:
+            runner = PredictorRunner(pset, rollout=args.rollout)
+            lm.engine.observers.append(runner)
     outputs, stats = run(lm, prompts, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                          seed=args.seed, progress=not args.quiet)
     info = stats_dict(lm, stats)
@@ -196,6 +206,7 @@ def _cmd_generate(args) -> int:
         info["predictor"] = {"path": args.predictor, "rollout": args.rollout, "prefill_s": ps.prefill_s,
                              "decode_s": ps.decode_s, "decode_steps": ps.decode_steps,
                              "ms_per_decode_step": 1e3 * ps.decode_s / max(1, ps.decode_steps)}
+        info["predictor"]["rollout"] = runner.rollout
     if args.json:
         print(json.dumps({"model": str(path), "outputs": [
             {"prompt": o.prompt, "text": o.text, "token_ids": o.token_ids, "prompt_tokens": o.prompt_tokens,
@@ -275,7 +286,7 @@ def _split_floats(text: str, what: str) -> list[float]:
 def _cmd_simulate(args) -> int:
     from .sim.profiles import load_hardware, load_model_profile
     from .sim.report import write_report
-    from .sim.simulator import build_policy, layer_needs, replay
+    from .sim.simulator import FORECAST_POLICIES, build_policy, layer_needs, replay
     from .sim.timemodel import OnDemandTimeModel
     from .trace.format import load_trace
 
@@ -294,6 +305,13 @@ def _cmd_simulate(args) -> int:
 
         model_id = model_fingerprint(json.loads((resolve_model(args.model) / "config.json").read_text()))
     traces = [(t, load_trace(t)) for t in args.trace]
+    forecasts = {}
+    if args.predictor:
+        traces, forecasts = _predictor_replay_set(args.predictor, traces,
+                                                  any(p.lower() in FORECAST_POLICIES for p in policies))
+    elif any(p.lower() in FORECAST_POLICIES for p in policies):
+        raise MoeOffloadError(f"--policy {','.join(p for p in policies if p.lower() in FORECAST_POLICIES)} "
+                              "needs --predictor DIR")
     for _, tr in traces:
         if model_id:
             tr.check_model(model_id)
@@ -309,7 +327,8 @@ def _cmd_simulate(args) -> int:
         for p in policies:
             for r in residencies:
                 slots = max(1, math.ceil(r * n_total - 1e-9))
-                res = replay(tr, slots, p, needs=needs)
+                res = replay(tr, slots, p, needs=needs,
+                             forecasts=forecasts.get(name) if p.lower() in FORECAST_POLICIES else None)
                 t = tm.decode_time(res.per_step, tr)
                 rows.append({"trace": Path(name).name, "synthetic": bool(tr.header.get("synthetic")),
                              "model": mp.name, "hardware": hw.name, "policy": res.policy, "residency": r,
@@ -325,6 +344,29 @@ def _cmd_simulate(args) -> int:
     print((out / "results.md").read_text())
     print("wrote " + ", ".join(str(f) for f in files))
     return 0
+
+
+def _predictor_replay_set(predictor: str, traces: list, need_forecasts: bool):
+    """For ``simulate --predictor``: the traces to replay (the predictor's held-out requests merged into one trace
+    when these are its training traces, else all of them) and, if needed, the forecasts for each."""
+    from .predictor.features import split_requests, trace_digest, trace_sequences
+    from .predictor.model import load_predictor
+    from .sim.forecasts import forecast_stream
+    from .trace.format import merge_requests
+
+    pset = load_predictor(predictor, model_id=traces[0][1].header.get("model_id"))
+    split = pset.header.training.get("split", {})
+    if [t.get("digest") for t in split.get("traces", [])] == [trace_digest(tr) for _, tr in traces]:
+        keys = [s.key for i, (_, tr) in enumerate(traces) for s in trace_sequences(tr, i)]
+        _, test = split_requests(keys, split["test_fraction"], split["seed"])
+        chosen = [keys[j] for j in test]
+        merged = merge_requests([(tr, [r for t_i, r in chosen if t_i == i]) for i, (_, tr) in enumerate(traces)],
+                                source="held-out requests of " + ", ".join(Path(n).name for n, _ in traces))
+        name = f"heldout-{len(chosen)}-of-{len(keys)}"
+        print(f"replaying the predictor's {len(chosen)} held-out requests of {len(keys)} (all policies)")
+        traces = [(name, merged)]
+    fc = {name: forecast_stream(pset, tr, progress=True) for name, tr in traces} if need_forecasts else {}
+    return traces, fc
 
 
 def _cmd_bench(args) -> int:

@@ -232,7 +232,8 @@ def load_offloaded(model_dir: str | Path, *, device: str | None = None, dtype: s
         dtype: "float32" | "bfloat16" | "float16" | None (the checkpoint's).
         residency: slots as a fraction of all routed experts, in (0, 1].
         slots: number of slots (>= top-k). Default: residency 1.0.
-        policy: eviction policy name ("lru", "lfu").
+        policy: eviction policy name ("lru", "lfu", "prefill-hot", or "seqmoe-cacheonly": probabilistic Belady,
+            which needs a predictor's forecasts fed through ``predictor.runtime.ForecastFeed``).
 
     Raises:
         MoeOffloadError: any bad input (see ``read_config``, ``Checkpoint``, ``num_slots_for``, ``make_policy``).
@@ -244,7 +245,8 @@ def load_offloaded(model_dir: str | Path, *, device: str | None = None, dtype: s
     path, config, arch = read_config(model_dir)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, config)
-    make_policy(policy, num_slots=1, top_k=1)  # reject an unknown or simulator-only policy before any work
+    if policy != "seqmoe-cacheonly":
+        make_policy(policy, num_slots=1, top_k=1)  # reject an unknown or simulator-only policy before any work
     ckpt = Checkpoint(path)
 
     with torch.device("meta"):
@@ -342,7 +344,13 @@ def load_offloaded(model_dir: str | Path, *, device: str | None = None, dtype: s
     model.requires_grad_(False)
 
     pool = SlotPool(layout, num_slots, n_total, dev)
-    policy_obj = make_policy(policy, num_slots=num_slots, top_k=top_k)
+    if policy == "seqmoe-cacheonly":  # SeqMoE §7.1 eviction; its forecasts come from a predictor (ForecastFeed)
+        from ..core.prob_belady import ProbabilisticBelady
+
+        policy_obj = ProbabilisticBelady(num_experts, horizon=8, lam=0.5)
+        policy_obj.name = policy
+    else:
+        policy_obj = make_policy(policy, num_slots=num_slots, top_k=top_k)
     engine = OffloadEngine(store, pool, SlotTable(num_slots, n_total, policy_obj), num_experts)
     engine.attach([m for _, m in mods])
     return LoadedModel(model, _load_tokenizer(path), engine, arch, dev, dt, len(mods), num_experts, top_k,

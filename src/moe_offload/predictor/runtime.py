@@ -128,3 +128,28 @@ class PredictorRunner:
         if hit is None or self.forecasts[hit[0]] is None:
             return None
         return self.forecasts[hit[0]], hit[1]
+
+
+class ForecastFeed:
+    """Engine observer that runs a ``PredictorRunner`` and hands each new forecast to a forecast-driven policy
+    (``core.prob_belady.ProbabilisticBelady.observe``) before the layer that produced it is planned, which is the
+    order the simulator replays (``sim.forecasts``).
+
+    Args:
+        runner: the predictor runner (its ``rollout`` sets how many recursive rows the policy sees).
+        policy: any object with ``observe(forecast)``.
+    """
+
+    def __init__(self, runner: PredictorRunner, policy):
+        self.runner = runner
+        self.policy = policy
+
+    def begin_step(self, request: int, step: int) -> None:
+        self.runner.begin_step(request, step)
+
+    def __call__(self, layer: int, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> None:
+        before = list(self.runner.forecasts)
+        self.runner(layer, top_k_index, top_k_weights)
+        for old, new in zip(before, self.runner.forecasts):
+            if new is not None and new is not old:
+                self.policy.observe(new)

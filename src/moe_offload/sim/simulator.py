@@ -78,8 +78,19 @@ def layer_needs(trace: Trace) -> list[tuple[int, int, list[list[int]], list[list
     return out
 
 
+FORECAST_POLICIES = ("seqmoe-cacheonly",)
+
+
 def build_policy(name: str, trace: Trace, num_slots: int, needs=None) -> EvictionPolicy:
-    """A policy for replaying ``trace``: Belady variants get the trace's future (one entry per layer execution)."""
+    """A policy for replaying ``trace``: Belady variants get the trace's future (one entry per layer execution);
+    ``seqmoe-cacheonly`` is SeqMoE's probabilistic Belady (§7.1, c = 8, lambda = 0.5) without prefetching, to be fed
+    a predictor's forecasts (``replay(..., forecasts=...)``)."""
+    if name.lower() in FORECAST_POLICIES:
+        from ..core.prob_belady import ProbabilisticBelady
+
+        pol = ProbabilisticBelady(trace.num_experts, horizon=8, lam=0.5)
+        pol.name = name.lower()
+        return pol
     future = None
     if name.lower().startswith("belady"):
         needs = needs if needs is not None else layer_needs(trace)
@@ -88,15 +99,23 @@ def build_policy(name: str, trace: Trace, num_slots: int, needs=None) -> Evictio
                        num_moe_layers=trace.num_moe_layers)
 
 
-def replay(trace: Trace, num_slots: int, policy: str | EvictionPolicy, needs=None) -> ReplayResult:
+def replay(trace: Trace, num_slots: int, policy: str | EvictionPolicy, needs=None, forecasts=None) -> ReplayResult:
     """Replay ``trace`` with a pool of ``num_slots`` slots under ``policy`` (a name or a fresh policy object).
 
     ``needs`` (from ``layer_needs``) can be passed to share the preprocessing across many replays.
+    ``forecasts`` (from ``sim.forecasts.forecast_stream``): predictor forecasts handed to the policy's
+    ``observe`` before planning the layer that triggered them (required by forecast-driven policies).
     Raises MoeOffloadError for an unknown policy name; ``num_slots`` must be >= 1 (fewer than top-k works here:
     the table processes such layers in rounds, as the runtime does).
     """
     needs = needs if needs is not None else layer_needs(trace)
     pol = build_policy(policy, trace, num_slots, needs) if isinstance(policy, str) else policy
+    if forecasts is None and hasattr(pol, "observe"):
+        from ..errors import MoeOffloadError
+
+        raise MoeOffloadError(f"policy {pol.name} needs a predictor's forecasts (simulate --predictor DIR)")
+    if forecasts is not None and len(forecasts) != len(needs):
+        raise ValueError("forecasts must have one entry per step of the trace")
     table = SlotTable(num_slots, trace.num_moe_layers * trace.num_experts, pol)
     res = ReplayResult(policy=pol.name, num_slots=num_slots)
     n = len(needs)
@@ -105,7 +124,11 @@ def replay(trace: Trace, num_slots: int, policy: str | EvictionPolicy, needs=Non
     for i, (req, step, needed, tokens) in enumerate(needs):
         table.begin_step(req, step)
         h = m = 0
-        for ids, cnt in zip(needed, tokens):
+        events = forecasts[i] if forecasts is not None else ()
+        for layer, (ids, cnt) in enumerate(zip(needed, tokens)):
+            for trig, f in events:
+                if trig == layer:
+                    pol.observe(f)
             plan = table.plan_layer(ids, cnt)
             h += plan.hits
             m += plan.misses

@@ -154,3 +154,46 @@ def load_trace(path: str | Path) -> Trace:
         raise MoeOffloadError(f"{p}: router_probs of shape {probs.shape}, header says [{n}, {L}, {E}]")
     return Trace(header, arrays["expert_ids"], arrays["expert_weights"], arrays["request"], arrays["step"],
                  arrays["prompt_ids"], probs)
+
+
+def merge_requests(parts: list[tuple[Trace, list[int]]], source: str = "") -> Trace:
+    """One trace made of chosen requests of one or more traces of the same model, renumbered 0.. in order.
+
+    Args:
+        parts: ``[(trace, request indices)]``; requests keep their rows (prompt then decode steps) unchanged.
+        source: free text for the new header's ``source``.
+
+    Returns:
+        A ``Trace`` (router probabilities kept only when every part has them).
+
+    Raises:
+        MoeOffloadError: no request chosen, traces of different models, or a request index out of range.
+    """
+    ids_l, w_l, req_l, step_l, pid_l, probs_l, reqs_meta = [], [], [], [], [], [], []
+    first = None
+    keep_probs = all(t.router_probs is not None for t, _ in parts)
+    for tr, requests in parts:
+        if first is None:
+            first = tr
+        elif tr.header.get("model_id") != first.header.get("model_id"):
+            raise MoeOffloadError("cannot merge traces of different models")
+        plen = [int(r["prompt_tokens"]) for r in tr.header["requests"]]
+        pstart = np.concatenate([[0], np.cumsum(plen)]).astype(np.int64)
+        for r in requests:
+            if not 0 <= r < len(plen):
+                raise MoeOffloadError(f"request {r} is not in the trace ({len(plen)} requests)")
+            rows = np.flatnonzero(tr.request == r)
+            new = len(reqs_meta)
+            ids_l.append(tr.expert_ids[rows])
+            w_l.append(tr.expert_weights[rows])
+            req_l.append(np.full(len(rows), new, np.int32))
+            step_l.append(tr.step[rows])
+            pid_l.append(tr.prompt_ids[pstart[r]:pstart[r + 1]])
+            if keep_probs:
+                probs_l.append(tr.router_probs[rows])
+            reqs_meta.append(dict(tr.header["requests"][r]))
+    if not reqs_meta:
+        raise MoeOffloadError("no request to merge")
+    header = dict(first.header, requests=reqs_meta, source=source or first.header.get("source", ""))
+    return Trace(header, np.concatenate(ids_l), np.concatenate(w_l), np.concatenate(req_l), np.concatenate(step_l),
+                 np.concatenate(pid_l), np.concatenate(probs_l) if keep_probs else None)
