@@ -428,3 +428,19 @@ def test_no_prefetch_plans_exactly_as_before(make, per_layer):
             hits, misses, rounds_seen = hits + h, misses + m, rounds_seen + (len(rounds) > 1)
     assert new.policy.resident == old.policy.resident
     assert rounds_seen > 0 and hits > 60 and misses > 60, (rounds_seen, hits, misses)
+
+
+def test_belady_accepts_prefetched_expert_never_accessed():
+    """A prefetch can land an expert the oracle has not seen accessed yet: its next use comes from the future."""
+    from moe_offload.core.policies import Belady
+    from moe_offload.core.slots import SlotTable
+
+    future = [[0], [1], [2], [0]]                      # one layer execution per entry, experts of one layer
+    pol = Belady(future)
+    t = SlotTable(2, 4, pol, experts_per_layer=4)
+    t.plan_layer([0])
+    load = t.prefetch(2)
+    assert load is not None and t.land(2, load.slot, load.tag)
+    assert pol.next_use(2) == 2                         # needed at tick 3, two ticks after tick 1
+    plan = t.plan_layer([1])                            # must evict: 0 (next at tick 4) rather than 2 (tick 3)
+    assert plan.rounds[0].loads[0].evicted == 0

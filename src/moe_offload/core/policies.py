@@ -232,6 +232,10 @@ class Belady(EvictionPolicy):
     def on_insert(self, eid: int, tick: int) -> None:
         super().on_insert(eid, tick)
         self._order[eid] = None
+        # a prefetch may land an expert never accessed yet (or accessed long ago): its next use is the first one
+        # after the current tick (for an on-demand load this equals what on_access just computed)
+        self._next[eid] = self._next_after(eid, self._tick)
+        self._last.setdefault(eid, self._seq)
         # the entry pushed by on_access may have been dropped as stale while eid was not yet resident
         heapq.heappush(self._heap, (-self._next[eid], self._last[eid], -eid, eid))
 
