@@ -170,6 +170,8 @@ def _cmd_generate(args) -> int:
 
     if args.temperature < 0 or not (0 < args.top_p <= 1):
         raise MoeOffloadError("--temperature must be >= 0 and --top-p in (0, 1]")
+    if args.policy == "seqmoe-cacheonly" and not args.predictor and not args.full_load:
+        raise MoeOffloadError(f"--policy {args.policy} needs --predictor DIR (it evicts by the predictor's forecast)")
     prompts = load_prompts(args)
     path = resolve_model(args.model, progress=not args.quiet)
     if args.full_load:
@@ -203,10 +205,9 @@ def _cmd_generate(args) -> int:
     info = stats_dict(lm, stats)
     if runner is not None:
         ps = runner.stats
-        info["predictor"] = {"path": args.predictor, "rollout": args.rollout, "prefill_s": ps.prefill_s,
+        info["predictor"] = {"path": args.predictor, "rollout": runner.rollout, "prefill_s": ps.prefill_s,
                              "decode_s": ps.decode_s, "decode_steps": ps.decode_steps,
                              "ms_per_decode_step": 1e3 * ps.decode_s / max(1, ps.decode_steps)}
-        info["predictor"]["rollout"] = runner.rollout
     if args.json:
         print(json.dumps({"model": str(path), "outputs": [
             {"prompt": o.prompt, "text": o.text, "token_ids": o.token_ids, "prompt_tokens": o.prompt_tokens,
