@@ -1,0 +1,496 @@
+"""Asynchronous host->device expert copies for prefetching (SeqMoE §8.3).
+
+SeqMoE §8.3 runs the prefetcher on a CPU worker thread next to the main (inference) thread: the main thread decides
+what to prefetch and into which slot (``core.slots.SlotTable.prefetch`` hands out ``Load(eid, slot, evicted, tag)``),
+the worker moves the bytes "on a dedicated CUDA copy stream" so the copies overlap the layers' computation, and each
+finished copy comes back as a landing carrying the reservation's monotonically increasing ``tag``; the main thread
+applies it with ``SlotTable.land(eid, slot, tag, ok)``, which ignores stale tags. "When a cache miss triggers
+on-demand loading, the GPU sets a shared flag to pause new prefetch submissions, reducing bandwidth contention":
+``TransferEngine.pause()`` / ``resume()``.
+
+``TransferEngine`` only moves bytes: it never touches the slot table nor the pool's ``lookup`` table. The caller
+
+  * drops the prefetch's victim from ``pool.lookup`` (and stops reading its slot) *before* ``submit`` — on CUDA,
+    ``submit`` records an event on the current stream and the copy waits for it, so kernels already enqueued that
+    still read the victim finish before the slot is overwritten;
+  * on a landing with ``ok=True`` whose ``SlotTable.land`` returns True, points ``pool.lookup[eid]`` at the slot;
+  * never reads a slot whose copy is queued or in flight (the slot table keeps such a slot in Fetch).
+
+Typical use (one thread drives the engine and the slot table)::
+
+    te = TransferEngine(store, pool, link_gbps=16.0)
+    load = table.prefetch(eid)
+    if load is not None:
+        te.submit(load.eid, load.slot, load.tag)
+    ...                                       # layers compute while the worker copies
+    for landing in te.poll():                 # non-blocking, e.g. once per layer
+        table.land(landing.eid, landing.slot, landing.tag, landing.ok)
+    ...
+    te.pause()                                # an on-demand miss: no new prefetch copy starts
+    landing = te.wait(w.eid)                  # a needed expert still in flight (``Round.waits``)
+    te.resume()
+    te.close()
+
+Ordering: copies *start* in submission (FIFO) order, one at a time, except that ``wait`` moves a queued copy to the
+front of the queue (and starts it even while paused: it has become on-demand work). Landings are reported in
+completion order, which is therefore submission order except for copies promoted by ``wait`` and for cancelled
+copies (reported when cancelled). Each landing is reported exactly once: by ``wait`` if the caller waited for that
+expert, otherwise by ``poll``.
+
+Units: bytes; seconds (``time.perf_counter`` clock for every timestamp); GB/s = 1e9 bytes per second.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..errors import MoeOffloadError
+from .pool import SlotPool
+from .store import HostStore
+
+# a sleep shorter than this is replaced by yielding (time.sleep(0), which releases the GIL) until the deadline:
+# Linux sleeps overshoot by ~50-100 us, which would dominate the emulated time of a small expert
+_SPIN_S = 5e-4
+
+
+@dataclass(frozen=True)
+class Landing:
+    """One finished (or cancelled) copy.
+
+    Attributes:
+        eid: global expert id that was copied.
+        slot: destination slot in the pool.
+        tag: the tag given to ``submit`` (the slot reservation's tag, SeqMoE §8.3), returned unchanged.
+        ok: True when ``pool.buf[slot]`` holds all of expert ``eid``'s bytes; False when the copy was cancelled
+            or failed (the slot's content is then unspecified: it may be partly written).
+        finished_at: ``time.perf_counter()`` seconds when the engine saw the copy complete (and its emulated link
+            time elapse), or when it was cancelled / failed. On CUDA this is when completion was observed
+            (``poll``/``wait``/worker), an upper bound of the DMA's end.
+        started_at: ``time.perf_counter()`` seconds when the copy started; None for a copy cancelled before it
+            started.
+        error: why a copy failed (the exception's text), ``"cancelled"`` for a cancelled copy, None when ok.
+    """
+
+    eid: int
+    slot: int
+    tag: int
+    ok: bool
+    finished_at: float
+    started_at: float | None = None
+    error: str | None = None
+
+
+@dataclass
+class TransferStats:
+    """Counters since construction or ``reset_stats``.
+
+    submitted: ``submit`` calls accepted; copies: copies that landed ok; cancelled: copies dropped before starting;
+    failed: copies that started but raised; bytes_copied: bytes of the ok copies; busy_s: seconds the link was busy
+    (sum over started copies of finish - start, emulated link time included); max_queued: the longest the queue
+    of not-yet-started copies has been.
+    """
+
+    submitted: int = 0
+    copies: int = 0
+    cancelled: int = 0
+    failed: int = 0
+    bytes_copied: int = 0
+    busy_s: float = 0.0
+    max_queued: int = 0
+
+    @property
+    def gbps(self) -> float:
+        """Achieved bandwidth while busy, GB/s (1e9 bytes/s); 0.0 before any copy."""
+        return self.bytes_copied / self.busy_s / 1e9 if self.busy_s > 0 else 0.0
+
+
+_QUEUED, _RUNNING, _DONE = 0, 1, 2
+
+
+class _Job:
+    __slots__ = ("eid", "slot", "tag", "state", "urgent", "ready", "event", "started_at", "deadline", "landing")
+
+    def __init__(self, eid: int, slot: int, tag: int, ready):
+        self.eid = eid
+        self.slot = slot
+        self.tag = tag
+        self.state = _QUEUED
+        self.urgent = False          # promoted by wait(): runs first, even while paused
+        self.ready = ready           # CUDA: event on the submitting stream the copy must wait for
+        self.event = None            # CUDA: event recorded on the copy stream after the copy
+        self.started_at = None
+        self.deadline = 0.0          # emulated link: the copy is not complete before this perf_counter time
+        self.landing: Landing | None = None
+
+
+def _sleep_until(deadline: float) -> None:
+    """Return at or after ``time.perf_counter() >= deadline`` (sleeps, then yields the GIL for the last bit)."""
+    while True:
+        rem = deadline - time.perf_counter()
+        if rem <= 0:
+            return
+        time.sleep(rem - _SPIN_S if rem > 2 * _SPIN_S else 0)
+
+
+def _positive(name: str, value) -> float:
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise MoeOffloadError(f"{name} must be a positive number, got {value!r}") from None
+    if not math.isfinite(v) or v <= 0:
+        raise MoeOffloadError(f"{name} must be a positive finite number, got {value!r}")
+    return v
+
+
+class TransferEngine:
+    """Copies experts from the host store into pool slots on a worker thread, one at a time, FIFO (SeqMoE §8.3).
+
+    CPU pool: the worker copies the host row into ``pool.buf[slot]`` with a single-threaded memcpy (numpy
+    ``copyto`` of byte views, which releases the GIL, like ``SlotPool.load``). CUDA pool: the worker issues
+    ``pool.buf[slot].copy_(store.buf[eid], non_blocking=True)`` on a dedicated copy stream (asynchronous with pinned
+    host memory, which ``HostStore(pin=True)`` provides), after waiting (on the device, not the host) for the event
+    ``submit`` recorded on the submitting thread's current stream, and records one CUDA event per copy; ``poll``
+    checks that event with ``query()`` (never synchronises) and ``wait`` synchronises on that event only. The worker
+    itself waits for each copy to complete before starting the next, so ``pause`` takes effect at copy granularity
+    (at most one copy is ever in flight). Other devices: a blocking ``copy_`` on the worker.
+
+    Link emulation (to model a slower link than the machine's, e.g. PCIe on a CPU-only box): with ``link_gbps``
+    each copy takes at least ``expert_bytes / (link_gbps * 1e9)`` seconds, with ``seconds_per_expert`` at least
+    that many seconds; the worker sleeps the remainder after the real copy, and the copy is not reported complete
+    before. Both None (the default): no emulation.
+
+    Args:
+        store: host store holding every expert (row ``eid``).
+        pool: the slot pool; must have the store's layout.
+        link_gbps: emulated link bandwidth in GB/s (1e9 bytes/s), > 0; or None.
+        seconds_per_expert: emulated seconds per expert copy, > 0; or None. At most one of the two.
+
+    Thread safety: ``submit``, ``poll``, ``wait``, ``cancel``, ``pause``, ``resume`` and ``close`` may be called
+    from any thread (normally the main one); shared state is guarded by one condition variable.
+
+    Raises:
+        MoeOffloadError: non-positive / non-finite ``link_gbps`` or ``seconds_per_expert``, both given, or the
+            store's and pool's layouts differ.
+    """
+
+    def __init__(self, store: HostStore, pool: SlotPool, link_gbps: float | None = None,
+                 seconds_per_expert: float | None = None):
+        if link_gbps is not None and seconds_per_expert is not None:
+            raise MoeOffloadError("give link_gbps or seconds_per_expert, not both")
+        if store.layout != pool.layout:
+            raise MoeOffloadError(f"host store layout {store.layout} differs from the slot pool's {pool.layout}")
+        self.store = store
+        self.pool = pool
+        self.expert_bytes = store.layout.expert_bytes
+        self.link_gbps = None if link_gbps is None else _positive("link_gbps", link_gbps)
+        spe = None if seconds_per_expert is None else _positive("seconds_per_expert", seconds_per_expert)
+        if self.link_gbps is not None:
+            spe = self.expert_bytes / (self.link_gbps * 1e9)
+        self.seconds_per_expert: float | None = spe  # emulated minimum seconds per copy, None: no emulation
+        self.device = pool.device
+        self._cuda = self.device.type == "cuda"
+        self._cpu = self.device.type == "cpu"
+        if self._cpu:
+            self._src = store.bytes_view()
+            self._dst = pool.buf.view(torch.uint8).numpy()
+        self._stream = torch.cuda.Stream(device=self.device) if self._cuda else None
+        self._cond = threading.Condition()
+        self._queue: deque[_Job] = deque()
+        self._active: dict[int, _Job] = {}   # eid -> queued or running job
+        self._current: _Job | None = None    # the running job
+        self._done: list[Landing] = []       # landings not yet reported
+        self._paused = False
+        self._closed = False                 # no more submissions
+        self._stop = False                   # worker exits once the queue is empty
+        self.stats = TransferStats()
+        self._thread = threading.Thread(target=self._run, name="moe-offload-transfer", daemon=True)
+        self._thread.start()
+
+    # ---- main-thread API ----------------------------------------------------------------------------------------
+
+    def submit(self, eid: int, slot: int, tag: int = -1) -> None:
+        """Enqueue a copy of expert ``eid``'s host row into pool slot ``slot``; returns at once.
+
+        ``tag`` is carried to the landing unchanged (SeqMoE §8.3: the slot reservation's tag from
+        ``SlotTable.prefetch``). While paused the copy is queued but does not start until ``resume``.
+
+        Raises:
+            MoeOffloadError: ``eid`` not in ``[0, store.num_experts_total)``, ``slot`` not in
+                ``[0, pool.num_slots)``, a copy of ``eid`` is already queued or in flight, or the engine is closed.
+        """
+        eid, slot = int(eid), int(slot)
+        if not 0 <= eid < self.store.num_experts_total:
+            raise MoeOffloadError(f"expert id {eid} out of range [0, {self.store.num_experts_total})")
+        if not 0 <= slot < self.pool.num_slots:
+            raise MoeOffloadError(f"slot {slot} out of range [0, {self.pool.num_slots})")
+        ready = None
+        if self._cuda:  # the copy must not overwrite the slot before work already enqueued (reading it) finishes
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.device))
+        with self._cond:
+            if self._closed:
+                raise MoeOffloadError("the transfer engine is closed")
+            if eid in self._active:
+                raise MoeOffloadError(f"a copy of expert {eid} is already queued or in flight")
+            job = _Job(eid, slot, int(tag), ready)
+            self._active[eid] = job
+            self._queue.append(job)
+            self.stats.submitted += 1
+            self.stats.max_queued = max(self.stats.max_queued, len(self._queue))
+            self._cond.notify_all()
+
+    def poll(self) -> list[Landing]:
+        """The copies that completed (or were cancelled / failed) since the last ``poll``, in completion order.
+
+        Non-blocking: on CUDA the running copy's event is checked with ``query()``, never synchronised. A landing
+        already returned by ``wait`` is not returned again.
+        """
+        with self._cond:
+            job = self._current
+            if (self._cuda and job is not None and job.event is not None and job.state == _RUNNING
+                    and time.perf_counter() >= job.deadline):
+                try:
+                    if job.event.query():
+                        self._finish(job, True)
+                except RuntimeError as e:  # an asynchronous CUDA error surfaces here
+                    self._finish(job, False, str(e))
+            out, self._done = self._done, []
+            return out
+
+    def wait(self, eid: int, timeout: float | None = None) -> Landing | None:
+        """Block until the copy of ``eid`` completes and return its landing (consumed: ``poll`` won't return it).
+
+        For an on-demand need of an expert whose prefetch is in flight (``Round.waits``). A copy of ``eid`` still
+        queued is moved to the front of the queue and started even while paused. A landing of ``eid`` that
+        completed but was not polled yet is returned at once. On CUDA, when the copy is running, this synchronises
+        on its event only (no device or stream synchronisation).
+
+        Args:
+            eid: the expert.
+            timeout: seconds to wait at most; None: no limit.
+        Returns:
+            The landing, or None when no copy of ``eid`` is queued, in flight or unreported.
+        Raises:
+            TimeoutError: ``timeout`` elapsed first (the copy stays queued / in flight).
+        """
+        eid = int(eid)
+        end = None if timeout is None else time.perf_counter() + timeout
+        with self._cond:
+            job = self._active.get(eid)
+            if job is None:
+                return self._take_done(eid)
+            if job.state == _QUEUED and not job.urgent:
+                job.urgent = True
+                self._queue.remove(job)
+                # after the urgent jobs already at the front (they were waited for first)
+                i = 0
+                while i < len(self._queue) and self._queue[i].urgent:
+                    i += 1
+                self._queue.insert(i, job)
+                self._cond.notify_all()
+            while job.state != _DONE:
+                if self._cuda and end is None and job.state == _RUNNING and job.event is not None:
+                    ev = job.event
+                    self._cond.release()
+                    err = None
+                    try:
+                        ev.synchronize()
+                        _sleep_until(job.deadline)
+                    except RuntimeError as e:
+                        err = str(e)
+                    finally:
+                        self._cond.acquire()
+                    self._finish(job, err is None, err)  # no-op if the worker finished it meanwhile
+                    break
+                rem = None if end is None else end - time.perf_counter()
+                if rem is not None and rem <= 0:
+                    raise TimeoutError(f"copy of expert {eid} not complete after {timeout} s")
+                self._cond.wait(rem)
+            return self._take_done(eid)
+
+    def cancel(self, eid: int) -> bool:
+        """Drop the queued (not yet started) copy of ``eid``.
+
+        Returns:
+            True when a queued copy was dropped: its landing (``ok=False``, ``error="cancelled"``, the submitted
+            tag) is reported by the next ``poll`` (or ``wait(eid)``) so the caller frees the slot with
+            ``SlotTable.land(..., ok=False)``. False when no copy of ``eid`` is queued (a copy in flight always
+            completes; an unknown ``eid`` is ignored); the pool slot is never touched by a cancelled copy.
+        """
+        with self._cond:
+            job = self._active.get(int(eid))
+            if job is None or job.state != _QUEUED:
+                return False
+            self._queue.remove(job)
+            self.stats.cancelled += 1
+            self._finish(job, False, "cancelled")
+            return True
+
+    def pause(self) -> None:
+        """Stop starting new copies (SeqMoE §8.3: an on-demand miss pauses prefetch submission to reduce bandwidth
+        contention). The copy in flight completes; queued ones wait for ``resume`` (except those ``wait``
+        promotes). Idempotent: one ``resume`` undoes any number of ``pause`` calls."""
+        with self._cond:
+            self._paused = True
+
+    def resume(self) -> None:
+        """Let queued copies start again after ``pause``. Idempotent."""
+        with self._cond:
+            self._paused = False
+            self._cond.notify_all()
+
+    @property
+    def paused(self) -> bool:
+        """Whether ``pause`` is in effect."""
+        return self._paused
+
+    def in_flight(self) -> list[int]:
+        """Expert ids whose copy has started and not completed (at most one: copies run one at a time)."""
+        with self._cond:
+            return [self._current.eid] if self._current is not None else []
+
+    def queued(self) -> list[int]:
+        """Expert ids whose copy is queued and not started, in the order they will start."""
+        with self._cond:
+            return [j.eid for j in self._queue]
+
+    def pending(self, eid: int) -> bool:
+        """Whether a copy of ``eid`` is queued or in flight."""
+        with self._cond:
+            return int(eid) in self._active
+
+    def idle(self) -> bool:
+        """Whether no copy is queued or in flight (landings may still be unreported)."""
+        with self._cond:
+            return not self._active
+
+    def reset_stats(self) -> None:
+        with self._cond:
+            self.stats = TransferStats()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def worker_alive(self) -> bool:
+        """Whether the worker thread is running (False after ``close``)."""
+        return self._thread.is_alive()
+
+    def close(self, drain: bool = False, timeout: float | None = None) -> None:
+        """Stop accepting copies and join the worker thread. Idempotent.
+
+        Args:
+            drain: True: run every queued copy first (a ``pause`` no longer holds them back); False: cancel the
+                queued copies (``ok=False`` landings, reported by ``poll``); the copy in flight completes either way.
+            timeout: seconds to wait for the worker at most (None: no limit).
+        Raises:
+            MoeOffloadError: the worker did not exit within ``timeout``.
+        """
+        with self._cond:
+            self._closed = True
+            if drain:
+                self._paused = False
+            else:
+                while self._queue:
+                    job = self._queue.popleft()
+                    self.stats.cancelled += 1
+                    self._finish(job, False, "cancelled")
+            self._stop = True
+            self._cond.notify_all()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                raise MoeOffloadError(f"the transfer worker did not stop within {timeout} s")
+
+    def __enter__(self) -> TransferEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- internals ----------------------------------------------------------------------------------------------
+
+    def _take_done(self, eid: int) -> Landing | None:
+        for i, landing in enumerate(self._done):
+            if landing.eid == eid:
+                return self._done.pop(i)
+        return None
+
+    def _finish(self, job: _Job, ok: bool, error: str | None = None) -> None:
+        """Record ``job``'s landing (lock held). Idempotent: the first caller (worker, poll or wait) wins."""
+        if job.state == _DONE:
+            return
+        now = time.perf_counter()
+        job.state = _DONE
+        job.landing = Landing(job.eid, job.slot, job.tag, ok, now, job.started_at, error)
+        self._done.append(job.landing)
+        del self._active[job.eid]
+        if self._current is job:
+            self._current = None
+        st = self.stats
+        if job.started_at is not None:
+            st.busy_s += now - job.started_at
+            if ok:
+                st.copies += 1
+                st.bytes_copied += self.expert_bytes
+            else:
+                st.failed += 1
+        self._cond.notify_all()
+
+    def _next_job(self) -> _Job | None:
+        """Block until a copy may start (lock held); None when the worker should exit."""
+        while True:
+            if self._queue and (not self._paused or self._stop or self._queue[0].urgent):
+                job = self._queue.popleft()
+                job.state = _RUNNING
+                self._current = job
+                return job
+            if self._stop and not self._queue:
+                return None
+            self._cond.wait()
+
+    def _run(self) -> None:
+        if self._cuda:
+            torch.cuda.set_device(self.device)
+        while True:
+            with self._cond:
+                job = self._next_job()
+                if job is None:
+                    return
+                job.started_at = time.perf_counter()
+                if self.seconds_per_expert is not None:
+                    job.deadline = job.started_at + self.seconds_per_expert
+            try:
+                self._copy(job)
+                _sleep_until(job.deadline)
+                err = None
+            except Exception as e:  # report the failure, keep serving the queue
+                err = f"{type(e).__name__}: {e}"
+            with self._cond:
+                self._finish(job, err is None, err)
+
+    def _copy(self, job: _Job) -> None:
+        """Copy ``job``'s expert into its slot; returns when the bytes are all in the slot."""
+        if self._cpu:
+            np.copyto(self._dst[job.slot], self._src[job.eid])
+        elif self._cuda:
+            stream = self._stream
+            with torch.cuda.stream(stream):
+                stream.wait_event(job.ready)
+                self.pool.buf[job.slot].copy_(self.store.buf[job.eid], non_blocking=self.store.pinned)
+                ev = torch.cuda.Event()
+                ev.record(stream)
+            with self._cond:
+                job.event = ev  # from now on poll()/wait() may observe completion themselves
+                self._cond.notify_all()
+            ev.synchronize()    # releases the GIL; blocks this worker only
+        else:
+            self.pool.buf[job.slot].copy_(self.store.buf[job.eid])
