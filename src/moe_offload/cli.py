@@ -84,7 +84,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: the checkpoint's")
     p.add_argument("--policy", default="lru",
-                   help="eviction policy: lru (default), lfu, prefill-hot, seqmoe-cacheonly (needs --predictor)")
+                   help="eviction policy: lru (default), lfu, prefill-hot; with --predictor: seqmoe-cacheonly "
+                   "(probabilistic Belady), seqmoe (+ JSD prefetching), seqmoe-infinity")
     p.add_argument("--max-new-tokens", type=_positive_int, default=64)
     p.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     p.add_argument("--prompts", metavar="FILE", help="file with one prompt per line")
@@ -110,6 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object instead of text and a table")
     g.add_argument("--predictor", help="run this trained predictor during generation (see `predictor train`)")
     g.add_argument("--rollout", type=_nonneg_int, default=0, help="with --predictor: recursive steps per decode step")
+    g.add_argument("--link-gbps", type=_float, help="with --policy seqmoe*: emulate a host->device link of X GB/s "
+                   "(every expert copy takes at least expert bytes / X)")
 
     t = sub.add_parser("testbed", help="the built-in testbed MoE made from SmolLM2-135M")
     tsub = t.add_subparsers(dest="testbed_cmd", required=True)
@@ -144,6 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
     sm.add_argument("--model", help="check that every trace was recorded on this checkpoint directory")
     sm.add_argument("--predictor", help="a trained predictor (for seqmoe-cacheonly); when the traces are its training "
                     "traces, every policy replays only its held-out requests")
+    sm.add_argument("--link-epl", type=_float,
+                    help="link speed in experts per layer compute time for the prefetching replay (default: the model "
+                    "profile's measured value on --hardware, SeqMoE §2.2: 1.39 for qwen3-30b-a3b-fp8 on rtx4090)")
     sm.add_argument("--out", required=True, help="new (or empty) directory for CSV, markdown and PNG plots")
 
     b = sub.add_parser("bench", help="benchmarks")
@@ -170,7 +176,9 @@ def _cmd_generate(args) -> int:
 
     if args.temperature < 0 or not (0 < args.top_p <= 1):
         raise MoeOffloadError("--temperature must be >= 0 and --top-p in (0, 1]")
-    if args.policy == "seqmoe-cacheonly" and not args.predictor and not args.full_load:
+    from .models.loader import FORECAST_RUNTIME_POLICIES
+
+    if args.policy in FORECAST_RUNTIME_POLICIES and not args.predictor and not args.full_load:
         raise MoeOffloadError(f"--policy {args.policy} needs --predictor DIR (it evicts by the predictor's forecast)")
     prompts = load_prompts(args)
     path = resolve_model(args.model, progress=not args.quiet)
@@ -178,7 +186,7 @@ def _cmd_generate(args) -> int:
         lm = load_full(path, device=args.device, dtype=args.dtype)
     else:
         lm = load_offloaded(path, device=args.device, dtype=args.dtype, residency=args.residency, slots=args.slots,
-                            policy=args.policy, progress=not args.quiet)
+                            policy=args.policy, progress=not args.quiet, link_gbps=args.link_gbps)
     if lm.tokenizer is None:
         raise MoeOffloadError(f"{path} has no tokenizer: cannot encode prompts")
     runner = None
@@ -196,7 +204,8 @@ def _cmd_generate(args) -> int:
         pset = load_predictor(args.predictor, model_id=lm.model_id, device=lm.device)
         if forecast_policy:  # c = 8 CacheScore rows: the one-step row + 7 recursive ones (SeqMoE §7.1)
             runner = PredictorRunner(pset, rollout=max(args.rollout, 7))
-            lm.engine.observers.append(ForecastFeed(runner, lm.engine.table.policy))
+            consumers = [lm.engine.table.policy] + ([lm.engine.prefetcher] if lm.engine.prefetcher else [])
+            lm.engine.observers.append(ForecastFeed(runner, *consumers))
         else:
             runner = PredictorRunner(pset, rollout=args.rollout)
             lm.engine.observers.append(runner)
@@ -287,6 +296,7 @@ def _split_floats(text: str, what: str) -> list[float]:
 def _cmd_simulate(args) -> int:
     from .sim.profiles import load_hardware, load_model_profile
     from .sim.report import write_report
+    from .sim.prefetch_sim import PREFETCH_POLICIES, replay_with_prefetch
     from .sim.simulator import FORECAST_POLICIES, build_policy, layer_needs, replay
     from .sim.timemodel import OnDemandTimeModel
     from .trace.format import load_trace
@@ -307,17 +317,20 @@ def _cmd_simulate(args) -> int:
         model_id = model_fingerprint(json.loads((resolve_model(args.model) / "config.json").read_text()))
     traces = [(t, load_trace(t)) for t in args.trace]
     forecasts = {}
+    wants = [p for p in policies if p.lower() in FORECAST_POLICIES or p.lower() in PREFETCH_POLICIES]
     if args.predictor:
-        traces, forecasts = _predictor_replay_set(args.predictor, traces,
-                                                  any(p.lower() in FORECAST_POLICIES for p in policies))
-    elif any(p.lower() in FORECAST_POLICIES for p in policies):
-        raise MoeOffloadError(f"--policy {','.join(p for p in policies if p.lower() in FORECAST_POLICIES)} "
-                              "needs --predictor DIR")
+        traces, forecasts = _predictor_replay_set(args.predictor, traces, bool(wants))
+    elif wants:
+        raise MoeOffloadError(f"--policy {','.join(wants)} needs --predictor DIR")
+    epl = args.link_epl or mp.paper_overlap_experts_per_layer.get(hw.name) or tm.experts_per_layer_compute
+    if not epl > 0:
+        raise MoeOffloadError(f"--link-epl must be > 0, got {epl}")
     for _, tr in traces:
         if model_id:
             tr.check_model(model_id)
         for p in policies:  # validate every name before the long loop
-            build_policy(p, tr, 1, needs=[])
+            if p.lower() not in PREFETCH_POLICIES:
+                build_policy(p, tr, 1, needs=[])
     rows = []
     from tqdm.auto import tqdm
 
@@ -328,6 +341,20 @@ def _cmd_simulate(args) -> int:
         for p in policies:
             for r in residencies:
                 slots = max(1, math.ceil(r * n_total - 1e-9))
+                if p.lower() in PREFETCH_POLICIES:
+                    evict, sched = PREFETCH_POLICIES[p.lower()]
+                    pr = replay_with_prefetch(tr, slots, evict, epl, forecasts=forecasts.get(name), scheduler=sched,
+                                              needs=needs)
+                    rows.append({"trace": Path(name).name, "synthetic": bool(tr.header.get("synthetic")),
+                                 "model": mp.name, "hardware": hw.name, "policy": p.lower(), "residency": r,
+                                 "slots": slots, "hit_rate": pr.hit_rate, "decode_hit_rate": pr.decode_hit_rate,
+                                 "hits": pr.hits, "misses": pr.misses, "decode_misses": pr.decode_misses,
+                                 "accesses": pr.hits + pr.misses, "link_epl": epl,
+                                 "decode_fraction_link_model": pr.decode_fraction_of_full_load,
+                                 "prefetches": pr.prefetches, "prefetch_accuracy": pr.prefetch_accuracy,
+                                 "late": pr.decode_late})
+                    bar.update(1)
+                    continue
                 res = replay(tr, slots, p, needs=needs,
                              forecasts=forecasts.get(name) if p.lower() in FORECAST_POLICIES else None)
                 t = tm.decode_time(res.per_step, tr)
@@ -337,7 +364,8 @@ def _cmd_simulate(args) -> int:
                              "hits": res.hits, "misses": res.misses, "decode_misses": res.decode_misses,
                              "accesses": res.accesses, "projection": t["projection"],
                              "projected_tok_s": t["projected_tok_s"], "full_load_tok_s": t["full_load_tok_s"],
-                             "fraction_of_full_load": t["fraction_of_full_load"],
+                             "fraction_of_full_load": t["fraction_of_full_load"], "link_epl": epl,
+                             "decode_fraction_link_model": _link_fraction(res, tr, epl),
                              "stall_s_per_step": t["stall_s_per_step"]})
                 bar.update(1)
     bar.close()
@@ -345,6 +373,13 @@ def _cmd_simulate(args) -> int:
     print((out / "results.md").read_text())
     print("wrote " + ", ".join(str(f) for f in files))
     return 0
+
+
+def _link_fraction(res, tr, epl: float) -> float:
+    """Decode speed as a fraction of FullLoad under ``sim.prefetch_sim``'s link model for a replay without
+    prefetching: every decode miss stalls its layer by ``1 / epl`` layer times (the link is idle at layer start)."""
+    layers = int((res.per_step.step > 0).sum()) * tr.num_moe_layers
+    return layers / (layers + res.decode_misses / epl) if layers else 1.0
 
 
 def _predictor_replay_set(predictor: str, traces: list, need_forecasts: bool):

@@ -221,9 +221,14 @@ def num_slots_for(num_experts_total: int, top_k: int, residency: float | None, s
     return min(slots, num_experts_total)
 
 
+# runtime policy names driven by a predictor's forecasts -> their prefetch scheduler (None: no prefetching)
+FORECAST_RUNTIME_POLICIES = {"seqmoe-cacheonly": None, "seqmoe": "jsd", "seqmoe-infinity": "moe-infinity"}
+
+
 def load_offloaded(model_dir: str | Path, *, device: str | None = None, dtype: str | None = None,
                    residency: float | None = None, slots: int | None = None, policy: str = "lru",
-                   progress: bool = True) -> LoadedModel:
+                   progress: bool = True, link_epl: float = 1.39, link_gbps: float | None = None,
+                   seconds_per_expert: float | None = None) -> LoadedModel:
     """Load ``model_dir`` with routed experts in a host store and a device slot pool of the requested size.
 
     Args:
@@ -233,7 +238,12 @@ def load_offloaded(model_dir: str | Path, *, device: str | None = None, dtype: s
         residency: slots as a fraction of all routed experts, in (0, 1].
         slots: number of slots (>= top-k). Default: residency 1.0.
         policy: eviction policy name ("lru", "lfu", "prefill-hot", or "seqmoe-cacheonly": probabilistic Belady,
-            which needs a predictor's forecasts fed through ``predictor.runtime.ForecastFeed``).
+            which needs a predictor's forecasts fed through ``predictor.runtime.ForecastFeed``), or a full SeqMoE
+            pipeline: "seqmoe" (probabilistic Belady + JSD prefetching, SeqMoE §6-§7) / "seqmoe-infinity" (with
+            MoE-Infinity's task ordering): the engine gets a ``runtime.prefetcher.Prefetcher`` (feed it forecasts).
+        link_epl: with prefetching: the scheduler's transfer budget B_avg, experts per layer compute time.
+        link_gbps / seconds_per_expert: with prefetching: emulate a link of this speed (every expert copy, on
+            demand or prefetch, takes at least ``expert_bytes / (link_gbps * 1e9)`` resp. this many seconds).
 
     Raises:
         MoeOffloadError: any bad input (see ``read_config``, ``Checkpoint``, ``num_slots_for``, ``make_policy``).
@@ -245,7 +255,7 @@ def load_offloaded(model_dir: str | Path, *, device: str | None = None, dtype: s
     path, config, arch = read_config(model_dir)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, config)
-    if policy != "seqmoe-cacheonly":
+    if policy not in FORECAST_RUNTIME_POLICIES:
         make_policy(policy, num_slots=1, top_k=1)  # reject an unknown or simulator-only policy before any work
     ckpt = Checkpoint(path)
 
@@ -344,14 +354,27 @@ def load_offloaded(model_dir: str | Path, *, device: str | None = None, dtype: s
     model.requires_grad_(False)
 
     pool = SlotPool(layout, num_slots, n_total, dev)
-    if policy == "seqmoe-cacheonly":  # SeqMoE §7.1 eviction; its forecasts come from a predictor (ForecastFeed)
+    if policy in FORECAST_RUNTIME_POLICIES:  # SeqMoE §7.1 eviction; forecasts come from a predictor (ForecastFeed)
         from ..core.prob_belady import ProbabilisticBelady
 
         policy_obj = ProbabilisticBelady(num_experts, horizon=8, lam=0.5)
         policy_obj.name = policy
     else:
         policy_obj = make_policy(policy, num_slots=num_slots, top_k=top_k)
-    engine = OffloadEngine(store, pool, SlotTable(num_slots, n_total, policy_obj), num_experts)
+    scheduler = FORECAST_RUNTIME_POLICIES.get(policy)
+    table = SlotTable(num_slots, n_total, policy_obj, experts_per_layer=num_experts if scheduler else None)
+    engine = OffloadEngine(store, pool, table, num_experts)
+    if scheduler:
+        from ..core.prefetch import make_scheduler
+        from ..runtime.prefetcher import Prefetcher
+        from ..runtime.transfer import TransferEngine
+
+        engine.prefetcher = Prefetcher(store, pool, table,
+                                       make_scheduler(scheduler, num_moe_layers=len(mods), b_avg=link_epl,
+                                                      auto_ema=False),
+                                       TransferEngine(store, pool, link_gbps=link_gbps,
+                                                      seconds_per_expert=seconds_per_expert),
+                                       len(mods), num_experts, top_k)
     engine.attach([m for _, m in mods])
     return LoadedModel(model, _load_tokenizer(path), engine, arch, dev, dt, len(mods), num_experts, top_k,
                        layout.expert_bytes, path)

@@ -131,18 +131,18 @@ class PredictorRunner:
 
 
 class ForecastFeed:
-    """Engine observer that runs a ``PredictorRunner`` and hands each new forecast to a forecast-driven policy
-    (``core.prob_belady.ProbabilisticBelady.observe``) before the layer that produced it is planned, which is the
-    order the simulator replays (``sim.forecasts``).
+    """Engine observer that runs a ``PredictorRunner`` and hands each new forecast to its consumers — a
+    forecast-driven policy (``core.prob_belady.ProbabilisticBelady.observe``), a ``runtime.prefetcher.Prefetcher``
+    — before the layer that produced it is planned, which is the order the simulator replays (``sim.forecasts``).
 
     Args:
         runner: the predictor runner (its ``rollout`` sets how many recursive rows the policy sees).
-        policy: any object with ``observe(forecast)``.
+        consumers: objects with ``observe(forecast)``, called in this order.
     """
 
-    def __init__(self, runner: PredictorRunner, policy):
+    def __init__(self, runner: PredictorRunner, *consumers):
         self.runner = runner
-        self.policy = policy
+        self.consumers = consumers
 
     def begin_step(self, request: int, step: int) -> None:
         self.runner.begin_step(request, step)
@@ -152,4 +152,5 @@ class ForecastFeed:
         self.runner(layer, top_k_index, top_k_weights)
         for old, new in zip(before, self.runner.forecasts):
             if new is not None and new is not old:
-                self.policy.observe(new)
+                for c in self.consumers:
+                    c.observe(new)

@@ -62,6 +62,7 @@ class OffloadEngine:
         self.num_experts = num_experts
         self.stats = EngineStats()
         self.observers: list = []  # callables(moe_layer, top_k_index, top_k_weights), e.g. trace recorders
+        self.prefetcher = None     # runtime.prefetcher.Prefetcher when prefetching (SeqMoE), else None
         self._cuda = pool.device.type == "cuda"
 
     def attach(self, experts_modules: list[torch.nn.Module]) -> None:
@@ -75,6 +76,8 @@ class OffloadEngine:
         """Before each forward pass (step 0 = a request's prefill, i = its i-th decode step): tell the slot table
         and every observer that has a ``begin_step(request, step)`` method (e.g. a predictor runner)."""
         self.table.begin_step(request, step)
+        if self.prefetcher is not None:
+            self.prefetcher.begin_step(request, step)
         for obs in self.observers:
             hook = getattr(obs, "begin_step", None)
             if hook is not None:
@@ -103,7 +106,12 @@ class OffloadEngine:
         num_tokens, k = top_k_index.shape
         gid = (top_k_index + moe_layer * self.num_experts).reshape(-1)
         uniq, counts = torch.unique(gid, return_counts=True)
-        plan = self.table.plan_layer(uniq.tolist(), counts.tolist())
+        pf = self.prefetcher
+        if pf is not None:
+            pf.land_ready()
+            plan = self.table.plan_layer(uniq.tolist(), counts.tolist(), layer=moe_layer, hold=True)
+        else:
+            plan = self.table.plan_layer(uniq.tolist(), counts.tolist())
         st = self.stats
         st.hits += plan.hits
         st.misses += plan.misses
@@ -111,8 +119,17 @@ class OffloadEngine:
         st.rounds += len(plan.rounds)
         weights = top_k_weights.reshape(-1)
         pairs = None
-        for rnd in plan.rounds:
-            self._load(rnd.loads)
+        for i, rnd in enumerate(plan.rounds):
+            if pf is not None:
+                t0 = time.perf_counter()
+                pf.fetch_waits(rnd.waits)
+                pf.load_on_demand(rnd.loads)
+                st.load_time_s += time.perf_counter() - t0
+                st.bytes_loaded += len(rnd.loads) * self.store.layout.expert_bytes
+                if len(plan.rounds) == 1:  # overlap the copies with this layer's compute
+                    pf.issue(moe_layer)
+            else:
+                self._load(rnd.loads)
             slot_ids = self.pool.lookup[gid]
             if len(plan.rounds) > 1:  # pairs of experts outside this round get a sentinel past the window
                 in_round = torch.isin(gid, torch.tensor(rnd.eids, device=gid.device))
@@ -125,4 +142,8 @@ class OffloadEngine:
                 if pairs is None:
                     pairs = torch.zeros_like(out)
                 pairs[perm[valid]] = out[valid]
+        if pf is not None:
+            if len(plan.rounds) > 1:  # earlier rounds' slots are Used before they computed: issue only now
+                pf.issue(moe_layer)
+            self.table.release(moe_layer)
         return pairs.view(num_tokens, k, -1).sum(dim=1).to(hidden_states.dtype)

@@ -1,0 +1,126 @@
+"""SeqMoE prefetching in the runtime (SeqMoE §4 pipeline, §6, §8.3): forecasts -> tasks -> scheduler -> slot
+reservations -> asynchronous copies that land while layers compute.
+
+Per MoE layer the engine calls, in this order (the same order ``sim.prefetch_sim`` replays):
+
+1. ``land_ready()``: apply finished copies (``SlotTable.land``; on success point ``pool.lookup`` at the slot);
+2. (the engine plans the layer with ``hold=True``)
+3. ``fetch_waits(round.waits)``: needed experts still in flight are waited for (never copied twice);
+   ``load_on_demand(round.loads)``: misses are copied through the same link, ahead of queued prefetches, with new
+   prefetch copies paused meanwhile (§8.3);
+4. ``issue(layer)``: the scheduler's choices are reserved (``SlotTable.prefetch`` evicts only Used experts, never
+   one this layer computes with) and submitted to the ``TransferEngine``; the copies run while the layer computes;
+5. (the engine computes, then ``SlotTable.release(layer)``).
+
+Forecasts arrive through ``observe(forecast)`` (a ``predictor.runtime.Forecast``), e.g. from a ``ForecastFeed``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..core.prefetch import PrefetchScheduler, position, tasks_from_forecast
+from ..core.slots import Load, SlotTable
+from .pool import SlotPool
+from .store import HostStore
+from .transfer import TransferEngine
+
+
+class Prefetcher:
+    """Drives one ``TransferEngine`` from a prefetch scheduler and the slot table.
+
+    Args:
+        store, pool, table: the engine's host store, slot pool and slot table (with ``experts_per_layer``).
+        scheduler: ``core.prefetch`` scheduler (JSD, MoE-Infinity, ProMoE); its ``b_avg`` is experts per layer time.
+        transfer: the asynchronous copy engine (its link emulation, if any, also paces on-demand loads).
+        num_moe_layers, num_experts, top_k: model geometry (L, e, k).
+        max_outstanding: prefetch copies queued or in flight at most (default ``ceil(b_avg) + 1``): more would only
+            reserve slots early for copies that cannot start yet.
+    Attributes:
+        prefetches: copies submitted; landed: landings applied; waited: in-flight experts a layer waited for.
+    """
+
+    def __init__(self, store: HostStore, pool: SlotPool, table: SlotTable, scheduler: PrefetchScheduler,
+                 transfer: TransferEngine, num_moe_layers: int, num_experts: int, top_k: int,
+                 max_outstanding: int | None = None):
+        self.store, self.pool, self.table, self.scheduler, self.transfer = store, pool, table, scheduler, transfer
+        self.L, self.E, self.k = num_moe_layers, num_experts, top_k
+        self.max_outstanding = max_outstanding or max(2, math.ceil(scheduler.b_avg) + 1)
+        self.step = 0
+        self.prefetches = self.landed = self.waited = 0
+
+    def begin_step(self, request: int, step: int) -> None:
+        """A forward pass begins; a new request (step 0) drops the previous request's pending tasks."""
+        self.step = step
+        if step == 0:
+            self.scheduler.reset()
+
+    def observe(self, forecast) -> None:
+        """Turn a one-step forecast into prefetch tasks (SeqMoE §6.1: k + 3 per layer, conf, ddl)."""
+        self.scheduler.submit(tasks_from_forecast(forecast, self.L, self.E, self.k))
+
+    def _set_lookup(self, eid: int, slot: int) -> None:
+        self.pool.lookup[eid] = slot
+
+    def land_ready(self) -> None:
+        """Apply every finished prefetch copy (stale tags are ignored by the table)."""
+        for ld in self.transfer.poll():
+            if self.table.land(ld.eid, ld.slot, ld.tag, ld.ok) and ld.ok:
+                self._set_lookup(ld.eid, ld.slot)
+                self.landed += 1
+
+    def fetch_waits(self, waits: list[Load]) -> None:
+        """Block until needed in-flight experts are in their slots (the table adopted them: ``waits``)."""
+        for w in waits:
+            ld = self.transfer.wait(w.eid)
+            if ld is None or not ld.ok or ld.slot != w.slot:  # cancelled or failed: copy it now
+                self.transfer.submit(w.eid, w.slot, w.tag)
+                self.transfer.wait(w.eid)
+            self._set_lookup(w.eid, w.slot)
+            self.waited += 1
+
+    def load_on_demand(self, loads: list[Load]) -> None:
+        """Copy missed experts now (through the link, ahead of queued prefetches, new ones paused: §8.3)."""
+        if not loads:
+            return
+        self.transfer.pause()
+        try:
+            for ld in loads:
+                if ld.evicted >= 0:
+                    self._set_lookup(ld.evicted, -1)
+                self.transfer.submit(ld.eid, ld.slot, ld.tag)
+            for ld in loads:
+                got = self.transfer.wait(ld.eid)
+                if got is None or not got.ok:
+                    raise RuntimeError(f"on-demand copy of expert {ld.eid} failed: {got and got.error}")
+                self._set_lookup(ld.eid, ld.slot)
+        finally:
+            self.transfer.resume()
+
+    def issue(self, layer: int) -> None:
+        """Reserve and submit the scheduler's next tasks at position (step, ``layer``) up to ``max_outstanding``."""
+        pos = position(self.step, layer, self.L)
+        te = self.transfer
+        while len(te.queued()) + len(te.in_flight()) < self.max_outstanding:
+            task = self.scheduler.select(pos)
+            if task is None:
+                return
+            ld = self.table.prefetch(task.eid)
+            if ld is None:
+                continue
+            if ld.evicted >= 0:
+                self._set_lookup(ld.evicted, -1)
+            te.submit(ld.eid, ld.slot, ld.tag)
+            self.prefetches += 1
+
+    def close(self) -> None:
+        """Stop the copy worker (queued copies are cancelled)."""
+        self.transfer.close()
+
+
+def lookup_is_consistent(pool: SlotPool, table: SlotTable) -> bool:
+    """Debug check: ``pool.lookup`` equals the table's mapping of resident experts (Fetch slots excluded)."""
+    want = torch.tensor(table.slot_of, dtype=torch.long)
+    return bool(torch.equal(pool.lookup.cpu(), want))

@@ -1,0 +1,173 @@
+"""Trace replay with prefetching over a link that overlaps compute (SeqMoE §4 pipeline, §6, §7, §8.3).
+
+Time is counted in *layer times*: one MoE layer's FullLoad compute takes 1. The host->device link moves
+``link_epl`` experts per layer time (SeqMoE §2.2: ~1.39 for Qwen3-30B-A3B-FP8 on an RTX 4090 over PCIe 4.0), one
+copy at a time in FIFO order. For each layer, in the runtime's order:
+
+1. land the prefetches whose copy finished by now (Fetch -> Compute, ``SlotTable.land``);
+2. hand the forecasts this layer triggers to the policy (``observe``) and turn them into prefetch tasks
+   (``core.prefetch.tasks_from_forecast``: k + 3 tasks per layer, conf, ddl) for the scheduler;
+3. plan the layer (``plan_layer(..., hold=True)``): hits, in-flight experts to wait for, on-demand loads; the
+   loads queue on the link behind the copy in flight (a DMA is not pre-empted) and the layer stalls until its
+   waits and loads are done; an on-demand miss thereby pauses prefetching (§8.3);
+4. compute for 1 layer time, during which the link runs the scheduler's choices (``select(pos)``) back to back;
+   each one reserves a Fetch slot (``SlotTable.prefetch``, evicting a Used expert by the policy) and lands when
+   its copy finishes; the tasks are created while the layer's own experts are still in Compute, so a prefetch
+   never overwrites an expert the layer computes with (SeqMoE §4 order), and then the layer's Compute slots
+   become Used (``release(layer)``).
+
+The scheduler, the policy and the slot table are the objects the runtime uses. In-flight experts a layer needs
+count as misses (SeqMoE §9.1: a hit is resident before on-demand loading) and are reported as ``late``. The decode
+speed projection is ``FullLoad time / (FullLoad time + stalls)`` over decode steps (predictor time not included).
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+from ..core.prefetch import make_scheduler, position, tasks_from_forecast
+from ..core.slots import SlotTable
+from ..errors import MoeOffloadError
+from ..trace.format import Trace
+from .simulator import build_policy, layer_needs
+
+
+# policy names of the full SeqMoE pipeline in ``simulate``: (eviction policy, prefetch scheduler)
+PREFETCH_POLICIES = {"seqmoe": ("seqmoe-cacheonly", "jsd"), "seqmoe-infinity": ("seqmoe-cacheonly", "moe-infinity")}
+
+
+@dataclass
+class PrefetchReplayResult:
+    """Totals of one replay with prefetching (counts of distinct experts per layer execution; times in layer
+    times). ``decode_fraction_of_full_load`` = decode FullLoad time / (that + decode stalls)."""
+
+    policy: str
+    num_slots: int
+    hits: int = 0
+    misses: int = 0
+    decode_hits: int = 0
+    decode_misses: int = 0
+    decode_late: int = 0
+    prefetches: int = 0
+    prefetches_used: int = 0
+    on_demand_loads: int = 0
+    decode_layers: int = 0
+    decode_stall: float = 0.0
+
+    @property
+    def hit_rate(self) -> float:
+        n = self.hits + self.misses
+        return self.hits / n if n else 1.0
+
+    @property
+    def decode_hit_rate(self) -> float:
+        n = self.decode_hits + self.decode_misses
+        return self.decode_hits / n if n else 1.0
+
+    @property
+    def decode_fraction_of_full_load(self) -> float:
+        return self.decode_layers / (self.decode_layers + self.decode_stall) if self.decode_layers else 1.0
+
+    @property
+    def prefetch_accuracy(self) -> float:
+        """Share of landed-or-adopted prefetches that a layer then needed."""
+        return self.prefetches_used / self.prefetches if self.prefetches else 0.0
+
+
+def replay_with_prefetch(trace: Trace, num_slots: int, policy: str, link_epl: float, forecasts=None,
+                         scheduler: str | None = "jsd", needs=None, reserve: int = 1,
+                         min_conf: float = 0.0) -> PrefetchReplayResult:
+    """Replay ``trace`` with ``num_slots`` slots, eviction ``policy`` and, when ``scheduler`` is given, prefetching
+    from the predictor's ``forecasts`` (``sim.forecasts.forecast_stream``) over a link of ``link_epl`` experts
+    per layer time.
+
+    Args:
+        policy: an eviction policy name (``seqmoe-cacheonly`` = probabilistic Belady, fed the forecasts).
+        link_epl: experts the link copies per layer compute time (> 0).
+        scheduler: ``jsd`` (SeqMoE), ``moe-infinity``, ``promoe``, or None (no prefetching: on-demand only).
+        reserve: slots a prefetch never takes (kept for on-demand misses, SeqMoE §8.4's e).
+        min_conf: tasks below this confidence are not generated (0: every k + 3 task, as the paper).
+
+    Raises:
+        MoeOffloadError: ``link_epl <= 0``, prefetching or a forecast-driven policy without forecasts.
+    """
+    if not link_epl > 0:
+        raise MoeOffloadError(f"link bandwidth must be > 0 experts per layer time, got {link_epl}")
+    needs = needs if needs is not None else layer_needs(trace)
+    pol = build_policy(policy, trace, num_slots, needs)
+    if forecasts is None and (scheduler is not None or hasattr(pol, "observe")):
+        raise MoeOffloadError("prefetching and forecast-driven eviction need a predictor's forecasts")
+    L, E, k = trace.num_moe_layers, trace.num_experts, trace.top_k
+    table = SlotTable(num_slots, L * E, pol, experts_per_layer=E, reserve=reserve)
+    sched = make_scheduler(scheduler, num_moe_layers=L, b_avg=link_epl, auto_ema=False) if scheduler else None
+    name = policy if scheduler is None else f"{policy}+{scheduler}"
+    res = PrefetchReplayResult(policy=name, num_slots=num_slots)
+    d = 1.0 / link_epl
+    now = link_free = 0.0
+    inflight: list[tuple[float, int, int, int]] = []     # heap of (finish, eid, slot, tag)
+    finish_of: dict[int, float] = {}
+    prefetched: set[int] = set()                          # landed/adopted prefetches not yet needed by a layer
+    observe = getattr(pol, "observe", None)
+
+    def land_until(t: float) -> None:
+        while inflight and inflight[0][0] <= t:
+            _, eid, slot, tag = heapq.heappop(inflight)
+            finish_of.pop(eid, None)
+            table.land(eid, slot, tag, ok=True)
+
+    for i, (req, step, needed, tokens) in enumerate(needs):
+        table.begin_step(req, step)
+        if step == 0 and sched is not None:
+            sched.reset()
+        events = forecasts[i] if forecasts is not None else ()
+        for p in range(L):
+            land_until(now)
+            for trig, f in events:
+                if trig == p:
+                    if observe is not None:
+                        observe(f)
+                    if sched is not None:
+                        sched.submit(t for t in tasks_from_forecast(f, L, E, k) if t.conf >= min_conf)
+            if prefetched:  # prefetched experts this layer finds resident or in flight
+                res.prefetches_used += sum(1 for e in needed[p]
+                                           if e in prefetched and (table.is_resident(e) or table.in_flight(e)))
+                prefetched.difference_update(needed[p])
+            plan = table.plan_layer(needed[p], tokens[p], layer=p, hold=True)
+            ready = now
+            for w in plan.waits:
+                ready = max(ready, finish_of.get(w.eid, now))
+            n_loads = plan.num_loads
+            res.on_demand_loads += n_loads
+            if n_loads:
+                link_free = max(link_free, now) + n_loads * d
+                ready = max(ready, link_free)
+            stall = ready - now
+            now = ready
+            res.hits += plan.hits
+            res.misses += plan.misses
+            if step > 0:
+                res.decode_hits += plan.hits
+                res.decode_misses += plan.misses
+                res.decode_late += plan.late
+                res.decode_layers += 1
+                res.decode_stall += stall
+            end = now + 1.0
+            if sched is not None:
+                pos = position(step, p, L)
+                while link_free < end:
+                    task = sched.select(pos)
+                    if task is None:
+                        break
+                    ld = table.prefetch(task.eid)
+                    if ld is None:
+                        continue
+                    fin = max(link_free, now) + d
+                    link_free = fin
+                    heapq.heappush(inflight, (fin, ld.eid, ld.slot, ld.tag))
+                    finish_of[ld.eid] = fin
+                    prefetched.add(ld.eid)
+                    res.prefetches += 1
+            table.release(p)  # after creating this layer's prefetches: they never evict what it computes with
+            now = end
+    return res
