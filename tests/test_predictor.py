@@ -289,6 +289,10 @@ def test_cli_forecast_policy_needs_predictor(tiny_dirs, tmp_path, capsys):
                  "--quiet", "--policy", "seqmoe-cacheonly", "--residency", "0.5"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "needs --predictor" in err[0]
+    code = main(["bench", "decode", "--model", str(tiny_dirs["mixtral"]), "--prompt", "hi", "--max-new-tokens", "2",
+                 "--quiet", "--policy", "lru,seqmoe", "--residencies", "0.5"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "needs --predictor" in err[0]
     tr = planted_trace(requests=3, length=6)
     tr.save(tmp_path / "t.trace")
     code = main(["simulate", "--trace", str(tmp_path / "t.trace"), "--policy", "lru,seqmoe-cacheonly",

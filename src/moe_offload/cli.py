@@ -158,6 +158,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(bd)
     bd.add_argument("--residencies", default="1.0,0.45,0.25,0.15")
     bd.add_argument("--out", help="also write the table (markdown) to this new file")
+    bd.add_argument("--predictor", help="a trained predictor, run in every offloaded configuration (needed by seqmoe*)")
+    bd.add_argument("--link-regime", choices=["rtx4090"],
+                    help="emulate the papers' link regime on this machine: one layer's FullLoad compute overlaps the "
+                    "transfer of 1.39 experts (SeqMoE §2.2, Qwen3-30B-A3B-FP8 on an RTX 4090)")
     bl = bsub.add_parser("link", help="measure host->device copy bandwidth; saves the this-machine profile")
     bl.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
     bl.add_argument("--size-mb", type=_positive_int, default=256)
@@ -405,6 +409,10 @@ def _predictor_replay_set(predictor: str, traces: list, need_forecasts: bool):
     return traces, fc
 
 
+# --link-regime: experts whose transfer one layer's FullLoad compute overlaps (SeqMoE §2.2)
+LINK_REGIMES = {"rtx4090": 1.39}
+
+
 def _cmd_bench(args) -> int:
     if args.bench_cmd == "link":
         from .sim.profiles import measure_link
@@ -430,7 +438,8 @@ def _cmd_bench(args) -> int:
     prompts = load_prompts(args)
     path = resolve_model(args.model, progress=not args.quiet)
     table = bench_decode(path, prompts, residencies, max_new_tokens=args.max_new_tokens, device=args.device,
-                         dtype=args.dtype, policy=args.policy, progress=not args.quiet)
+                         dtype=args.dtype, policy=args.policy, progress=not args.quiet, predictor=args.predictor,
+                         link_epl=LINK_REGIMES.get(args.link_regime))
     print(table)
     if args.out:
         Path(args.out).write_text(table + "\n")
