@@ -16,7 +16,7 @@ def bench_decode(path: Path, prompts: list[str], residencies: list[float], *, ma
 
     Args:
         policy: one policy name or several, comma-separated (``seqmoe*`` policies need ``predictor``).
-        predictor: a trained predictor directory, attached to every offloaded run (its time is included).
+        predictor: a trained predictor directory, run with the forecast-driven policies (its time is included).
         link_epl: emulate the link regime in which one layer's FullLoad compute overlaps the transfer of this many
             experts (SeqMoE §2.2: 1.39 for Qwen3-30B-A3B-FP8 on an RTX 4090): the FullLoad run of this very
             benchmark gives the layer time ``t = decode s / (tokens * L)``, and every expert copy (on demand or
@@ -54,9 +54,9 @@ def bench_decode(path: Path, prompts: list[str], residencies: list[float], *, ma
         for r in residencies:
             lm = load_offloaded(path, device=device, dtype=dtype, residency=r, policy=pol, progress=False,
                                 link_epl=link_epl or 2.0, seconds_per_expert=spe)
-            if predictor:
+            if pol in FORECAST_RUNTIME_POLICIES:
                 _attach_predictor(lm, predictor)
-            elif spe is not None:
+            if spe is not None and lm.engine.prefetcher is None:  # a prefetcher's TransferEngine paces its copies
                 _emulate_on_demand(lm, spe)
             outs, s = measure(lm)
             same = [o.token_ids for o in outs] == ref_tokens

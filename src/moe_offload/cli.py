@@ -158,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(bd)
     bd.add_argument("--residencies", default="1.0,0.45,0.25,0.15")
     bd.add_argument("--out", help="also write the table (markdown) to this new file")
-    bd.add_argument("--predictor", help="a trained predictor, run in every offloaded configuration (needed by seqmoe*)")
+    bd.add_argument("--predictor", help="a trained predictor, run with the seqmoe* policies (which need it)")
     bd.add_argument("--link-regime", choices=["rtx4090"],
                     help="emulate the papers' link regime on this machine: one layer's FullLoad compute overlaps the "
                     "transfer of 1.39 experts (SeqMoE §2.2, Qwen3-30B-A3B-FP8 on an RTX 4090)")
