@@ -1,4 +1,4 @@
-"""moe-offload command line: generate, testbed, trace, simulate, bench.
+"""moe-offload command line: generate, testbed, trace, simulate, predictor, bench.
 
 Every user error is one line on stderr and exit status 2 (no traceback); nothing is written except into the
 cache directory or an ``--out`` the user named, and an existing non-empty ``--out`` is never overwritten.
@@ -110,7 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int)
     g.add_argument("--json", action="store_true", help="print one JSON object instead of text and a table")
     g.add_argument("--predictor", help="run this trained predictor during generation (see `predictor train`)")
-    g.add_argument("--rollout", type=_nonneg_int, default=0, help="with --predictor: recursive steps per decode step")
+    g.add_argument("--rollout", type=_nonneg_int, default=0,
+                   help="with --predictor: recursive forecast steps per decode step (default 0; the seqmoe* policies "
+                   "use at least 7: SeqMoE's c = 8 CacheScore rows)")
     g.add_argument("--link-gbps", type=_float, help="with --policy seqmoe*: emulate a host->device link of X GB/s "
                    "(every expert copy takes at least expert bytes / X)")
 
@@ -145,7 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
     sm.add_argument("--model-profile", default="qwen3-30b-a3b-fp8", help="model profile for the time model")
     sm.add_argument("--full-load-tok-s", type=_float, help="FullLoad decode tok/s when the profile has none")
     sm.add_argument("--model", help="check that every trace was recorded on this checkpoint directory")
-    sm.add_argument("--predictor", help="a trained predictor (for seqmoe-cacheonly); when the traces are its training "
+    sm.add_argument("--predictor", help="a trained predictor (for seqmoe-cacheonly, seqmoe, seqmoe-infinity); when the "
+                    "traces are its training "
                     "traces, every policy replays only its held-out requests")
     sm.add_argument("--link-epl", type=_float,
                     help="link speed in experts per layer compute time for the prefetching replay (default: the model "
@@ -156,7 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
     bsub = b.add_subparsers(dest="bench_cmd", required=True)
     bd = bsub.add_parser("decode", help="decode tokens/s vs FullLoad across residencies")
     _add_model_args(bd)
-    bd.add_argument("--residencies", default="1.0,0.45,0.25,0.15")
+    bd.add_argument("--residencies", default="1.0,0.45,0.25,0.15",
+                    help="comma-separated residencies (default 1.0,0.45,0.25,0.15); --policy may list several too")
     bd.add_argument("--out", help="also write the table (markdown) to this new file")
     bd.add_argument("--predictor", help="a trained predictor, run with the seqmoe* policies (which need it)")
     bd.add_argument("--link-regime", choices=["rtx4090"],
