@@ -173,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     br.add_argument("--seconds", type=_float, default=5.0)
     from .predictor.cli import add_parser as add_predictor_parser
 
-    add_predictor_parser(sub, _positive_int, _nonneg_int, _float, _add_model_args)
+    add_predictor_parser(sub, _positive_int, _nonneg_int, _float)
     return ap
 
 
@@ -357,7 +357,7 @@ def _cmd_simulate(args) -> int:
                                  "model": mp.name, "hardware": hw.name, "policy": p.lower(), "residency": r,
                                  "slots": slots, "hit_rate": pr.hit_rate, "decode_hit_rate": pr.decode_hit_rate,
                                  "hits": pr.hits, "misses": pr.misses, "decode_misses": pr.decode_misses,
-                                 "accesses": pr.hits + pr.misses, "link_epl": epl,
+                                 "accesses": pr.accesses, "link_epl": epl,
                                  "decode_fraction_link_model": pr.decode_fraction_of_full_load,
                                  "prefetches": pr.prefetches, "prefetch_accuracy": pr.prefetch_accuracy,
                                  "late": pr.decode_late})
@@ -393,16 +393,16 @@ def _link_fraction(res, tr, epl: float) -> float:
 def _predictor_replay_set(predictor: str, traces: list, need_forecasts: bool):
     """For ``simulate --predictor``: the traces to replay (the predictor's held-out requests merged into one trace
     when these are its training traces, else all of them) and, if needed, the forecasts for each."""
-    from .predictor.features import split_requests, trace_digest, trace_sequences
+    from .predictor.features import trace_sequences, training_split
     from .predictor.model import load_predictor
     from .sim.forecasts import forecast_stream
     from .trace.format import merge_requests
 
     pset = load_predictor(predictor, model_id=traces[0][1].header.get("model_id"))
-    split = pset.header.training.get("split", {})
-    if [t.get("digest") for t in split.get("traces", [])] == [trace_digest(tr) for _, tr in traces]:
-        keys = [s.key for i, (_, tr) in enumerate(traces) for s in trace_sequences(tr, i)]
-        _, test = split_requests(keys, split["test_fraction"], split["seed"])
+    keys = [s.key for i, (_, tr) in enumerate(traces) for s in trace_sequences(tr, i)]
+    split = training_split(pset.header.training, [tr for _, tr in traces], keys)
+    if split is not None:
+        _, test = split
         chosen = [keys[j] for j in test]
         merged = merge_requests([(tr, [r for t_i, r in chosen if t_i == i]) for i, (_, tr) in enumerate(traces)],
                                 source="held-out requests of " + ", ".join(Path(n).name for n, _ in traces))

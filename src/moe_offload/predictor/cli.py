@@ -9,7 +9,7 @@ from pathlib import Path
 from ..errors import MoeOffloadError
 
 
-def add_parser(sub, positive_int, nonneg_int, fl, add_model_args) -> None:
+def add_parser(sub, positive_int, nonneg_int, fl) -> None:
     """Add the ``predictor`` command group to the top-level subparsers ``sub``."""
     pr = sub.add_parser("predictor", help="SeqMoE's seq2seq expert-activation predictor: train, eval")
     psub = pr.add_subparsers(dest="predictor_cmd", required=True)
@@ -18,7 +18,9 @@ def add_parser(sub, positive_int, nonneg_int, fl, add_model_args) -> None:
     t.add_argument("--out", required=True, help="new directory for predictor.safetensors + predictor.json")
     t.add_argument("--predictors", type=positive_int, default=2, help="number of layer ranges (default 2)")
     t.add_argument("--hidden-size", type=positive_int, default=128, help="Mamba2 hidden size m (default 128)")
-    t.add_argument("--mamba-layers", type=positive_int, default=1)
+    t.add_argument("--mamba-layers", type=positive_int, default=1, help="stacked Mamba2 blocks (default 1)")
+    t.add_argument("--no-input-skip", action="store_true",
+                   help="the paper's exact Linear -> Mamba2 -> Linear, without our input skip (docs/predictor.md)")
     t.add_argument("--epochs", type=positive_int, default=6, help="teacher-forcing epochs (default 6)")
     t.add_argument("--ss-epochs", type=nonneg_int, default=3, help="scheduled-sampling epochs after them (default 3)")
     t.add_argument("--ss-max-prob", type=fl, default=0.5,
@@ -90,7 +92,8 @@ def cmd_train(args) -> int:
     if args.shuffle_steps:
         train = [s.shuffled(args.seed + 1 + i) for i, s in enumerate(train)]
     L = int(h0["num_moe_layers"])
-    specs = [PredictorSpec(layers=r, hidden_size=args.hidden_size, num_mamba_layers=args.mamba_layers)
+    specs = [PredictorSpec(layers=r, hidden_size=args.hidden_size, num_mamba_layers=args.mamba_layers,
+                           input_skip=not args.no_input_skip)
              for r in default_ranges(L, args.predictors)]
     header = PredictorHeader(model_id=h0["model_id"], model_type=h0.get("model_type", ""), num_moe_layers=L,
                              num_experts=int(h0["num_experts"]), top_k=int(h0["top_k"]), specs=specs,
@@ -122,7 +125,7 @@ def cmd_eval(args) -> int:
     from ..report import format_table
     from .baselines import MarkovPredictor
     from .evaluate import evaluate_predictor, popularity_counts, recall_table
-    from .features import split_requests, trace_digest
+    from .features import training_split
     from .model import load_predictor
 
     traces = _load_traces(args.traces)
@@ -132,10 +135,9 @@ def cmd_eval(args) -> int:
     if control is not None and [s.layers for s in control.header.specs] != [s.layers for s in pset.header.specs]:
         raise MoeOffloadError("--control must have the same layer ranges as --predictor")
     seqs = _sequences(traces)
-    split = pset.header.training.get("split", {})
-    same = [t.get("digest") for t in split.get("traces", [])] == [trace_digest(t) for t in traces]
-    if same:
-        train_idx, test_idx = split_requests([s.key for s in seqs], split["test_fraction"], split["seed"])
+    split = training_split(pset.header.training, traces, [s.key for s in seqs])
+    if split is not None:
+        train_idx, test_idx = split
         note = f"held-out {len(test_idx)} of {len(seqs)} requests (the predictor's training split)"
     else:
         train_idx, test_idx = [], list(range(len(seqs)))

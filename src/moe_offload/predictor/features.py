@@ -136,3 +136,22 @@ def trace_digest(trace: Trace) -> str:
 
     canon = json.dumps(trace.header, sort_keys=True) + f"|{len(trace.request)}"
     return hashlib.sha256(canon.encode()).hexdigest()[:16]
+
+
+def training_split(training: dict, traces: list[Trace], keys: list[tuple[int, int]]
+                   ) -> tuple[list[int], list[int]] | None:
+    """The predictor's own train/test split of ``keys`` when ``traces`` are exactly its training traces.
+
+    Args:
+        training: a predictor header's ``training`` dict (its ``split``: seed, test_fraction, trace digests).
+        traces: the traces at hand, in order.
+        keys: the request keys of those traces' sequences, in order (``Sequence.key``).
+
+    Returns:
+        ``(train_indices, test_indices)`` into ``keys`` as ``split_requests`` made them at training time, or None
+        when the traces differ from the training traces (by ``trace_digest``): then none of them was held out.
+    """
+    split = training.get("split", {})
+    if [t.get("digest") for t in split.get("traces", [])] != [trace_digest(t) for t in traces]:
+        return None
+    return split_requests(keys, split["test_fraction"], split["seed"])

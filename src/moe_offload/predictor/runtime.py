@@ -145,9 +145,12 @@ class ForecastFeed:
         self.consumers = consumers
 
     def begin_step(self, request: int, step: int) -> None:
+        """Before each forward pass (0 = prefill): passed on to the runner."""
         self.runner.begin_step(request, step)
 
     def __call__(self, layer: int, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> None:
+        """Engine observer call at MoE ``layer`` (``top_k_index``/``top_k_weights [T, k]``): run the predictor,
+        then hand every forecast it just produced to the consumers."""
         before = list(self.runner.forecasts)
         self.runner(layer, top_k_index, top_k_weights)
         for old, new in zip(before, self.runner.forecasts):

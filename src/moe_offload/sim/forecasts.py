@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from ..predictor.model import PredictorSet
-from ..predictor.runtime import Forecast, PredictorRunner
+from ..predictor.runtime import Forecast, ForecastFeed, PredictorRunner
 from ..trace.format import Trace
 
 
@@ -32,16 +32,23 @@ def forecast_stream(pset: PredictorSet, trace: Trace, rollout: int = 7,
     """
     from tqdm.auto import tqdm
 
-    runner = PredictorRunner(pset, rollout=rollout)
+    class _Sink:  # records what the runtime's ForecastFeed hands to its consumers, with the current layer
+        layer = 0
+        events: list[tuple[int, Forecast]] = []
+
+        @classmethod
+        def observe(cls, forecast: Forecast) -> None:
+            cls.events.append((cls.layer, forecast))
+
+    feed = ForecastFeed(PredictorRunner(pset, rollout=rollout), _Sink)
     ids = torch.from_numpy(trace.expert_ids.astype(np.int64))
     w = torch.from_numpy(trace.expert_weights.astype(np.float32))
     out = []
     for req, step, a, b in tqdm(trace.steps(), desc="forecasts", disable=not progress, leave=False):
-        runner.begin_step(req, step)
-        events = []
+        feed.begin_step(req, step)
+        _Sink.events = []
         for layer in range(trace.num_moe_layers):
-            before = list(runner.forecasts)
-            runner(layer, ids[a:b, layer], w[a:b, layer])
-            events += [(layer, new) for old, new in zip(before, runner.forecasts) if new is not None and new is not old]
-        out.append(events)
+            _Sink.layer = layer
+            feed(layer, ids[a:b, layer], w[a:b, layer])
+        out.append(_Sink.events)
     return out

@@ -30,7 +30,7 @@ from ..core.prefetch import make_scheduler, position, tasks_from_forecast
 from ..core.slots import SlotTable
 from ..errors import MoeOffloadError
 from ..trace.format import Trace
-from .simulator import build_policy, layer_needs
+from .simulator import ReplayResult, build_policy, layer_needs
 
 
 # policy names of the full SeqMoE pipeline in ``simulate``: (eviction policy, prefetch scheduler)
@@ -38,32 +38,17 @@ PREFETCH_POLICIES = {"seqmoe": ("seqmoe-cacheonly", "jsd"), "seqmoe-infinity": (
 
 
 @dataclass
-class PrefetchReplayResult:
-    """Totals of one replay with prefetching (counts of distinct experts per layer execution; times in layer
-    times). ``decode_fraction_of_full_load`` = decode FullLoad time / (that + decode stalls)."""
+class PrefetchReplayResult(ReplayResult):
+    """Totals of one replay with prefetching: ``ReplayResult``'s counts (distinct experts per layer execution; no
+    ``per_step``) plus the prefetch and time counts (times in layer times).
+    ``decode_fraction_of_full_load`` = decode FullLoad time / (that + decode stalls)."""
 
-    policy: str
-    num_slots: int
-    hits: int = 0
-    misses: int = 0
-    decode_hits: int = 0
-    decode_misses: int = 0
     decode_late: int = 0
     prefetches: int = 0
     prefetches_used: int = 0
     on_demand_loads: int = 0
     decode_layers: int = 0
     decode_stall: float = 0.0
-
-    @property
-    def hit_rate(self) -> float:
-        n = self.hits + self.misses
-        return self.hits / n if n else 1.0
-
-    @property
-    def decode_hit_rate(self) -> float:
-        n = self.decode_hits + self.decode_misses
-        return self.decode_hits / n if n else 1.0
 
     @property
     def decode_fraction_of_full_load(self) -> float:
@@ -76,8 +61,7 @@ class PrefetchReplayResult:
 
 
 def replay_with_prefetch(trace: Trace, num_slots: int, policy: str, link_epl: float, forecasts=None,
-                         scheduler: str | None = "jsd", needs=None, reserve: int = 1,
-                         min_conf: float = 0.0) -> PrefetchReplayResult:
+                         scheduler: str | None = "jsd", needs=None, reserve: int = 1) -> PrefetchReplayResult:
     """Replay ``trace`` with ``num_slots`` slots, eviction ``policy`` and, when ``scheduler`` is given, prefetching
     from the predictor's ``forecasts`` (``sim.forecasts.forecast_stream``) over a link of ``link_epl`` experts
     per layer time.
@@ -87,7 +71,6 @@ def replay_with_prefetch(trace: Trace, num_slots: int, policy: str, link_epl: fl
         link_epl: experts the link copies per layer compute time (> 0).
         scheduler: ``jsd`` (SeqMoE), ``moe-infinity``, ``promoe``, or None (no prefetching: on-demand only).
         reserve: slots a prefetch never takes (kept for on-demand misses, SeqMoE §8.4's e).
-        min_conf: tasks below this confidence are not generated (0: every k + 3 task, as the paper).
 
     Raises:
         MoeOffloadError: ``link_epl <= 0``, prefetching or a forecast-driven policy without forecasts.
@@ -128,7 +111,7 @@ def replay_with_prefetch(trace: Trace, num_slots: int, policy: str, link_epl: fl
                     if observe is not None:
                         observe(f)
                     if sched is not None:
-                        sched.submit(t for t in tasks_from_forecast(f, L, E, k) if t.conf >= min_conf)
+                        sched.submit(tasks_from_forecast(f, L, E, k))
             if prefetched:  # prefetched experts this layer finds resident or in flight
                 res.prefetches_used += sum(1 for e in needed[p]
                                            if e in prefetched and (table.is_resident(e) or table.in_flight(e)))
@@ -170,4 +153,5 @@ def replay_with_prefetch(trace: Trace, num_slots: int, policy: str, link_epl: fl
                     res.prefetches += 1
             table.release(p)  # after creating this layer's prefetches: they never evict what it computes with
             now = end
+    res.accesses = res.hits + res.misses
     return res
