@@ -323,3 +323,60 @@ def test_seqmoe_prefetching_is_lossless_on_every_architecture(tiny_dirs, policy)
         pf.land_ready()
         assert lookup_is_consistent(lm.engine.pool, lm.engine.table), arch
         pf.close()
+
+
+@pytest.mark.parametrize("residency", [0.5, 0.75])
+def test_seqmoe_async_runtime_close_to_simulator(tiny_dirs, residency):
+    """Asynchronous prefetching (JSD) with prefill offloading (SeqMoE §8.4): the runtime's hits/misses are within
+    5% of all accesses of the simulator's replay of the trace recorded in the same run (same forecasts, same
+    scheduler, policy and slot table objects; the simulator's link moves 2 experts per layer time, the runtime's
+    copies take 0.1 ms each, so landing times differ only by timing noise), and the tokens stay FullLoad's."""
+    from moe_offload.generate import run
+    from moe_offload.models.loader import load_full, load_offloaded
+    from moe_offload.predictor.runtime import ForecastFeed, PredictorRunner
+    from moe_offload.sim.forecasts import forecast_stream
+    from moe_offload.sim.prefetch_sim import replay_with_prefetch
+    from moe_offload.trace.collect import TraceRecorder
+
+    d = tiny_dirs["mixtral"]
+    prompts = ["hello world how are you", "the cat sat on the mat", "a b c d e"]
+    ref, _ = run(load_full(d), prompts, 12)
+    lm = load_offloaded(d, residency=residency, policy="seqmoe", progress=False, link_epl=2.0, seconds_per_expert=1e-4)
+    pset = _random_pset(lm, seed=3)
+    pop = [[float(e + layer) for e in range(lm.num_experts)] for layer in range(lm.num_moe_layers)]
+    pf = lm.engine.prefetcher
+    pf.set_prefill_popularity(pop)
+    with TraceRecorder(lm) as rec:
+        lm.engine.observers.append(ForecastFeed(PredictorRunner(pset, rollout=7), lm.engine.table.policy, pf))
+        outs, st = run(lm, prompts, 12, recorder=rec)
+        tr = rec.trace()
+    pf.close()
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    sim = replay_with_prefetch(tr, lm.engine.pool.num_slots, "seqmoe-cacheonly", 2.0,
+                               forecasts=forecast_stream(pset, tr), scheduler="jsd", prefill_popularity=pop)
+    o = st.offload
+    assert o.hits + o.misses == sim.hits + sim.misses
+    assert abs(o.hits - sim.hits) <= 0.05 * sim.accesses, (o.hits, sim.hits)
+    assert pf.prefetches > 0 and sim.prefetches > 0
+    if residency == 0.75:  # 36 slots: room for prefill prefetches besides a layer's experts and the reserve e = 16
+        assert pf.prefill_prefetches > 0 and sim.prefill_prefetches > 0
+
+
+def test_predictor_saves_prefill_popularity(tmp_path):
+    """``predictor train`` stores the training requests' prefill expert counts (SeqMoE §8.4's offline profile)."""
+    from moe_offload.cli import main
+    from moe_offload.predictor.features import prefill_popularity
+    from moe_offload.predictor.model import load_predictor
+
+    tr = planted_trace(requests=10, length=12, prompt=4)
+    tr.save(tmp_path / "t.trace")
+    assert main(["predictor", "train", "--traces", str(tmp_path / "t.trace"), "--out", str(tmp_path / "p"),
+                 "--epochs", "1", "--ss-epochs", "0", "--hidden-size", "16", "--quiet"]) == 0
+    pop = np.array(load_predictor(tmp_path / "p").header.prefill_popularity)
+    assert pop.shape == (2, 16) and (pop.sum(1) == 9 * 4 * 2).all()   # 9 training requests x 4 prompt tokens x k
+    hand = np.zeros((2, 16), int)
+    for row in tr.expert_ids[(tr.step == 0) & (tr.request == 0)]:
+        for layer in range(2):
+            for e in row[layer]:
+                hand[layer, e] += 1
+    assert (np.array(prefill_popularity([tr], [(0, 0)], 2, 16)) == hand).all()

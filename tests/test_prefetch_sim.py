@@ -59,3 +59,52 @@ def test_perfect_forecasts_and_fast_link_hide_every_decode_miss():
     # a slow link: prefetches land late (counted as misses, waited for, never loaded twice)
     slow = replay_with_prefetch(tr, 24, "seqmoe-cacheonly", 0.05, forecasts=fc, scheduler="jsd")
     assert slow.decode_misses > 0 and slow.decode_fraction_of_full_load < 1.0
+
+
+def _hand_trace():
+    """One request, L = 2 MoE layers, E = 4 experts, k = 1: a 3-token prefill (layer 0 uses experts 0, 1, 2; layer 1
+    uses 3, 3, 2) and one decode step (experts 0 and 3)."""
+    import numpy as np
+
+    from moe_offload.trace.format import Trace
+
+    ids = np.array([[[0], [3]], [[1], [3]], [[2], [2]], [[0], [3]]], dtype=np.int16)
+    header = {"model_id": "hand", "model_type": "hand", "num_moe_layers": 2, "num_experts": 4, "top_k": 1,
+              "synthetic": True, "requests": [{"prompt_tokens": 3, "decode_steps": 1}], "source": "hand-made"}
+    return Trace(header, ids, np.ones(ids.shape, np.float16), np.zeros(4, np.int32),
+                 np.array([0, 0, 0, 1], np.int32), np.arange(3, dtype=np.int32))
+
+
+def test_prefill_offloading_hand_worked():
+    """SeqMoE §8.4 on a hand-worked prefill, 8 slots (all 8 experts fit), link 2 experts per layer time (d = 0.5).
+
+    Layer 0: experts 0, 1, 2 miss and load on demand (link busy until t = 1.5, the layer computes 1.5 -> 2.5).
+    Popularity of layer 1 is [0, 0, 5, 9]: candidates after layer 0 are eids 7 (expert 3) then 6 (expert 2). With
+    reserve e = 4, at most 8 - 4 = 4 slots may be in Fetch/Compute: layer 0's three Compute slots + eid 7 = 4, so
+    eid 7 is prefetched (lands at t = 2.0) and eid 6 is refused. Layer 1 (t = 2.5): 7 hits, 6 misses.
+    Prefill: 1 hit, 4 misses (without the profile: 0 hits, 5 misses)."""
+    from moe_offload.core.prefetch import PrefillPrefetch
+
+    tr = _hand_trace()
+    none = [[], []]
+    pop = [[1, 1, 1, 0], [0, 0, 5, 9]]
+    r = replay_with_prefetch(tr, 8, "lru", 2.0, forecasts=none, scheduler="jsd", prefill_popularity=pop)
+    assert (r.hits - r.decode_hits, r.misses - r.decode_misses) == (1, 4)
+    assert r.prefill_prefetches == 1 == r.prefetches
+    base = replay_with_prefetch(tr, 8, "lru", 2.0, forecasts=none, scheduler="jsd")
+    assert (base.hits - base.decode_hits, base.misses - base.decode_misses) == (0, 5)
+    assert list(PrefillPrefetch(pop, 2, 4).candidates(-1)) == [0, 1, 2, 7, 6]
+    assert list(PrefillPrefetch(pop, 2, 4).candidates(0)) == [7, 6]
+    assert list(PrefillPrefetch(pop, 2, 4).candidates(1)) == []
+
+
+def test_prefill_popularity_errors():
+    import pytest
+
+    from moe_offload.core.prefetch import PrefillPrefetch
+    from moe_offload.errors import MoeOffloadError
+
+    with pytest.raises(MoeOffloadError, match="shape"):
+        PrefillPrefetch([[1, 2]], 2, 4)
+    with pytest.raises(MoeOffloadError, match="non-negative"):
+        PrefillPrefetch([[1, -1], [0, 0]], 2, 2)

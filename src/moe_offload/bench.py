@@ -91,6 +91,8 @@ def _attach_predictor(lm, predictor: str) -> None:
                  if c is not None]
     if consumers:
         eng.observers.append(ForecastFeed(PredictorRunner(pset, rollout=7), *consumers))
+        if eng.prefetcher is not None:  # prefill offloading by offline popularity (SeqMoE §8.4)
+            eng.prefetcher.set_prefill_popularity(pset.header.prefill_popularity)
     else:
         eng.observers.append(PredictorRunner(pset))
 

@@ -147,7 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
     sm.add_argument("--model-profile", default="qwen3-30b-a3b-fp8", help="model profile for the time model")
     sm.add_argument("--full-load-tok-s", type=_float, help="FullLoad decode tok/s when the profile has none")
     sm.add_argument("--model", help="check that every trace was recorded on this checkpoint directory")
-    sm.add_argument("--predictor", help="a trained predictor (for seqmoe-cacheonly, seqmoe, seqmoe-infinity); when the "
+    sm.add_argument("--predictor", help="a trained predictor (for seqmoe-cacheonly, seqmoe, seqmoe-infinity, and "
+                    "seqmoe-oracle: its forecasts replaced by the true future, an upper bound); when the "
                     "traces are its training "
                     "traces, every policy replays only its held-out requests")
     sm.add_argument("--link-epl", type=_float,
@@ -214,6 +215,8 @@ def _cmd_generate(args) -> int:
             runner = PredictorRunner(pset, rollout=max(args.rollout, 7))
             consumers = [lm.engine.table.policy] + ([lm.engine.prefetcher] if lm.engine.prefetcher else [])
             lm.engine.observers.append(ForecastFeed(runner, *consumers))
+            if lm.engine.prefetcher is not None:  # prefill offloading by offline popularity (SeqMoE §8.4)
+                lm.engine.prefetcher.set_prefill_popularity(pset.header.prefill_popularity)
         else:
             runner = PredictorRunner(pset, rollout=args.rollout)
             lm.engine.observers.append(runner)
@@ -324,10 +327,10 @@ def _cmd_simulate(args) -> int:
 
         model_id = model_fingerprint(json.loads((resolve_model(args.model) / "config.json").read_text()))
     traces = [(t, load_trace(t)) for t in args.trace]
-    forecasts = {}
+    forecasts, popularity, oracle = {}, None, {}
     wants = [p for p in policies if p.lower() in FORECAST_POLICIES or p.lower() in PREFETCH_POLICIES]
     if args.predictor:
-        traces, forecasts = _predictor_replay_set(args.predictor, traces, bool(wants))
+        traces, forecasts, popularity = _predictor_replay_set(args.predictor, traces, bool(wants))
     elif wants:
         raise MoeOffloadError(f"--policy {','.join(wants)} needs --predictor DIR")
     epl = args.link_epl or mp.paper_overlap_experts_per_layer.get(hw.name) or tm.experts_per_layer_compute
@@ -351,8 +354,13 @@ def _cmd_simulate(args) -> int:
                 slots = max(1, math.ceil(r * n_total - 1e-9))
                 if p.lower() in PREFETCH_POLICIES:
                     evict, sched = PREFETCH_POLICIES[p.lower()]
-                    pr = replay_with_prefetch(tr, slots, evict, epl, forecasts=forecasts.get(name), scheduler=sched,
-                                              needs=needs)
+                    fc = forecasts.get(name)
+                    if p.lower().endswith("-oracle") and fc is not None:
+                        from .sim.forecasts import oracle_stream
+
+                        fc = oracle.setdefault(name, oracle_stream(fc, tr))
+                    pr = replay_with_prefetch(tr, slots, evict, epl, forecasts=fc, scheduler=sched,
+                                              needs=needs, prefill_popularity=popularity)
                     rows.append({"trace": Path(name).name, "synthetic": bool(tr.header.get("synthetic")),
                                  "model": mp.name, "hardware": hw.name, "policy": p.lower(), "residency": r,
                                  "slots": slots, "hit_rate": pr.hit_rate, "decode_hit_rate": pr.decode_hit_rate,
@@ -392,7 +400,8 @@ def _link_fraction(res, tr, epl: float) -> float:
 
 def _predictor_replay_set(predictor: str, traces: list, need_forecasts: bool):
     """For ``simulate --predictor``: the traces to replay (the predictor's held-out requests merged into one trace
-    when these are its training traces, else all of them) and, if needed, the forecasts for each."""
+    when these are its training traces, else all of them), if needed the forecasts for each, and the predictor's
+    prefill popularity profile (SeqMoE §8.4; None for a predictor saved without one)."""
     from .predictor.features import trace_sequences, training_split
     from .predictor.model import load_predictor
     from .sim.forecasts import forecast_stream
@@ -410,7 +419,7 @@ def _predictor_replay_set(predictor: str, traces: list, need_forecasts: bool):
         print(f"replaying the predictor's {len(chosen)} held-out requests of {len(keys)} (all policies)")
         traces = [(name, merged)]
     fc = {name: forecast_stream(pset, tr, progress=True) for name, tr in traces} if need_forecasts else {}
-    return traces, fc
+    return traces, fc, pset.header.prefill_popularity
 
 
 # --link-regime: experts whose transfer one layer's FullLoad compute overlaps (SeqMoE §2.2)

@@ -73,7 +73,7 @@ def cmd_train(args) -> int:
     Raises:
         MoeOffloadError: bad arguments, unreadable or mixed-model traces, a non-empty ``--out``.
     """
-    from .features import split_requests, trace_digest
+    from .features import prefill_popularity, split_requests, trace_digest
     from .model import PredictorHeader, PredictorSpec, default_ranges
     from .train import TrainConfig, train_predictors
 
@@ -101,7 +101,9 @@ def cmd_train(args) -> int:
                              training={"split": {"seed": args.seed, "test_fraction": args.test_fraction,
                                                  "traces": [{"name": Path(p).name, "digest": trace_digest(t)}
                                                             for p, t in zip(args.traces, traces)]},
-                                       "test_requests": len(test_idx)})
+                                       "test_requests": len(test_idx)},
+                             prefill_popularity=prefill_popularity(traces, [seqs[i].key for i in train_idx], L,
+                                                                   int(h0["num_experts"])))
     if not 0 <= args.ss_max_prob <= 1:
         raise MoeOffloadError(f"--ss-max-prob must be in [0, 1], got {args.ss_max_prob}")
     cfg = TrainConfig(epochs=args.epochs, ss_epochs=args.ss_epochs, ss_max_prob=args.ss_max_prob, lr=args.lr,

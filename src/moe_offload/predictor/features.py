@@ -109,6 +109,24 @@ def trace_sequences(trace: Trace, trace_index: int = 0) -> list[Sequence]:
     return out
 
 
+def prefill_popularity(traces: list[Trace], keys: list[tuple[int, int]], num_moe_layers: int,
+                       num_experts: int) -> list[list[int]]:
+    """Offline expert popularity for prefill offloading (SeqMoE §8.4): ``[L][E]`` counts of how many prompt tokens
+    the router sent to each expert, over the prefills (step 0 rows) of the requests ``keys`` =
+    ``[(trace_index, request)]`` of ``traces``."""
+    counts = np.zeros((num_moe_layers, num_experts), dtype=np.int64)
+    want: dict[int, set[int]] = {}
+    for t_i, r in keys:
+        want.setdefault(t_i, set()).add(r)
+    for t_i, reqs in want.items():
+        tr = traces[t_i]
+        rows = (tr.step == 0) & np.isin(tr.request, sorted(reqs))
+        ids = tr.expert_ids[rows].astype(np.int64)  # [N, L, k]
+        for p in range(num_moe_layers):
+            counts[p] += np.bincount(ids[:, p, :].reshape(-1), minlength=num_experts)[:num_experts]
+    return counts.tolist()
+
+
 def split_requests(keys: list[tuple[int, int]], test_fraction: float = 0.1, seed: int = 0
                    ) -> tuple[list[int], list[int]]:
     """Deterministic train/test split by request (SeqMoE §5.4 uses 90/10).

@@ -201,6 +201,8 @@ class PredictorHeader:
     specs: list[PredictorSpec]
     shuffled_control: bool = False
     training: dict = field(default_factory=dict)
+    # [L][E] expert token counts over the training requests' prefills (SeqMoE §8.4's offline popularity profile)
+    prefill_popularity: list | None = None
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -294,7 +296,8 @@ def load_predictor(path: str | Path, model_id: str | None = None, device: str | 
         header = PredictorHeader(model_id=j["model_id"], model_type=j["model_type"],
                                  num_moe_layers=int(j["num_moe_layers"]), num_experts=int(j["num_experts"]),
                                  top_k=int(j["top_k"]), specs=specs, shuffled_control=bool(j.get("shuffled_control")),
-                                 training=j.get("training", {}))
+                                 training=j.get("training", {}),
+                                 prefill_popularity=j.get("prefill_popularity"))
     except (KeyError, TypeError, ValueError) as e:
         raise MoeOffloadError(f"{cfg_p}: malformed predictor config ({e})") from None
     if model_id is not None and header.model_id != model_id:

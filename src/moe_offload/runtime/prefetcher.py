@@ -8,7 +8,8 @@ Per MoE layer the engine calls, in this order (the same order ``sim.prefetch_sim
 3. ``fetch_waits(round.waits)``: needed experts still in flight are waited for (never copied twice);
    ``load_on_demand(round.loads)``: misses are copied through the same link, ahead of queued prefetches, with new
    prefetch copies paused meanwhile (§8.3);
-4. ``issue(layer)``: the scheduler's choices are reserved (``SlotTable.prefetch`` evicts only Used experts, never
+4. ``issue(layer)``: the scheduler's choices (in a prefill with a popularity profile: the next layers' most popular
+   experts, SeqMoE §8.4, keeping ``e`` slots out of Fetch) are reserved (``SlotTable.prefetch`` evicts only Used experts, never
    one this layer computes with) and submitted to the ``TransferEngine``; the copies run while the layer computes;
 5. (the engine computes, then ``SlotTable.release(layer)``).
 
@@ -21,7 +22,7 @@ import math
 
 import torch
 
-from ..core.prefetch import PrefetchScheduler, position, tasks_from_forecast
+from ..core.prefetch import PrefetchScheduler, PrefillPrefetch, position, tasks_from_forecast
 from ..core.slots import Load, SlotTable
 from .pool import SlotPool
 from .store import HostStore
@@ -40,6 +41,8 @@ class Prefetcher:
             reserve slots early for copies that cannot start yet.
     Attributes:
         prefetches: copies submitted; landed: landings applied; waited: in-flight experts a layer waited for.
+        prefill_prefetches: of ``prefetches``, those issued during prefills by popularity (SeqMoE §8.4).
+        prefill: the ``core.prefetch.PrefillPrefetch`` in use (None: prefills prefetch nothing).
     """
 
     def __init__(self, store: HostStore, pool: SlotPool, table: SlotTable, scheduler: PrefetchScheduler,
@@ -49,7 +52,13 @@ class Prefetcher:
         self.L, self.E, self.k = num_moe_layers, num_experts, top_k
         self.max_outstanding = max_outstanding or max(2, math.ceil(scheduler.b_avg) + 1)
         self.step = 0
-        self.prefetches = self.landed = self.waited = 0
+        self.prefetches = self.landed = self.waited = self.prefill_prefetches = 0
+        self.prefill: PrefillPrefetch | None = None
+
+    def set_prefill_popularity(self, popularity) -> None:
+        """Enable prefill offloading (SeqMoE §8.4) with an offline ``[L, E]`` expert popularity profile (e.g. a
+        predictor's ``header.prefill_popularity``); None disables it. Raises MoeOffloadError for a bad shape."""
+        self.prefill = None if popularity is None else PrefillPrefetch(popularity, self.L, self.E)
 
     def begin_step(self, request: int, step: int) -> None:
         """A forward pass begins; a new request (step 0) drops the previous request's pending tasks."""
@@ -59,7 +68,7 @@ class Prefetcher:
 
     def observe(self, forecast) -> None:
         """Turn a one-step forecast into prefetch tasks (SeqMoE §6.1: k + 3 per layer, conf, ddl)."""
-        self.scheduler.submit(tasks_from_forecast(forecast, self.L, self.E, self.k))
+        self.scheduler.submit(tasks_from_forecast(forecast, self.L, self.E, self.k, table=self.table))
 
     def _set_lookup(self, eid: int, slot: int) -> None:
         self.pool.lookup[eid] = slot
@@ -100,20 +109,34 @@ class Prefetcher:
             self.transfer.resume()
 
     def issue(self, layer: int) -> None:
-        """Reserve and submit the scheduler's next tasks at position (step, ``layer``) up to ``max_outstanding``."""
-        pos = position(self.step, layer, self.L)
+        """Reserve and submit the scheduler's next tasks at position (step, ``layer``) up to ``max_outstanding``;
+        in a prefill with a popularity profile, the next layers' most popular experts instead (SeqMoE §8.4)."""
         te = self.transfer
-        while len(te.queued()) + len(te.in_flight()) < self.max_outstanding:
+        busy = lambda: len(te.queued()) + len(te.in_flight()) >= self.max_outstanding  # noqa: E731
+        if self.step == 0 and self.prefill is not None:
+            reserve = min(self.E, self.table.num_slots)
+            for eid in self.prefill.candidates(layer):
+                if busy() or self.table.num_protected + 1 > self.table.num_slots - reserve:
+                    return
+                if self._start(self.table.prefetch(eid, reserve=reserve)):
+                    self.prefill_prefetches += 1
+            return
+        pos = position(self.step, layer, self.L)
+        while not busy():
             task = self.scheduler.select(pos)
             if task is None:
                 return
-            ld = self.table.prefetch(task.eid)
-            if ld is None:
-                continue
-            if ld.evicted >= 0:
-                self._set_lookup(ld.evicted, -1)
-            te.submit(ld.eid, ld.slot, ld.tag)
-            self.prefetches += 1
+            self._start(self.table.prefetch(task.eid))
+
+    def _start(self, ld: Load | None) -> bool:
+        """Submit the copy of a reservation made by ``SlotTable.prefetch`` (None: nothing to do)."""
+        if ld is None:
+            return False
+        if ld.evicted >= 0:
+            self._set_lookup(ld.evicted, -1)
+        self.transfer.submit(ld.eid, ld.slot, ld.tag)
+        self.prefetches += 1
+        return True
 
     def close(self) -> None:
         """Stop the copy worker (queued copies are cancelled)."""

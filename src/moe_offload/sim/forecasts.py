@@ -52,3 +52,39 @@ def forecast_stream(pset: PredictorSet, trace: Trace, rollout: int = 7,
             feed(layer, ids[a:b, layer], w[a:b, layer])
         out.append(_Sink.events)
     return out
+
+
+def oracle_stream(stream: list[list[tuple[int, Forecast]]], trace: Trace) -> list[list[tuple[int, Forecast]]]:
+    """The perfect predictor's version of ``stream`` (a ``forecast_stream`` of ``trace``): the same forecasts (same
+    trigger layers, steps, layer ranges and rows) whose ``probs`` are the *true* activations: row ``j`` of a
+    forecast made at step ``s`` is Psi (SeqMoE §5.2) of the request's step ``s + 1 + j`` (averaged over its tokens;
+    zeros past the request's end). Replaying with it bounds what any predictor could give the same scheduler and
+    eviction policy (``simulate --policy seqmoe-oracle``)."""
+    from ..predictor.features import psi
+
+    L, E = trace.num_moe_layers, trace.num_experts
+    rows_of = {(req, step): (a, b) for req, step, a, b in trace.steps()}
+    ids = torch.from_numpy(trace.expert_ids.astype(np.int64))
+    w = torch.from_numpy(trace.expert_weights.astype(np.float32))
+    cache: dict[tuple[int, int], torch.Tensor] = {}
+
+    def truth(req: int, step: int) -> torch.Tensor | None:  # [L, E] or None past the request's end
+        key = (req, step)
+        if key not in cache:
+            ab = rows_of.get(key)
+            cache[key] = None if ab is None else psi(ids[ab[0]:ab[1]], w[ab[0]:ab[1]], E).view(-1, L, E).mean(0)
+        return cache[key]
+
+    out = []
+    for events in stream:
+        new = []
+        for trig, f in events:
+            lo, hi = f.layers
+            probs = torch.zeros_like(f.probs)
+            for j in range(f.probs.shape[0]):
+                t = truth(f.request, f.step + 1 + j)
+                if t is not None:
+                    probs[j] = t[lo:hi]
+            new.append((trig, Forecast(f.request, f.step, f.layers, probs)))
+        out.append(new)
+    return out

@@ -14,7 +14,9 @@ copy at a time in FIFO order. For each layer, in the runtime's order:
    each one reserves a Fetch slot (``SlotTable.prefetch``, evicting a Used expert by the policy) and lands when
    its copy finishes; the tasks are created while the layer's own experts are still in Compute, so a prefetch
    never overwrites an expert the layer computes with (SeqMoE §4 order), and then the layer's Compute slots
-   become Used (``release(layer)``).
+   become Used (``release(layer)``). In a prefill with a popularity profile (``prefill_popularity``) the link
+   instead runs the next layers' most popular experts (SeqMoE §8.4) with ``e`` slots kept out of Fetch; a prefill
+   layer is counted as 1 layer time like a decode layer (conservative: a long prompt's layer hides more copies).
 
 The scheduler, the policy and the slot table are the objects the runtime uses. In-flight experts a layer needs
 count as misses (SeqMoE §9.1: a hit is resident before on-demand loading) and are reported as ``late``. The decode
@@ -26,7 +28,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
-from ..core.prefetch import make_scheduler, position, tasks_from_forecast
+from ..core.prefetch import PrefillPrefetch, make_scheduler, position, tasks_from_forecast
 from ..core.slots import SlotTable
 from ..errors import MoeOffloadError
 from ..trace.format import Trace
@@ -34,7 +36,9 @@ from .simulator import ReplayResult, build_policy, layer_needs
 
 
 # policy names of the full SeqMoE pipeline in ``simulate``: (eviction policy, prefetch scheduler)
-PREFETCH_POLICIES = {"seqmoe": ("seqmoe-cacheonly", "jsd"), "seqmoe-infinity": ("seqmoe-cacheonly", "moe-infinity")}
+# (``-oracle``: the same pipeline fed perfect forecasts, ``sim.forecasts.oracle_stream``: an upper bound)
+PREFETCH_POLICIES = {"seqmoe": ("seqmoe-cacheonly", "jsd"), "seqmoe-infinity": ("seqmoe-cacheonly", "moe-infinity"),
+                     "seqmoe-oracle": ("seqmoe-cacheonly", "jsd")}
 
 
 @dataclass
@@ -45,6 +49,7 @@ class PrefetchReplayResult(ReplayResult):
 
     decode_late: int = 0
     prefetches: int = 0
+    prefill_prefetches: int = 0
     prefetches_used: int = 0
     on_demand_loads: int = 0
     decode_layers: int = 0
@@ -61,7 +66,8 @@ class PrefetchReplayResult(ReplayResult):
 
 
 def replay_with_prefetch(trace: Trace, num_slots: int, policy: str, link_epl: float, forecasts=None,
-                         scheduler: str | None = "jsd", needs=None, reserve: int = 1) -> PrefetchReplayResult:
+                         scheduler: str | None = "jsd", needs=None, reserve: int = 1,
+                         prefill_popularity=None) -> PrefetchReplayResult:
     """Replay ``trace`` with ``num_slots`` slots, eviction ``policy`` and, when ``scheduler`` is given, prefetching
     from the predictor's ``forecasts`` (``sim.forecasts.forecast_stream``) over a link of ``link_epl`` experts
     per layer time.
@@ -70,7 +76,9 @@ def replay_with_prefetch(trace: Trace, num_slots: int, policy: str, link_epl: fl
         policy: an eviction policy name (``seqmoe-cacheonly`` = probabilistic Belady, fed the forecasts).
         link_epl: experts the link copies per layer compute time (> 0).
         scheduler: ``jsd`` (SeqMoE), ``moe-infinity``, ``promoe``, or None (no prefetching: on-demand only).
-        reserve: slots a prefetch never takes (kept for on-demand misses, SeqMoE §8.4's e).
+        reserve: slots a decode prefetch never takes (kept for on-demand misses).
+        prefill_popularity: ``[L, E]`` offline expert popularity: prefills prefetch by it (SeqMoE §8.4, keeping
+            ``e`` slots free), as the runtime's ``Prefetcher.set_prefill_popularity``; None: no prefill prefetching.
 
     Raises:
         MoeOffloadError: ``link_epl <= 0``, prefetching or a forecast-driven policy without forecasts.
@@ -92,6 +100,16 @@ def replay_with_prefetch(trace: Trace, num_slots: int, policy: str, link_epl: fl
     finish_of: dict[int, float] = {}
     prefetched: set[int] = set()                          # landed/adopted prefetches not yet needed by a layer
     observe = getattr(pol, "observe", None)
+    prefill = None if prefill_popularity is None or sched is None else PrefillPrefetch(prefill_popularity, L, E)
+    prefill_reserve = min(E, num_slots)
+
+    def start(ld, t0: float) -> float:
+        fin = max(link_free, t0) + d
+        heapq.heappush(inflight, (fin, ld.eid, ld.slot, ld.tag))
+        finish_of[ld.eid] = fin
+        prefetched.add(ld.eid)
+        res.prefetches += 1
+        return fin
 
     def land_until(t: float) -> None:
         while inflight and inflight[0][0] <= t:
@@ -111,7 +129,7 @@ def replay_with_prefetch(trace: Trace, num_slots: int, policy: str, link_epl: fl
                     if observe is not None:
                         observe(f)
                     if sched is not None:
-                        sched.submit(tasks_from_forecast(f, L, E, k))
+                        sched.submit(tasks_from_forecast(f, L, E, k, table=table))
             if prefetched:  # prefetched experts this layer finds resident or in flight
                 res.prefetches_used += sum(1 for e in needed[p]
                                            if e in prefetched and (table.is_resident(e) or table.in_flight(e)))
@@ -136,21 +154,23 @@ def replay_with_prefetch(trace: Trace, num_slots: int, policy: str, link_epl: fl
                 res.decode_layers += 1
                 res.decode_stall += stall
             end = now + 1.0
-            if sched is not None:
+            if step == 0 and prefill is not None:
+                for eid in prefill.candidates(p):
+                    if link_free >= end or table.num_protected + 1 > num_slots - prefill_reserve:
+                        break
+                    ld = table.prefetch(eid, reserve=prefill_reserve)
+                    if ld is not None:
+                        link_free = start(ld, now)
+                        res.prefill_prefetches += 1
+            elif sched is not None:
                 pos = position(step, p, L)
                 while link_free < end:
                     task = sched.select(pos)
                     if task is None:
                         break
                     ld = table.prefetch(task.eid)
-                    if ld is None:
-                        continue
-                    fin = max(link_free, now) + d
-                    link_free = fin
-                    heapq.heappush(inflight, (fin, ld.eid, ld.slot, ld.tag))
-                    finish_of[ld.eid] = fin
-                    prefetched.add(ld.eid)
-                    res.prefetches += 1
+                    if ld is not None:
+                        link_free = start(ld, now)
             table.release(p)  # after creating this layer's prefetches: they never evict what it computes with
             now = end
     res.accesses = res.hits + res.misses
