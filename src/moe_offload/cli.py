@@ -115,6 +115,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "use at least 7: SeqMoE's c = 8 CacheScore rows)")
     g.add_argument("--link-gbps", type=_float, help="with --policy seqmoe*: emulate a host->device link of X GB/s "
                    "(every expert copy takes at least expert bytes / X)")
+    g.add_argument("--block-length", type=int, help="diffusion models (LLaDA2): positions per block (default 32)")
+    g.add_argument("--steps", type=int, help="diffusion models: diffusion steps per block, at most --block-length "
+                   "(default: --block-length)")
+    g.add_argument("--threshold", type=_float, help="diffusion models: commit every masked token whose confidence "
+                   "exceeds this, in (0, 1] (default 0.95)")
 
     t = sub.add_parser("testbed", help="the built-in testbed MoE made from SmolLM2-135M")
     tsub = t.add_subparsers(dest="testbed_cmd", required=True)
@@ -156,6 +161,22 @@ def build_parser() -> argparse.ArgumentParser:
                     "profile's measured value on --hardware, SeqMoE §2.2: 1.39 for qwen3-30b-a3b-fp8 on rtx4090)")
     sm.add_argument("--out", required=True, help="new (or empty) directory for CSV, markdown and PNG plots")
 
+    sd = sub.add_parser("simulate-diffusion", help="replay a diffusion (LLaDA2) trace through the TIDE refresh "
+                        "planners: hit rate, swaps, fallbacks, modelled tok/s, interval sweep")
+    sd.add_argument("--trace", help="diffusion trace file (trace.diffusion format); default: a synthetic trace")
+    sd.add_argument("--requests", type=_positive_int, default=4, help="synthetic trace: requests (default 4)")
+    sd.add_argument("--blocks", type=_positive_int, default=8, help="synthetic trace: blocks per request (default 8)")
+    sd.add_argument("--seed", type=_nonneg_int, default=0, help="synthetic trace: seed (default 0)")
+    sd.add_argument("--policy", default="reactive,tide-fixed,tide", help="comma-separated: reactive, tide-fixed, tide")
+    sd.add_argument("--intervals", default="1-16", help="tide-fixed intervals T: 'A-B' or comma-separated (default 1-16)")
+    sd.add_argument("--budget", default="0.25,0.5", help="experts per layer on the device, comma-separated fractions "
+                    "in (0, 1] (default 0.25,0.5)")
+    sd.add_argument("--hardware", default="rtx4090,h200", help="comma-separated hardware profiles (default rtx4090,h200)")
+    sd.add_argument("--model-profile", default="llada2.0-mini", help="model profile for the cost model")
+    sd.add_argument("--tau-max", type=_positive_int, default=16, help="tide: longest interval considered (default 16)")
+    sd.add_argument("--overlap-host", action="store_true", help="host fallback overlaps the layer's device compute")
+    sd.add_argument("--out", required=True, help="new (or empty) directory for CSV, markdown and PNG plots")
+
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench_cmd", required=True)
     bd = bsub.add_parser("decode", help="decode tokens/s vs FullLoad across residencies")
@@ -191,6 +212,7 @@ def _cmd_generate(args) -> int:
         raise MoeOffloadError(f"--policy {args.policy} needs --predictor DIR (it evicts by the predictor's forecast)")
     prompts = load_prompts(args)
     path = resolve_model(args.model, progress=not args.quiet)
+    diffusion = _diffusion_params(args, path)
     if args.full_load:
         lm = load_full(path, device=args.device, dtype=args.dtype)
     else:
@@ -220,9 +242,18 @@ def _cmd_generate(args) -> int:
         else:
             runner = PredictorRunner(pset, rollout=args.rollout)
             lm.engine.observers.append(runner)
-    outputs, stats = run(lm, prompts, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                         seed=args.seed, progress=not args.quiet)
+    if diffusion is not None:  # block diffusion (LLaDA2): blocks of mask tokens refined over diffusion steps
+        from .models.diffusion import diffusion_summary, run_diffusion
+
+        outputs, stats, results = run_diffusion(lm, prompts, args.max_new_tokens, temperature=args.temperature,
+                                                top_p=args.top_p, seed=args.seed, progress=not args.quiet,
+                                                **diffusion)
+    else:
+        outputs, stats = run(lm, prompts, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                             seed=args.seed, progress=not args.quiet)
     info = stats_dict(lm, stats)
+    if diffusion is not None:
+        info["diffusion"] = diffusion_summary(results, **diffusion)
     if runner is not None:
         ps = runner.stats
         info["predictor"] = {"path": args.predictor, "rollout": runner.rollout, "prefill_s": ps.prefill_s,
@@ -240,7 +271,39 @@ def _cmd_generate(args) -> int:
             p = info["predictor"]
             print(f"predictor: {p['ms_per_decode_step']:.2f} ms per decode step ({p['decode_steps']} steps, "
                   f"rollout {p['rollout']}), {p['prefill_s']:.3f} s in prefill")
+        if "diffusion" in info:
+            from .models.diffusion import format_summary
+
+            print(format_summary(info["diffusion"]))
     return 0
+
+
+def _diffusion_params(args, path: Path) -> dict | None:
+    """``generate`` on a diffusion model (config ``model_type`` of an Architecture flagged ``diffusion``, e.g.
+    llada2_moe): the block-diffusion loop's keyword arguments (defaults block 32, steps = block length, threshold
+    0.95), validated; None for an autoregressive model.
+
+    Raises:
+        MoeOffloadError: --block-length/--steps/--threshold given for an autoregressive model, --predictor for a
+            diffusion model, or a bad value (``models.diffusion.check_params``).
+    """
+    from .models.diffusion import check_params
+    from .models.loader import read_config
+
+    _, _, arch = read_config(path)
+    given = [f"--{n.replace('_', '-')}" for n in ("block_length", "steps", "threshold") if getattr(args, n) is not None]
+    if not arch.diffusion:
+        if given:
+            raise MoeOffloadError(f"{', '.join(given)} only apply to diffusion models; {path} is {arch.name} "
+                                  "(autoregressive)")
+        return None
+    if args.predictor:
+        raise MoeOffloadError(f"--predictor is not supported for diffusion models ({arch.name}) yet")
+    block = 32 if args.block_length is None else args.block_length
+    params = {"block_length": block, "steps": block if args.steps is None else args.steps,
+              "threshold": 0.95 if args.threshold is None else args.threshold}
+    check_params(args.max_new_tokens, **params)
+    return params
 
 
 def _cmd_testbed(args) -> int:
@@ -391,6 +454,93 @@ def _cmd_simulate(args) -> int:
     return 0
 
 
+def _parse_intervals(text: str) -> list[int]:
+    try:
+        if "-" in text:
+            a, b = (int(x) for x in text.split("-", 1))
+            vals = list(range(a, b + 1))
+        else:
+            vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise MoeOffloadError(f"--intervals must be 'A-B' or comma-separated integers, got {text!r}") from None
+    if not vals or min(vals) < 1:
+        raise MoeOffloadError(f"--intervals must be integers >= 1, got {text!r}")
+    return vals
+
+
+def _cmd_simulate_diffusion(args) -> int:
+    from .core.costs import TideCosts
+    from .sim.diffusion_sim import budget_experts, run_diffusion_sweep, write_diffusion_report
+    from .sim.profiles import load_model_profile
+    from .trace.diffusion import load_diffusion_trace, stability_profile, synthetic_diffusion_trace
+
+    budgets = _split_floats(args.budget, "--budget")
+    if any(not (0 < b <= 1) for b in budgets):
+        raise MoeOffloadError(f"--budget values must be in (0, 1], got {args.budget}")
+    policies = [p.strip().lower() for p in args.policy.split(",") if p.strip()]
+    bad = [p for p in policies if p not in ("reactive", "tide-fixed", "tide")]
+    if bad or not policies:
+        raise MoeOffloadError(f"unknown --policy {','.join(bad) or args.policy!r}; choose among reactive, tide-fixed, tide")
+    intervals = _parse_intervals(args.intervals)
+    out = Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise MoeOffloadError(f"{out} already exists and is not an empty directory; choose a new --out")
+    mp = load_model_profile(args.model_profile)
+    hws = [h.strip() for h in args.hardware.split(",") if h.strip()]
+    if not hws:
+        raise MoeOffloadError("--hardware is empty")
+    costs = {h: TideCosts.from_profiles(h, mp, overlap_host=args.overlap_host) for h in hws}
+    if args.trace:
+        tr, name = load_diffusion_trace(args.trace), Path(args.trace).name
+    else:
+        tr = synthetic_diffusion_trace(mp.num_moe_layers, mp.num_experts, mp.top_k, requests=args.requests,
+                                       blocks=args.blocks, block_length=int(mp.extra.get("block_length", 32)),
+                                       seed=args.seed)
+        name = "synthetic"
+    geo = (tr.num_moe_layers, tr.num_experts, tr.top_k)
+    if geo != (mp.num_moe_layers, mp.num_experts, mp.top_k):
+        raise MoeOffloadError(f"trace geometry {geo[0]}x{geo[1]} top-{geo[2]} differs from model profile {mp.name} "
+                              f"({mp.num_moe_layers}x{mp.num_experts} top-{mp.top_k}); pass a matching --model-profile")
+    from tqdm.auto import tqdm
+
+    n = len(hws) * len(budgets) * sum(len(intervals) if p == "tide-fixed" else 1 for p in policies)
+    bar = tqdm(total=n, desc="replays", leave=False)
+    rows, sweep = run_diffusion_sweep(tr, costs, budgets, policies, intervals, tau_max=args.tau_max,
+                                      trace_name=name, model=mp.name, progress=lambda: bar.update(1))
+    bar.close()
+    stab = ["## Trace stability (trace.diffusion.stability_profile)", "",
+            "coverage(d): share of token-experts at step r+d whose expert is among the budget experts with the most "
+            "tokens at step r (same block).", "", "| budget | d=0 | d=1 | d=2 | d=4 | d=8 | Jaccard(next) | "
+            "active/layer/step | steps/block |", "|---|---|---|---|---|---|---|---|---|"]
+    for b in budgets:
+        sp = stability_profile(tr, budget_experts(b, tr.num_experts), 8)
+        cv = sp["coverage"]
+        f = lambda v: "n/a" if v is None else f"{100 * v:.1f}%"  # noqa: E731
+        stab.append(f"| {100 * b:g}% | {f(cv[0])} | {f(cv[1])} | {f(cv[2])} | {f(cv[4])} | {f(cv[8])} | "
+                    f"{sp['jaccard_next']:.3f} | {sp['active_per_layer_step']:.1f} | {sp['steps_per_block']:.1f} |")
+    cost_md = ["## Cost model (core.costs.TideCosts.from_profiles; modelled, see the profiles' unsourced fields)", "",
+               "| hardware | swap us | device us/expert | device us/token-expert | fallback us/expert | "
+               "fallback us/token-expert | non-expert ms/step |", "|---|---|---|---|---|---|---|"]
+    for h, c in costs.items():
+        cost_md.append(f"| {h} | {1e6 * c.swap_s:.1f} | {1e6 * c.device_expert_s:.2f} | {1e6 * c.device_token_s:.3f} "
+                       f"| {1e6 * c.fallback_expert_s:.1f} | {1e6 * c.fallback_token_s:.2f} | "
+                       f"{1e3 * c.nonexpert_step_s:.2f} |")
+    cmd = "moe-offload simulate-diffusion " + " ".join(
+        f"--{k.replace('_', '-')} {v}" for k, v in (("trace", args.trace), ("budget", args.budget),
+                                                    ("policy", args.policy), ("intervals", args.intervals),
+                                                    ("hardware", args.hardware), ("model_profile", args.model_profile),
+                                                    ("tau_max", args.tau_max)) if v is not None)
+    extra = "\n".join(["", f"Command: `{cmd}{' --overlap-host' if args.overlap_host else ''}`", "",
+                       f"Trace: {name} ({tr.header.get('source', '')}), {tr.num_steps} steps in {len(tr.blocks())} "
+                       "blocks.", ""] + stab + [""] + cost_md)
+    files = write_diffusion_report(rows, sweep, out, f"TIDE refresh planners ({mp.name})", extra_md=extra)
+    if not args.trace:
+        files.append(tr.save(out / "trace.safetensors"))
+    print((out / "results.md").read_text())
+    print("wrote " + ", ".join(str(f) for f in files))
+    return 0
+
+
 def _link_fraction(res, tr, epl: float) -> float:
     """Decode speed as a fraction of FullLoad under ``sim.prefetch_sim``'s link model for a replay without
     prefetching: every decode miss stalls its layer by ``1 / epl`` layer times (the link is idle at layer start)."""
@@ -476,6 +626,8 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_trace(args)
         if args.cmd == "simulate":
             return _cmd_simulate(args)
+        if args.cmd == "simulate-diffusion":
+            return _cmd_simulate_diffusion(args)
         if args.cmd == "predictor":
             from .predictor.cli import run as run_predictor
 

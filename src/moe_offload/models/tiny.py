@@ -14,18 +14,23 @@ from ..errors import MoeOffloadError
 from .registry import ARCHITECTURES, supported_names
 
 
-def tiny_tokenizer():
-    """A byte-level BPE tokenizer without merges: 256 byte tokens + ``<|bos|>`` (256) + ``<|eos|>`` (257)."""
+def tiny_tokenizer(mask_token: bool = False):
+    """A byte-level BPE tokenizer without merges: 256 byte tokens + ``<|bos|>`` (256) + ``<|eos|>`` (257), and with
+    ``mask_token`` a ``<|mask|>`` (258) for diffusion models (their mask token)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
     vocab["<|bos|>"] = len(vocab)
     vocab["<|eos|>"] = len(vocab)
+    special = {"bos_token": "<|bos|>", "eos_token": "<|eos|>"}
+    if mask_token:
+        vocab["<|mask|>"] = len(vocab)
+        special["mask_token"] = "<|mask|>"
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, **special)
 
 
 def make_tiny(arch: str, out_dir: str | Path, *, seed: int = 0, dtype: torch.dtype = torch.float32,
@@ -46,12 +51,18 @@ def make_tiny(arch: str, out_dir: str | Path, *, seed: int = 0, dtype: torch.dty
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise MoeOffloadError(f"{out} already exists and is not empty; choose another --out")
-    tok = tiny_tokenizer()
+    diffusion = ARCHITECTURES[arch].diffusion
+    tok = tiny_tokenizer(mask_token=diffusion)
+    extra = {"mask_token_id": tok.mask_token_id} if diffusion else {}
     config = AutoConfig.for_model(arch, vocab_size=len(tok), bos_token_id=tok.bos_token_id,
                                   eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id,
-                                  tie_word_embeddings=False, initializer_range=0.2, **ARCHITECTURES[arch].tiny)
+                                  tie_word_embeddings=False, initializer_range=0.2, **extra, **ARCHITECTURES[arch].tiny)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    with torch.no_grad():  # LLaDA2's selection-only router bias: random, so that loading it is tested
+        for name, buf in model.named_buffers():
+            if name.endswith("expert_bias"):
+                buf.normal_(0.0, 0.1)
     model.save_pretrained(out)
     tok.save_pretrained(out)
     return out

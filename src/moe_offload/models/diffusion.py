@@ -1,0 +1,349 @@
+"""Block-diffusion generation (LLaDA2.0's loop; DESIGN.md §4, TIDE "Temporal stability in diffusion").
+
+The sequence is cut into **blocks** of ``block_length`` positions, aligned at position 0 as in LLaDA2's reference
+``generate``: the prompt fills the first blocks, the block holding the prompt's tail is completed with **mask
+tokens**, and further blocks of mask tokens are appended one at a time until ``max_new_tokens`` positions after
+the prompt are covered. Attention is block-causal: a token sees every token of its own block and of all earlier
+blocks, never a later block (``block_causal_mask``). Each block is refined over at most ``steps`` **diffusion
+steps**; one step is one forward pass over the whole prefix (no KV cache, so the result never depends on
+caching), which yields, for every masked position of the current block, a token (greedy at temperature 0, else
+temperature + top-p sampling) and its confidence (that token's probability). The step commits every masked token
+whose confidence exceeds ``threshold``; when fewer than the step's scheduled count do, it commits the scheduled
+count of most confident ones instead. The schedule (``transfer_schedule``) splits ``block_length`` evenly over
+``steps`` (remainder to the first steps), so a block always completes within ``steps`` steps and threshold
+commits only make it finish sooner. After a block completes, generation stops if it holds an EOS token; the
+output is cut after the first EOS and to ``max_new_tokens``.
+
+Hooks: before every diffusion step the offload engine (if any) gets ``engine.begin_step(request, step)`` with a
+step index global over the request's blocks (0 = the first step, whose forward also covers the prompt), then
+``on_step(block, step_in_block, global_step)`` is called; after the step, ``on_step_end`` with the same
+arguments (e.g. a trace recorder's ``end_step``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import MoeOffloadError
+from .loader import LoadedModel
+
+
+def is_diffusion(lm_or_config) -> bool:
+    """Whether a ``LoadedModel`` or a transformers config is a block-diffusion LM (an ``Architecture`` flagged
+    ``diffusion``, e.g. ``llada2_moe``)."""
+    from .registry import ARCHITECTURES
+
+    arch = getattr(lm_or_config, "arch", None)
+    if arch is not None:
+        return bool(arch.diffusion)
+    entry = ARCHITECTURES.get(getattr(lm_or_config, "model_type", None) or "")
+    return bool(entry and entry.diffusion)
+
+
+def check_params(max_new_tokens: int, block_length: int, steps: int, threshold: float) -> None:
+    """Validate the loop's parameters.
+
+    Raises:
+        MoeOffloadError: ``max_new_tokens <= 0``, ``block_length <= 0``, ``steps`` outside ``[1, block_length]``,
+            or ``threshold`` outside ``(0, 1]``.
+    """
+    if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+        raise MoeOffloadError(f"--max-new-tokens must be a positive integer, got {max_new_tokens}")
+    if not isinstance(block_length, int) or block_length <= 0:
+        raise MoeOffloadError(f"--block-length must be a positive integer, got {block_length}")
+    if not isinstance(steps, int) or not 1 <= steps <= block_length:
+        raise MoeOffloadError(f"--steps must be an integer in [1, --block-length = {block_length}], got {steps}")
+    if not isinstance(threshold, (int, float)) or not 0 < threshold <= 1:  # NaN fails too
+        raise MoeOffloadError(f"--threshold must be in (0, 1], got {threshold}")
+
+
+def transfer_schedule(block_length: int, steps: int) -> list[int]:
+    """Tokens to commit at each diffusion step of a block at least: ``block_length`` split evenly over ``steps``,
+    the remainder going to the first steps (LLaDA2's ``_get_num_transfer_tokens``); sums to ``block_length``."""
+    base, rem = divmod(block_length, steps)
+    return [base + (1 if i < rem else 0) for i in range(steps)]
+
+
+def block_causal_mask(length: int, block_length: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """``[length, length]`` bool mask, True where query ``i`` may attend key ``j``: ``j // block_length <=
+    i // block_length`` (own block and all earlier blocks; blocks aligned at position 0)."""
+    blk = torch.arange(length, device=device) // block_length
+    return blk[None, :] <= blk[:, None]
+
+
+@dataclass
+class BlockStats:
+    """One generated block: ``index`` (0 = the first block holding mask tokens), ``start`` (its first position in
+    the sequence), ``masks`` (mask tokens it started with), ``committed`` (tokens committed at each of its diffusion
+    steps; ``len(committed)`` is its number of steps), ``seconds`` (wall time of its steps)."""
+
+    index: int
+    start: int
+    masks: int
+    committed: list[int] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def steps(self) -> int:
+        return len(self.committed)
+
+
+@dataclass
+class DiffusionResult:
+    """One request's block-diffusion result.
+
+    ``token_ids``: generated ids (the prompt excluded), cut after the first EOS (kept) and to ``max_new_tokens``;
+    ``prompt_tokens``; ``blocks``: per-block stats; ``step_seconds``: wall time of every diffusion step in order;
+    ``first_block_s``: seconds until the first block was complete (the first final tokens; TTFT's analogue);
+    ``seconds``: total wall time.
+    """
+
+    token_ids: list[int]
+    prompt_tokens: int
+    blocks: list[BlockStats]
+    step_seconds: list[float]
+    first_block_s: float
+    seconds: float
+
+    @property
+    def steps(self) -> int:
+        """Diffusion steps (forward passes) run."""
+        return sum(b.steps for b in self.blocks)
+
+    @property
+    def tokens_per_step(self) -> list[int]:
+        """Tokens committed at every diffusion step, in order (global across blocks)."""
+        return [c for b in self.blocks for c in b.committed]
+
+    @property
+    def steps_per_block(self) -> list[int]:
+        return [b.steps for b in self.blocks]
+
+
+def _mask_token_id(lm: LoadedModel) -> int:
+    mid = getattr(lm.model.config, "mask_token_id", None)
+    if mid is None and lm.tokenizer is not None:
+        mid = getattr(lm.tokenizer, "mask_token_id", None)
+    if mid is None:
+        raise MoeOffloadError(f"{lm.arch.name} checkpoint names no mask token (config mask_token_id)")
+    return int(mid)
+
+
+def _choose(logits: torch.Tensor, temperature: float, top_p: float,
+            gen: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``logits [N, V]`` -> ``(tokens [N] int64, confidence [N] float32)``: greedy at ``temperature == 0``, else
+    temperature + nucleus sampling; confidence = the chosen token's probability under the sampling distribution."""
+    if temperature <= 0:
+        probs = torch.softmax(logits.float(), dim=-1)
+        conf, tok = probs.max(dim=-1)
+        return tok, conf
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_p, idx = probs.sort(dim=-1, descending=True)
+        keep = sorted_p.cumsum(-1) - sorted_p < top_p
+        probs = torch.zeros_like(probs).scatter(-1, idx, sorted_p * keep)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    tok = torch.multinomial(probs.cpu(), 1, generator=gen).view(-1).to(logits.device)
+    return tok, probs.gather(-1, tok[:, None]).view(-1)
+
+
+def commit_positions(confidence: torch.Tensor, masked: torch.Tensor, scheduled: int, threshold: float) -> torch.Tensor:
+    """Which positions of a block one diffusion step commits.
+
+    Args:
+        confidence: ``[B]`` float, the chosen token's probability at each position of the block.
+        masked: ``[B]`` bool, positions still holding the mask token.
+        scheduled: the step's scheduled count (``transfer_schedule``).
+        threshold: confidence threshold in (0, 1].
+    Returns:
+        ``[B]`` bool: every masked position whose confidence exceeds ``threshold`` if there are at least
+        ``scheduled`` of them, else the ``min(scheduled, masked.sum())`` most confident masked positions.
+    """
+    conf = confidence.float().masked_fill(~masked, -math.inf)
+    high = conf > threshold
+    if int(high.sum()) >= scheduled:
+        return high
+    k = min(scheduled, int(masked.sum()))
+    out = torch.zeros_like(masked)
+    out[torch.topk(conf, k=k).indices] = True
+    return out
+
+
+@torch.no_grad()
+def diffusion_generate_ids(lm: LoadedModel, prompt_ids: list[int], max_new_tokens: int, *, block_length: int = 32,
+                           steps: int | None = None, threshold: float = 0.95, temperature: float = 0.0,
+                           top_p: float = 1.0, seed: int | None = None, request: int = 0,
+                           on_step: Callable[[int, int, int], None] | None = None,
+                           on_step_end: Callable[[int, int, int], None] | None = None) -> DiffusionResult:
+    """Block-diffusion generation of up to ``max_new_tokens`` tokens after ``prompt_ids`` (see the module docstring).
+
+    Args:
+        lm: a loaded diffusion model (``load_full`` or ``load_offloaded``); its forward must accept
+            ``attention_mask [1, 1, S, S]`` bool (True = may attend) and ``position_ids``.
+        prompt_ids: prompt token ids (at least one).
+        max_new_tokens: > 0.
+        block_length: positions per block (LLaDA2: 32).
+        steps: diffusion steps per block, in ``[1, block_length]``; default ``block_length`` (LLaDA2's default).
+        threshold: commit every masked token whose confidence exceeds it, in (0, 1] (1.0: only the schedule).
+        temperature, top_p, seed: 0 = greedy (default); else sampling with this generator seed.
+        request: request number given to ``engine.begin_step``.
+        on_step / on_step_end: called before / after every diffusion step with ``(block, step_in_block,
+            global_step)``; ``block`` counts generated blocks from 0, ``global_step`` the request's steps from 0.
+
+    The mask token is excluded from the choices (a trained LLaDA2 gives it ~zero probability; a random test model
+    might otherwise commit it and leave its block unfinished).
+
+    Returns:
+        ``DiffusionResult`` (tokens, per-block and per-step stats, times).
+
+    Raises:
+        MoeOffloadError: bad parameters (``check_params``), an empty prompt, or no mask token in the config.
+    """
+    steps = block_length if steps is None else steps
+    check_params(max_new_tokens, block_length, steps, threshold)
+    if not prompt_ids:
+        raise MoeOffloadError("the prompt encodes to no token")
+    from ..generate import _eos_ids, _sync
+
+    mask_id = _mask_token_id(lm)
+    eos = _eos_ids(lm)
+    dev = lm.device
+    engine = lm.engine
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    prompt_len = len(prompt_ids)
+    num_blocks = -(-(prompt_len + max_new_tokens) // block_length)
+    total = num_blocks * block_length
+    x = torch.full((1, total), mask_id, dtype=torch.long, device=dev)
+    x[0, :prompt_len] = torch.tensor(prompt_ids, dtype=torch.long, device=dev)
+    attn = block_causal_mask(total, block_length, dev)
+    positions = torch.arange(total, device=dev)[None]
+    schedule = transfer_schedule(block_length, steps)
+    # only the current block's logits are needed: it is always the last block_length positions of the prefix
+    takes_keep = "logits_to_keep" in inspect.signature(lm.model.forward).parameters
+    keep = {"logits_to_keep": block_length} if takes_keep else {}
+
+    blocks: list[BlockStats] = []
+    step_seconds: list[float] = []
+    global_step = 0
+    first_block_s = 0.0
+    t_start = time.perf_counter()
+    for b in range(prompt_len // block_length, num_blocks):
+        start, end = b * block_length, (b + 1) * block_length
+        block = x[0, start:end]  # a view: commits write into x
+        stats = BlockStats(index=len(blocks), start=start, masks=int((block == mask_id).sum()))
+        t_block = time.perf_counter()
+        for s in range(steps):
+            masked = block == mask_id
+            if not bool(masked.any()):
+                break
+            t0 = time.perf_counter()
+            if engine is not None:
+                engine.begin_step(request, global_step)
+            if on_step is not None:
+                on_step(stats.index, s, global_step)
+            out = lm.model(input_ids=x[:, :end], attention_mask=attn[None, None, :end, :end],
+                           position_ids=positions[:, :end], use_cache=False, **keep)
+            logits = out.logits[0, -block_length:].clone()
+            logits[:, mask_id] = -math.inf  # the mask token is never an output
+            tok, conf = _choose(logits, temperature, top_p, gen)
+            chosen = commit_positions(conf, masked, schedule[s], threshold)
+            block[chosen] = tok[chosen]
+            stats.committed.append(int(chosen.sum()))
+            if on_step_end is not None:
+                on_step_end(stats.index, s, global_step)
+            _sync(dev)
+            step_seconds.append(time.perf_counter() - t0)
+            global_step += 1
+        stats.seconds = time.perf_counter() - t_block
+        blocks.append(stats)
+        if len(blocks) == 1:
+            first_block_s = time.perf_counter() - t_start
+        if any(t in eos for t in x[0, prompt_len:end].tolist()):
+            break
+    new = x[0, prompt_len:prompt_len + max_new_tokens].tolist()
+    for i, t in enumerate(new):
+        if t in eos:
+            new = new[:i + 1]
+            break
+    return DiffusionResult(new, prompt_len, blocks, step_seconds, first_block_s, time.perf_counter() - t_start)
+
+
+def run_diffusion(lm: LoadedModel, prompts: list[str], max_new_tokens: int, *, block_length: int = 32,
+                  steps: int | None = None, threshold: float = 0.95, temperature: float = 0.0, top_p: float = 1.0,
+                  seed: int | None = None, progress: bool = False, recorder=None):
+    """Block-diffusion generation for each prompt in turn, with the autoregressive ``generate.run``'s outputs and
+    totals so the same reports apply.
+
+    Returns:
+        ``(outputs, run_stats, results)``: ``generate.Output`` per prompt (``ttft_s`` = seconds to the first complete
+        block, ``decode_s`` = the rest), ``generate.RunStats`` (engine counters; ``decode_tokens`` = tokens after
+        the first block) and the ``DiffusionResult`` per prompt (blocks, steps, tokens per step).
+        ``recorder``: optional ``trace.collect.TraceRecorder``; its ``end_step`` gets the global diffusion step.
+
+    Raises:
+        MoeOffloadError: see ``diffusion_generate_ids``; also a checkpoint without a tokenizer.
+    """
+    from tqdm.auto import tqdm
+
+    from ..generate import Output, RunStats, encode_prompt
+
+    steps = block_length if steps is None else steps
+    check_params(max_new_tokens, block_length, steps, threshold)
+    if lm.tokenizer is None:
+        raise MoeOffloadError(f"{lm.path} has no tokenizer: cannot encode prompts")
+    stats = RunStats()
+    outputs, results = [], []
+    eng = lm.engine
+    if eng is not None:
+        eng.reset_stats()
+    for i, prompt in enumerate(tqdm(prompts, desc="requests", disable=not progress, leave=False)):
+        pids = encode_prompt(lm.tokenizer, prompt)
+        if recorder is not None:
+            recorder.start_request(i, pids)
+        res = diffusion_generate_ids(lm, pids, max_new_tokens, block_length=block_length, steps=steps,
+                                     threshold=threshold, temperature=temperature, top_p=top_p, seed=seed, request=i,
+                                     on_step_end=(lambda _b, _s, g: recorder.end_step(g)) if recorder else None)
+        text = lm.tokenizer.decode(res.token_ids, skip_special_tokens=True)
+        first_block = res.blocks[0].start + block_length - len(pids)  # generated positions in the first block
+        outputs.append(Output(prompt, text, res.token_ids, len(pids), res.first_block_s,
+                              res.seconds - res.first_block_s))
+        results.append(res)
+        stats.requests += 1
+        stats.prompt_tokens += len(pids)
+        stats.prefill_s += res.first_block_s
+        stats.ttft_s.append(res.first_block_s)
+        stats.decode_s += res.seconds - res.first_block_s
+        stats.decode_tokens += max(0, len(res.token_ids) - first_block)
+    if eng is not None:
+        stats.offload = eng.stats
+    return outputs, stats, results
+
+
+def diffusion_summary(results: list[DiffusionResult], block_length: int, steps: int, threshold: float) -> dict:
+    """Totals over requests for ``--json`` and the text report: blocks, diffusion steps, tokens, tokens per step,
+    mean steps per block, seconds, tokens per second, and the loop's parameters."""
+    n_steps = sum(r.steps for r in results)
+    committed = sum(sum(r.tokens_per_step) for r in results)
+    blocks = sum(len(r.blocks) for r in results)
+    seconds = sum(r.seconds for r in results)
+    tokens = sum(len(r.token_ids) for r in results)
+    return {"block_length": block_length, "steps": steps, "threshold": threshold, "blocks": blocks,
+            "diffusion_steps": n_steps, "committed_tokens": committed, "output_tokens": tokens,
+            "tokens_per_step": committed / n_steps if n_steps else 0.0,
+            "steps_per_block": n_steps / blocks if blocks else 0.0,
+            "seconds": seconds, "output_tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
+            "tokens_per_step_each": [r.tokens_per_step for r in results],
+            "steps_per_block_each": [r.steps_per_block for r in results]}
+
+
+def format_summary(d: dict) -> str:
+    """One line of ``diffusion_summary`` for the text report."""
+    return (f"diffusion: {d['blocks']} blocks of {d['block_length']}, {d['diffusion_steps']} steps "
+            f"(<= {d['steps']} per block, mean {d['steps_per_block']:.2f}), {d['tokens_per_step']:.2f} tokens/step "
+            f"(threshold {d['threshold']}), {d['output_tokens_per_s']:.2f} output tok/s")
