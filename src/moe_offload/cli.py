@@ -168,10 +168,12 @@ def build_parser() -> argparse.ArgumentParser:
     sd.add_argument("--blocks", type=_positive_int, default=8, help="synthetic trace: blocks per request (default 8)")
     sd.add_argument("--seed", type=_nonneg_int, default=0, help="synthetic trace: seed (default 0)")
     sd.add_argument("--policy", default="reactive,tide-fixed,tide", help="comma-separated: reactive, tide-fixed, tide")
-    sd.add_argument("--intervals", default="1-16", help="tide-fixed intervals T: 'A-B' or comma-separated (default 1-16)")
+    sd.add_argument("--intervals", default="1-16",
+                    help="tide-fixed intervals T: 'A-B' or comma-separated (default 1-16)")
     sd.add_argument("--budget", default="0.25,0.5", help="experts per layer on the device, comma-separated fractions "
                     "in (0, 1] (default 0.25,0.5)")
-    sd.add_argument("--hardware", default="rtx4090,h200", help="comma-separated hardware profiles (default rtx4090,h200)")
+    sd.add_argument("--hardware", default="rtx4090,h200",
+                    help="comma-separated hardware profiles (default rtx4090,h200)")
     sd.add_argument("--model-profile", default="llada2.0-mini", help="model profile for the cost model")
     sd.add_argument("--tau-max", type=_positive_int, default=16, help="tide: longest interval considered (default 16)")
     sd.add_argument("--overlap-host", action="store_true", help="host fallback overlaps the layer's device compute")
@@ -223,7 +225,7 @@ def _cmd_generate(args) -> int:
     runner = None
     if args.rollout and not args.predictor:
         raise MoeOffloadError("--rollout needs --predictor")
-    forecast_policy = lm.engine is not None and hasattr(lm.engine.table.policy, "observe")
+    forecast_policy = lm.engine is not None and hasattr(getattr(lm.engine.table, "policy", None), "observe")
     if forecast_policy and not args.predictor:
         raise MoeOffloadError(f"--policy {args.policy} needs --predictor DIR (it evicts by the predictor's forecast)")
     if args.predictor:
@@ -480,7 +482,8 @@ def _cmd_simulate_diffusion(args) -> int:
     policies = [p.strip().lower() for p in args.policy.split(",") if p.strip()]
     bad = [p for p in policies if p not in ("reactive", "tide-fixed", "tide")]
     if bad or not policies:
-        raise MoeOffloadError(f"unknown --policy {','.join(bad) or args.policy!r}; choose among reactive, tide-fixed, tide")
+        raise MoeOffloadError(f"unknown --policy {','.join(bad) or args.policy!r}; "
+                              "choose among reactive, tide-fixed, tide")
     intervals = _parse_intervals(args.intervals)
     out = Path(args.out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -489,7 +492,6 @@ def _cmd_simulate_diffusion(args) -> int:
     hws = [h.strip() for h in args.hardware.split(",") if h.strip()]
     if not hws:
         raise MoeOffloadError("--hardware is empty")
-    costs = {h: TideCosts.from_profiles(h, mp, overlap_host=args.overlap_host) for h in hws}
     if args.trace:
         tr, name = load_diffusion_trace(args.trace), Path(args.trace).name
     else:
@@ -501,6 +503,7 @@ def _cmd_simulate_diffusion(args) -> int:
     if geo != (mp.num_moe_layers, mp.num_experts, mp.top_k):
         raise MoeOffloadError(f"trace geometry {geo[0]}x{geo[1]} top-{geo[2]} differs from model profile {mp.name} "
                               f"({mp.num_moe_layers}x{mp.num_experts} top-{mp.top_k}); pass a matching --model-profile")
+    costs = {h: TideCosts.from_profiles(h, mp, overlap_host=args.overlap_host) for h in hws}
     from tqdm.auto import tqdm
 
     n = len(hws) * len(budgets) * sum(len(intervals) if p == "tide-fixed" else 1 for p in policies)

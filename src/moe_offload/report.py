@@ -17,7 +17,7 @@ def stats_dict(lm: LoadedModel, s: RunStats) -> dict:
     slots = eng.pool.num_slots if eng else total
     return {
         "mode": "offload" if eng else "full-load",
-        "policy": eng.table.policy.name if eng else None,
+        "policy": eng.policy_name if eng else None,
         "device": str(lm.device),
         "dtype": str(lm.dtype).replace("torch.", ""),
         "requests": s.requests,
@@ -39,7 +39,9 @@ def stats_dict(lm: LoadedModel, s: RunStats) -> dict:
         "peak_slot_bytes": eng.pool.nbytes if eng else total * lm.expert_bytes,
         "host_store_bytes": eng.store.nbytes if eng else 0,
         "device_peak_bytes": torch.cuda.max_memory_allocated(lm.device) if lm.device.type == "cuda" else None,
-    }
+    } | ({"host_fallback_experts": o.host_experts, "host_fallback_tokens": o.host_tokens,
+          "fallback_s": o.fallback_s, "prefetches": o.prefetches, "diffusion_steps": o.steps}
+         if hasattr(o, "host_experts") else {})
 
 
 def _fmt_bytes(n: float) -> str:
@@ -57,6 +59,10 @@ def stats_table(d: dict) -> str:
         ("slots / routed experts", f"{d['slots']} / {d['routed_experts']} (residency {d['residency']:.2f})"),
         ("hit rate", f"{d['hit_rate']:.4f} ({d['hits']} hits, {d['misses']} misses)"),
         ("bytes loaded", f"{_fmt_bytes(d['bytes_loaded'])} in {d['load_time_s']:.3f} s"),
+    ] + ([
+        ("host fallback", f"{d['host_fallback_experts']} expert calls, {d['host_fallback_tokens']} token-experts in "
+                          f"{d['fallback_s']:.3f} s; {d['prefetches']} experts prefetched"),
+    ] if "host_fallback_experts" in d else []) + [
         ("TTFT (mean)", f"{d['ttft_s']:.3f} s"),
         ("decode", f"{d['decode_tokens_per_s']:.2f} tok/s ({d['decode_tokens']} tokens)"),
         ("peak slot bytes", _fmt_bytes(d["peak_slot_bytes"])),

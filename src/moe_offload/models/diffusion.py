@@ -245,6 +245,8 @@ def diffusion_generate_ids(lm: LoadedModel, prompt_ids: list[int], max_new_token
             t0 = time.perf_counter()
             if engine is not None:
                 engine.begin_step(request, global_step)
+                if hasattr(engine, "begin_diffusion_step"):  # refresh planners (TIDE) need the block and step
+                    engine.begin_diffusion_step(request, stats.index, s)
             if on_step is not None:
                 on_step(stats.index, s, global_step)
             out = lm.model(input_ids=x[:, :end], attention_mask=attn[None, None, :end, :end],

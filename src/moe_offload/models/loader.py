@@ -221,6 +221,12 @@ def num_slots_for(num_experts_total: int, top_k: int, residency: float | None, s
     return min(slots, num_experts_total)
 
 
+def is_refresh_policy(policy: str) -> bool:
+    """Whether ``policy`` names a diffusion refresh planner (``reactive``, ``tide-fixed[-T<n>]``, ``tide``)."""
+    p = policy.lower()
+    return p in ("reactive", "tide") or p.startswith("tide-fixed")
+
+
 # runtime policy names driven by a predictor's forecasts -> their prefetch scheduler (None: no prefetching)
 FORECAST_RUNTIME_POLICIES = {"seqmoe-cacheonly": None, "seqmoe": "jsd", "seqmoe-infinity": "moe-infinity"}
 
@@ -228,7 +234,8 @@ FORECAST_RUNTIME_POLICIES = {"seqmoe-cacheonly": None, "seqmoe": "jsd", "seqmoe-
 def load_offloaded(model_dir: str | Path, *, device: str | None = None, dtype: str | None = None,
                    residency: float | None = None, slots: int | None = None, policy: str = "lru",
                    progress: bool = True, link_epl: float = 1.39, link_gbps: float | None = None,
-                   seconds_per_expert: float | None = None) -> LoadedModel:
+                   seconds_per_expert: float | None = None, interval: int = 1,
+                   host_seconds_per_token_expert: float = 0.0) -> LoadedModel:
     """Load ``model_dir`` with routed experts in a host store and a device slot pool of the requested size.
 
     Args:
@@ -244,6 +251,11 @@ def load_offloaded(model_dir: str | Path, *, device: str | None = None, dtype: s
         link_epl: with prefetching: the scheduler's transfer budget B_avg, experts per layer compute time.
         link_gbps / seconds_per_expert: with prefetching: emulate a link of this speed (every expert copy, on
             demand or prefetch, takes at least ``expert_bytes / (link_gbps * 1e9)`` resp. this many seconds).
+        policy may also be a diffusion refresh planner (TIDE, ``core.refresh``): "reactive", "tide-fixed"
+            (``interval`` steps; or "tide-fixed-T<n>"), "tide" (cost model calibrated at load:
+            ``runtime.refresh_engine.calibrate_costs``); the slots are then split into equal per-layer budgets
+            (``ceil(slots / L)`` experts per layer, at least top-k) and misses are computed on the host.
+        host_seconds_per_token_expert: refresh planners: emulated host fallback cost per token-expert (seconds).
 
     Raises:
         MoeOffloadError: any bad input (see ``read_config``, ``Checkpoint``, ``num_slots_for``, ``make_policy``).
@@ -255,7 +267,13 @@ def load_offloaded(model_dir: str | Path, *, device: str | None = None, dtype: s
     path, config, arch = read_config(model_dir)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, config)
-    if policy not in FORECAST_RUNTIME_POLICIES:
+    refresh = is_refresh_policy(policy)
+    if refresh:
+        from ..core.refresh import make_refresh_planner
+
+        if policy.lower() != "tide":
+            make_refresh_planner(policy, 1, 1, 1, interval=interval)  # reject a bad name / interval before any work
+    elif policy not in FORECAST_RUNTIME_POLICIES:
         make_policy(policy, num_slots=1, top_k=1)  # reject an unknown or simulator-only policy before any work
     ckpt = Checkpoint(path)
 
@@ -274,6 +292,9 @@ def load_offloaded(model_dir: str | Path, *, device: str | None = None, dtype: s
     top_k = _top_k(config)
     n_total = len(mods) * num_experts
     num_slots = num_slots_for(n_total, top_k, residency, slots)
+    if refresh:  # a per-layer budget: the same share of every layer's experts
+        budget = max(top_k, min(num_experts, -(-num_slots // len(mods))))
+        num_slots = budget * len(mods)
 
     # drop the routed experts' fused parameters: they never exist on the device
     for _, mod in mods:
@@ -354,6 +375,21 @@ def load_offloaded(model_dir: str | Path, *, device: str | None = None, dtype: s
     model.requires_grad_(False)
 
     pool = SlotPool(layout, num_slots, n_total, dev)
+    if refresh:
+        from ..runtime.refresh_engine import RefreshEngine, calibrate_costs
+        from ..runtime.transfer import TransferEngine
+
+        transfer = TransferEngine(store, pool, link_gbps=link_gbps, seconds_per_expert=seconds_per_expert)
+        costs = None
+        if policy.lower() == "tide":
+            costs = calibrate_costs(mods[0][1], store, pool, transfer, len(mods), num_experts, top_k,
+                                    host_seconds_per_token_expert=host_seconds_per_token_expert)
+        planner = make_refresh_planner(policy, len(mods), num_experts, budget, costs=costs, interval=interval)
+        engine = RefreshEngine(store, pool, planner, len(mods), num_experts, transfer,
+                               host_seconds_per_token_expert=host_seconds_per_token_expert)
+        engine.attach([m for _, m in mods])
+        return LoadedModel(model, _load_tokenizer(path), engine, arch, dev, dt, len(mods), num_experts, top_k,
+                           layout.expert_bytes, path)
     if policy in FORECAST_RUNTIME_POLICIES:  # SeqMoE §7.1 eviction; forecasts come from a predictor (ForecastFeed)
         from ..core.prob_belady import ProbabilisticBelady
 

@@ -72,6 +72,11 @@ class OffloadEngine:
             mod._moe_offload = (self, layer)
             mod.config._experts_implementation = IMPLEMENTATION_NAME
 
+    @property
+    def policy_name(self) -> str:
+        """The eviction policy's name (for reports)."""
+        return self.table.policy.name
+
     def begin_step(self, request: int, step: int) -> None:
         """Before each forward pass (step 0 = a request's prefill, i = its i-th decode step): tell the slot table
         and every observer that has a ``begin_step(request, step)`` method (e.g. a predictor runner)."""

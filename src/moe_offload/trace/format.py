@@ -116,6 +116,34 @@ class Trace:
         return p
 
 
+def read_header_and_arrays(p: Path, meta_key: str, what: str) -> tuple[dict, dict]:
+    """The JSON header (safetensors metadata ``meta_key``) and the numpy arrays of a moe-offload ``what`` file
+    (e.g. "trace", "diffusion trace").
+
+    Raises:
+        MoeOffloadError: missing, unreadable or truncated file, no header, a header that is not a JSON object.
+    """
+    from safetensors import safe_open
+
+    if not p.is_file():
+        raise MoeOffloadError(f"{what} file not found: {p}")
+    try:
+        with safe_open(str(p), framework="np") as f:
+            meta = f.metadata() or {}
+            arrays = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as e:
+        raise MoeOffloadError(f"{p} is not a readable {what} file ({e})") from None
+    if meta_key not in meta:
+        raise MoeOffloadError(f"{p} is not a moe-offload {what} (no {meta_key} header)")
+    try:
+        header = json.loads(meta[meta_key])
+    except json.JSONDecodeError as e:
+        raise MoeOffloadError(f"{p}: corrupt {what} header ({e})") from None
+    if not isinstance(header, dict):
+        raise MoeOffloadError(f"{p}: corrupt {what} header (not a JSON object)")
+    return header, arrays
+
+
 def load_trace(path: str | Path) -> Trace:
     """Read a trace written by ``Trace.save``.
 
@@ -123,23 +151,8 @@ def load_trace(path: str | Path) -> Trace:
         MoeOffloadError: missing, corrupt or truncated file, not a moe-offload trace, another format version, or
             arrays whose shapes disagree with the header.
     """
-    from safetensors import safe_open
-
     p = Path(path)
-    if not p.is_file():
-        raise MoeOffloadError(f"trace file not found: {p}")
-    try:
-        with safe_open(str(p), framework="np") as f:
-            meta = f.metadata() or {}
-            arrays = {k: f.get_tensor(k) for k in f.keys()}
-    except Exception as e:
-        raise MoeOffloadError(f"{p} is not a readable trace file ({e})") from None
-    if META_KEY not in meta:
-        raise MoeOffloadError(f"{p} is not a moe-offload trace (no {META_KEY} header)")
-    try:
-        header = json.loads(meta[META_KEY])
-    except json.JSONDecodeError as e:
-        raise MoeOffloadError(f"{p}: corrupt trace header ({e})") from None
+    header, arrays = read_header_and_arrays(p, META_KEY, "trace")
     if header.get("format") != FORMAT or header.get("version") != VERSION:
         raise MoeOffloadError(f"{p}: unsupported trace format {header.get('format')} v{header.get('version')}")
     need = {"expert_ids", "expert_weights", "request", "step", "prompt_ids"}

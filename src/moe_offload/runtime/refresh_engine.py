@@ -1,0 +1,353 @@
+"""Runtime of the diffusion refresh planners (TIDE; DESIGN.md §5 "TIDE refresh planner"): per-layer device working
+sets refreshed by a ``core.refresh.RefreshPlanner`` (reactive, tide-fixed, tide), asynchronous prefetch copies
+through the ``TransferEngine``, and **host fallback**: a needed expert that is not on the device is computed where
+its weights already are, in the host store, and only activations move.
+
+Slots: MoE layer ``l`` owns pool slots ``[l * budget, (l + 1) * budget)``; ``pool.lookup`` maps the layer's landed
+experts to them. A planner's asynchronous prefetch evicts its victims when the copies are issued (their slots take
+the new experts), so a prefetch never needs memory beyond the budget; an expert whose copy has not landed is
+computed on the host (TIDE: "if an expert is needed but not present, the system falls back to CPU computation").
+
+Per diffusion step the block-diffusion loop (``models.diffusion``) calls ``begin_diffusion_step(request, block,
+step_in_block)``; per MoE layer the experts hook calls ``forward``, which lands finished copies, asks the planner
+(``route``), runs blocking copies, computes the device pairs from the slots and the host pairs from the host store
+with the same grouped-GEMM code (``runtime.experts.slot_pair_outputs``), and sums them per token.
+
+On a CPU-only machine "device" and "host" are the same processor; ``host_seconds_per_token_expert`` /
+``host_seconds_per_expert`` then emulate a slower host (every fallback layer call takes at least that long), as
+``TransferEngine``'s ``seconds_per_expert`` emulates the link.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..core.refresh import RefreshPlanner, Transfer
+from ..errors import MoeOffloadError
+from .engine import EngineStats
+from .experts import register, slot_pair_outputs, IMPLEMENTATION_NAME
+from .pool import SlotPool
+from .store import HostStore
+from .transfer import TransferEngine, _sleep_until
+
+
+@dataclass
+class RefreshStats(EngineStats):
+    """``EngineStats`` (hits / misses count distinct experts per layer call: a hit is resident before any blocking
+    copy) plus: ``host_experts`` / ``host_tokens`` computed on the host (fallback), ``device_tokens``,
+    ``blocking_loads`` and ``prefetches`` (expert copies), ``fallback_s`` (host compute seconds, emulation
+    included), ``steps`` (diffusion steps)."""
+
+    host_experts: int = 0
+    host_tokens: int = 0
+    device_tokens: int = 0
+    blocking_loads: int = 0
+    prefetches: int = 0
+    fallback_s: float = 0.0
+    steps: int = 0
+
+
+class RefreshEngine:
+    """Executes a ``RefreshPlanner``'s decisions for one model (the engine the experts hook calls).
+
+    Args:
+        store: host store with all routed experts (``[L * E, numel]``).
+        pool: device slot pool with ``L * budget`` slots.
+        planner: the refresh planner (its ``budget`` experts per layer).
+        num_moe_layers, num_experts: L and E.
+        transfer: the copy engine (link emulation included); all copies, blocking ones too, go through it.
+        host_seconds_per_token_expert, host_seconds_per_expert: emulated host fallback cost (seconds, >= 0) on a
+            machine without an accelerator; 0 = the real cost only.
+    Raises:
+        MoeOffloadError: pool size is not ``L * budget`` or negative emulation costs.
+    """
+
+    def __init__(self, store: HostStore, pool: SlotPool, planner: RefreshPlanner, num_moe_layers: int,
+                 num_experts: int, transfer: TransferEngine, host_seconds_per_token_expert: float = 0.0,
+                 host_seconds_per_expert: float = 0.0):
+        if pool.num_slots != num_moe_layers * planner.budget:
+            raise MoeOffloadError(f"the pool has {pool.num_slots} slots; the planner needs "
+                                  f"{num_moe_layers} x {planner.budget}")
+        if host_seconds_per_token_expert < 0 or host_seconds_per_expert < 0:
+            raise MoeOffloadError("host fallback costs must be >= 0 seconds")
+        self.store, self.pool, self.planner, self.transfer = store, pool, planner, transfer
+        self.L, self.num_experts, self.budget = num_moe_layers, num_experts, planner.budget
+        self.host_token_s, self.host_expert_s = float(host_seconds_per_token_expert), float(host_seconds_per_expert)
+        self.host_views = store.layout.views(store.buf)
+        self.observers: list = []
+        self.prefetcher = None  # interface parity with OffloadEngine (SeqMoE prefetching does not apply)
+        self.table = None
+        self.stats = RefreshStats()
+        self._slot_of: dict[int, int] = {}   # global eid -> slot (landed or being copied)
+        self._free = [list(range((l + 1) * self.budget - 1, l * self.budget - 1, -1)) for l in range(self.L)]
+        self._step_t0: float | None = None
+        self._block = (-1, -1)
+        if self.budget == num_experts:  # FullLoad-sized: the planner starts with every expert resident
+            for l in range(self.L):
+                self._copy_now(l, list(range(num_experts)))
+            self.stats = RefreshStats()
+
+    # ---- wiring -------------------------------------------------------------------------------------------------
+
+    def attach(self, experts_modules: list[torch.nn.Module]) -> None:
+        """Route the given experts modules (in MoE-layer order) through this engine via ``ExpertsInterface``."""
+        register()
+        for layer, mod in enumerate(experts_modules):
+            mod._moe_offload = (self, layer)
+            mod.config._experts_implementation = IMPLEMENTATION_NAME
+
+    def reset_stats(self) -> None:
+        self.stats = RefreshStats()
+
+    @property
+    def policy_name(self) -> str:
+        """The refresh planner's name (``tide-fixed-T<n>`` with its interval; for reports)."""
+        return self.planner.name
+
+    def begin_step(self, request: int, step: int) -> None:
+        """Global step notification of the generation loops (observers only; the planner needs the block, see
+        ``begin_diffusion_step``)."""
+        for obs in self.observers:
+            hook = getattr(obs, "begin_step", None)
+            if hook is not None:
+                hook(request, step)
+
+    def begin_diffusion_step(self, request: int, block: int, step: int) -> None:
+        """Diffusion step ``step`` of ``block`` of ``request`` begins: tell the planner (a new block first) and
+        issue its asynchronous prefetches."""
+        now = time.perf_counter()
+        if self._step_t0 is not None:
+            self.planner.end_step(now - self._step_t0)
+        self._step_t0 = now
+        if (request, block) != self._block:
+            self._block = (request, block)
+            self.planner.begin_block(request, block)
+        self._land_ready()
+        plan = self.planner.begin_step(step)
+        self.stats.steps += 1
+        if plan is not None:
+            for tr in plan.transfers:
+                self._apply(tr)
+
+    def close(self) -> None:
+        """Stop the copy worker."""
+        self.transfer.close()
+
+    # ---- copies -------------------------------------------------------------------------------------------------
+
+    def _gid(self, layer: int, e: int) -> int:
+        return layer * self.num_experts + int(e)
+
+    def _release(self, layer: int, e: int) -> None:
+        g = self._gid(layer, e)
+        slot = self._slot_of.pop(g, None)
+        if slot is None:
+            return
+        if self.transfer.pending(g) and not self.transfer.cancel(g):
+            self.transfer.wait(g)  # a copy in progress always completes: never reuse its slot before that
+        self.pool.lookup[g] = -1
+        self._free[layer].append(slot)
+
+    def _take(self, layer: int, e: int) -> int:
+        if not self._free[layer]:
+            raise RuntimeError(f"MoE layer {layer}: no free slot for expert {e} (planner exceeded its budget)")
+        slot = self._free[layer].pop()
+        self._slot_of[self._gid(layer, e)] = slot
+        return slot
+
+    def _copy_now(self, layer: int, experts: list[int]) -> None:
+        gids = []
+        for e in experts:
+            g = self._gid(layer, e)
+            self.transfer.submit(g, self._take(layer, e))
+            gids.append(g)
+        for g in gids:
+            got = self.transfer.wait(g)
+            if got is None or not got.ok:
+                raise RuntimeError(f"copy of expert {g} failed: {got and got.error}")
+            self.pool.lookup[g] = got.slot
+
+    def _apply(self, tr: Transfer) -> None:
+        for e in tr.evict:
+            self._release(tr.layer, e)
+        if tr.blocking:
+            t0 = time.perf_counter()
+            self.transfer.pause()  # on-demand / synchronous refresh copies go ahead of queued prefetches
+            try:
+                self._copy_now(tr.layer, tr.load)
+            finally:
+                self.transfer.resume()
+            self.stats.load_time_s += time.perf_counter() - t0
+            self.stats.blocking_loads += len(tr.load)
+        else:
+            for e in tr.load:
+                g = self._gid(tr.layer, e)
+                self.transfer.submit(g, self._take(tr.layer, e))
+            self.stats.prefetches += len(tr.load)
+        self.stats.bytes_loaded += len(tr.load) * self.store.layout.expert_bytes
+
+    def _land_ready(self) -> None:
+        by_layer: dict[int, list[int]] = {}
+        for ld in self.transfer.poll():
+            if not ld.ok or self._slot_of.get(ld.eid) != ld.slot:
+                continue  # cancelled, or the expert was evicted again meanwhile
+            self.pool.lookup[ld.eid] = ld.slot
+            by_layer.setdefault(ld.eid // self.num_experts, []).append(ld.eid % self.num_experts)
+        for layer, es in by_layer.items():
+            self.planner.land(layer, es)
+
+    # ---- compute ------------------------------------------------------------------------------------------------
+
+    def forward(self, module: torch.nn.Module, moe_layer: int, hidden_states: torch.Tensor,
+                top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        """Experts of MoE layer ``moe_layer``: ``hidden_states [T, H]``, ``top_k_index [T, k]`` int64,
+        ``top_k_weights [T, k]`` -> ``[T, H]`` of ``hidden_states.dtype``; device pairs from the slots, the
+        others on the host from the host store."""
+        for obs in self.observers:
+            obs(moe_layer, top_k_index, top_k_weights)
+        num_tokens, k = top_k_index.shape
+        counts = torch.bincount(top_k_index.reshape(-1), minlength=self.num_experts).cpu().numpy()
+        self._land_ready()
+        dec = self.planner.route(moe_layer, counts)
+        if dec.slot_plan is not None:  # reactive: on-demand loads in rounds of at most `budget` experts
+            return self._forward_rounds(module, moe_layer, hidden_states, top_k_index, top_k_weights, dec,
+                                        dec.slot_plan)
+        if dec.transfer is not None:
+            self._apply(dec.transfer)
+        st = self.stats
+        self._count(dec)
+        st.rounds += 1
+        gid = (top_k_index + moe_layer * self.num_experts).reshape(-1)
+        weights = top_k_weights.reshape(-1)
+        slot_ids = self.pool.lookup[gid]
+        on_device = slot_ids >= 0
+        pairs = torch.zeros(num_tokens * k, hidden_states.shape[-1], dtype=hidden_states.dtype,
+                            device=hidden_states.device)
+        if bool(on_device.any()):
+            self._accumulate(pairs, module, self.pool.views, hidden_states, slot_ids, on_device, weights, k)
+        if not bool(on_device.all()):
+            t0 = time.perf_counter()
+            dev = self.host_views[next(iter(self.host_views))].device
+            hs, g, w = hidden_states.to(dev), gid.to(dev), weights.to(dev)
+            host_pairs = torch.zeros(num_tokens * k, hidden_states.shape[-1], dtype=hidden_states.dtype, device=dev)
+            self._accumulate(host_pairs, module, self.host_views, hs, g, ~on_device.to(dev), w, k)
+            pairs += host_pairs.to(pairs.device)
+            _sleep_until(t0 + dec.host_tokens * self.host_token_s + len(dec.host) * self.host_expert_s)
+            st.fallback_s += time.perf_counter() - t0
+        return pairs.view(num_tokens, k, -1).sum(dim=1).to(hidden_states.dtype)
+
+    def _count(self, dec) -> None:
+        st = self.stats
+        st.hits += dec.hit_experts
+        st.misses += len(dec.device) + len(dec.host) - dec.hit_experts
+        st.layer_calls += 1
+        st.host_experts += len(dec.host)
+        st.host_tokens += dec.host_tokens
+        st.device_tokens += dec.device_tokens
+
+    def _forward_rounds(self, module, layer, hidden_states, top_k_index, top_k_weights, dec, plan) -> torch.Tensor:
+        """Reactive planner: execute its per-layer ``SlotTable`` plan (``core.slots.LayerPlan``) round by round:
+        load the round's misses on demand (blocking, through the link), compute the round's pairs on the device.
+        Table slot ``s`` of MoE layer ``l`` is pool slot ``l * budget + s``."""
+        self._count(dec)
+        self.stats.rounds += len(plan.rounds)
+        num_tokens, k = top_k_index.shape
+        base = layer * self.budget
+        gid = (top_k_index + layer * self.num_experts).reshape(-1)
+        weights = top_k_weights.reshape(-1)
+        pairs = torch.zeros(num_tokens * k, hidden_states.shape[-1], dtype=hidden_states.dtype,
+                            device=hidden_states.device)
+        for rnd in plan.rounds:
+            if rnd.loads:
+                t0 = time.perf_counter()
+                for ld in rnd.loads:
+                    if ld.evicted >= 0:
+                        self.pool.lookup[self._gid(layer, ld.evicted)] = -1
+                    self.transfer.submit(self._gid(layer, ld.eid), base + ld.slot)
+                for ld in rnd.loads:
+                    g = self._gid(layer, ld.eid)
+                    got = self.transfer.wait(g)
+                    if got is None or not got.ok:
+                        raise RuntimeError(f"on-demand copy of expert {g} failed: {got and got.error}")
+                    self.pool.lookup[g] = base + ld.slot
+                self.stats.load_time_s += time.perf_counter() - t0
+                self.stats.blocking_loads += len(rnd.loads)
+                self.stats.bytes_loaded += len(rnd.loads) * self.store.layout.expert_bytes
+            in_round = torch.isin(top_k_index.reshape(-1), torch.tensor(rnd.eids, device=gid.device))
+            self._accumulate(pairs, module, self.pool.views, hidden_states, self.pool.lookup[gid], in_round, weights,
+                             k)
+        return pairs.view(num_tokens, k, -1).sum(dim=1).to(hidden_states.dtype)
+
+    @staticmethod
+    def _accumulate(pairs, module, views, hidden_states, rows, mask, weights, k) -> None:
+        """Compute the pairs selected by ``mask`` (``rows``: their row in ``views``) into ``pairs`` [T * k, H]."""
+        sel = rows[mask]
+        lo, hi = int(sel.min()), int(sel.max())
+        ids = rows.masked_fill(~mask, hi + 1)
+        out, perm, valid = slot_pair_outputs(module, views, hidden_states, ids, weights, k, lo, hi)
+        pairs[perm[valid]] = out[valid].to(pairs.dtype)
+
+
+def _median_seconds(fn, repeats: int = 5) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def calibrate_costs(module: torch.nn.Module, store: HostStore, pool: SlotPool, transfer: TransferEngine,
+                    num_moe_layers: int, num_experts: int, top_k: int, host_seconds_per_token_expert: float = 0.0,
+                    tokens: int = 32):
+    """Measure the TIDE cost model on this machine at start-up (``core.costs.TideCosts``, seconds):
+
+    * ``swap_s``: one expert's host->device copy through ``transfer`` (its link emulation when set, else the
+      median of 3 real copies into slot 0, before any slot is in use);
+    * ``fallback_expert_s`` / ``fallback_token_s``: host compute of one expert for 1 and for ``tokens`` tokens
+      from the host store (median of 5), split into a per-call and a per-token-expert part, plus
+      ``host_seconds_per_token_expert`` (the emulated host slowness);
+    * ``device_expert_s`` / ``device_token_s``: the same on the slot pool.
+
+    Raises:
+        RuntimeError: a calibration copy failed.
+    """
+    from ..core.costs import TideCosts
+
+    if transfer.seconds_per_expert is not None:
+        swap_s = transfer.seconds_per_expert
+    else:
+        def copy():
+            transfer.submit(0, 0)
+            got = transfer.wait(0)
+            if got is None or not got.ok:
+                raise RuntimeError("calibration copy failed")
+        swap_s = max(_median_seconds(copy, 3), 1e-9)
+    hidden = int(getattr(module.config, "hidden_size"))
+    dev_views = pool.views
+    host_views = store.layout.views(store.buf)
+
+    def per_call(views, n, device):
+        x = torch.randn(n, hidden, dtype=store.layout.dtype, device=device)
+        rows = torch.zeros(n, dtype=torch.long, device=device)
+        w = torch.ones(n, dtype=store.layout.dtype, device=device)
+
+        def run():
+            slot_pair_outputs(module, views, x, rows, w, 1, 0, 0)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+        run()
+        return _median_seconds(run)
+
+    with torch.no_grad():
+        h1, hn = per_call(host_views, 1, store.buf.device), per_call(host_views, tokens, store.buf.device)
+        d1, dn = per_call(dev_views, 1, pool.device), per_call(dev_views, tokens, pool.device)
+    return TideCosts(expert_bytes=store.layout.expert_bytes, swap_s=swap_s,
+                     device_expert_s=d1, device_token_s=max(0.0, (dn - d1) / (tokens - 1)),
+                     fallback_expert_s=h1,
+                     fallback_token_s=max(0.0, (hn - h1) / (tokens - 1)) + host_seconds_per_token_expert,
+                     num_moe_layers=num_moe_layers, num_experts=num_experts, top_k=top_k,
+                     provenance={"all": "measured at start-up (runtime.refresh_engine.calibrate_costs)"})

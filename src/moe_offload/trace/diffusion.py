@@ -1,0 +1,439 @@
+"""Diffusion routing traces (DESIGN.md §7, TIDE): per request, per block, per diffusion step, per MoE layer, how many
+tokens of the step's forward the router sent to each expert. One safetensors file: arrays + a JSON header, no
+pickle.
+
+A masked-diffusion LLM (LLaDA2.0) generates a block of ``block_length`` masked tokens by refining it over several
+*diffusion steps*; each step is one forward of the model over the block (and, without a KV cache, the prefix) and
+commits some tokens. TIDE refreshes the device working set per block at intervals of steps, so the planner's input
+is, per step and layer, a count vector over the layer's experts (``core.refresh``).
+
+Arrays (one row per diffusion step, rows ordered by request, then block, then step):
+
+==============  ========  ==============  ===============================================================
+name            dtype     shape           meaning
+==============  ========  ==============  ===============================================================
+``counts``      uint16    ``[N, L, E]``   tokens of the step's forward routed to each expert of each MoE
+                                          layer (each token selects ``top_k`` distinct experts, so a row of
+                                          a layer sums to ``tokens * top_k`` and no entry exceeds ``tokens``)
+``request``     int32     ``[N]``         request index (0..)
+``block``       int32     ``[N]``         block index within the request (0.., non-decreasing)
+``step``        int32     ``[N]``         diffusion step within the block: 0, 1, 2, ... consecutive
+``tokens``      int32     ``[N]``         tokens of the step's forward (>= 1)
+``committed``   int32     ``[N]``         tokens the step committed (unmasked); their sum is the generated
+                                          length used for throughput (>= 0)
+==============  ========  ==============  ===============================================================
+
+Header (safetensors metadata key ``moe_offload_diffusion_trace``, JSON): ``format``, ``version``, ``model_id``,
+``model_type``, ``num_moe_layers``, ``num_experts``, ``top_k``, ``block_length``, ``synthetic`` (true for generated
+traces), ``source`` (free text), optional ``generator`` (the synthetic generator's parameters).
+
+A collector from the runtime builds one with :meth:`DiffusionTrace.from_steps` from per-step ``[L, E]`` count
+arrays. :func:`synthetic_diffusion_trace` generates one (see its docstring for the model and its calibration).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import MoeOffloadError
+
+FORMAT = "moe-offload-diffusion-trace"
+VERSION = 1
+META_KEY = "moe_offload_diffusion_trace"
+_ROW_ARRAYS = ("request", "block", "step", "tokens", "committed")
+
+
+@dataclass
+class DiffusionTrace:
+    """An in-memory diffusion routing trace; see the module docstring for the arrays (shapes, dtypes, meaning).
+
+    Construct with :meth:`from_steps`, :func:`load_diffusion_trace` or :func:`synthetic_diffusion_trace`; the
+    constructor itself only stores the arrays (call :meth:`validate`).
+    """
+
+    header: dict
+    counts: np.ndarray
+    request: np.ndarray
+    block: np.ndarray
+    step: np.ndarray
+    tokens: np.ndarray
+    committed: np.ndarray
+    _blocks: list | None = field(default=None, repr=False)
+
+    # ---------------------------------------------------------------------------------------------- geometry
+
+    @property
+    def num_moe_layers(self) -> int:
+        return int(self.header["num_moe_layers"])
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.header["num_experts"])
+
+    @property
+    def top_k(self) -> int:
+        return int(self.header["top_k"])
+
+    @property
+    def block_length(self) -> int:
+        return int(self.header.get("block_length", 0))
+
+    @property
+    def num_steps(self) -> int:
+        """Rows (diffusion steps) of the trace."""
+        return int(self.counts.shape[0])
+
+    @property
+    def synthetic(self) -> bool:
+        return bool(self.header.get("synthetic"))
+
+    def blocks(self) -> list[tuple[int, int, int, int]]:
+        """``[(request, block, row_start, row_end)]`` in order; rows ``[row_start, row_end)`` are the block's steps
+        0, 1, ... (validated traces only)."""
+        if self._blocks is None:
+            key = self.request.astype(np.int64) * (1 << 32) + self.block.astype(np.int64)
+            change = np.flatnonzero(np.diff(key)) + 1
+            starts = np.concatenate([[0], change]).astype(np.int64)
+            ends = np.concatenate([change, [len(key)]]).astype(np.int64)
+            self._blocks = [(int(self.request[s]), int(self.block[s]), int(s), int(e)) for s, e in zip(starts, ends)
+                            if e > s]
+        return self._blocks
+
+    # ---------------------------------------------------------------------------------------------- building
+
+    @classmethod
+    def from_steps(cls, counts, block, step, request=None, tokens=None, committed=None, *, top_k: int,
+                   model_id: str = "unknown", model_type: str = "unknown", block_length: int | None = None,
+                   synthetic: bool = False, source: str = "", generator: dict | None = None) -> "DiffusionTrace":
+        """Build and validate a trace from per-step count arrays (what a runtime collector records).
+
+        Args:
+            counts: sequence of N integer arrays ``[L, E]`` (or one array ``[N, L, E]``): tokens routed to each
+                expert of each MoE layer in that step's forward.
+            block, step: length-N block index and diffusion step within the block of each row.
+            request: length-N request index (default all 0).
+            tokens: length-N tokens per forward (default inferred: ``counts[n, 0].sum() / top_k``).
+            committed: length-N tokens committed by each step (default 0 everywhere except the block's last step,
+                which gets ``block_length``, or the block's tokens when ``block_length`` is None).
+            top_k: experts per token.
+            model_id, model_type, block_length, synthetic, source, generator: header fields.
+
+        Returns:
+            A validated DiffusionTrace.
+
+        Raises:
+            MoeOffloadError: inconsistent shapes or values (see :meth:`validate`), or counts that cannot be stored
+                as uint16.
+        """
+        c = np.asarray(counts if not isinstance(counts, (list, tuple)) else
+                       (np.stack([np.asarray(x) for x in counts]) if len(counts) else np.zeros((0, 0, 0))))
+        if c.ndim != 3:
+            raise MoeOffloadError(f"counts must be N arrays [layers, experts], got shape {c.shape}")
+        if c.size and (c.min() < 0 or c.max() > np.iinfo(np.uint16).max):
+            raise MoeOffloadError("counts must be integers in [0, 65535]")
+        n, L, E = c.shape
+        k = int(top_k)
+        if k < 1:
+            raise MoeOffloadError(f"top_k must be >= 1, got {top_k}")
+        blk = np.asarray(block, dtype=np.int64)
+        stp = np.asarray(step, dtype=np.int64)
+        req = np.zeros(n, np.int64) if request is None else np.asarray(request, dtype=np.int64)
+        if tokens is None:
+            tok = c[:, 0, :].sum(axis=1) // k if L else np.zeros(n, np.int64)
+        else:
+            tok = np.asarray(tokens, dtype=np.int64)
+        if committed is None:
+            com = np.zeros(n, np.int64)
+            if n:
+                key = req * (1 << 32) + blk
+                last = np.flatnonzero(np.append(np.diff(key) != 0, True))
+                com[last] = block_length if block_length is not None else tok[last]
+        else:
+            com = np.asarray(committed, dtype=np.int64)
+        header = {"format": FORMAT, "version": VERSION, "model_id": model_id, "model_type": model_type,
+                  "num_moe_layers": L, "num_experts": E, "top_k": k,
+                  "block_length": int(block_length) if block_length is not None else int(tok.max() if n else 0),
+                  "synthetic": bool(synthetic), "source": source}
+        if generator is not None:
+            header["generator"] = generator
+        tr = cls(header, c.astype(np.uint16), req.astype(np.int32), blk.astype(np.int32), stp.astype(np.int32),
+                 tok.astype(np.int32), com.astype(np.int32))
+        tr.validate()
+        return tr
+
+    # ---------------------------------------------------------------------------------------------- checks
+
+    def validate(self, where: str = "trace") -> None:
+        """Check shapes, dtypes-compatible values and ordering.
+
+        Raises:
+            MoeOffloadError: ``counts`` not ``[N, L, E]`` as the header says; a row array not of length N; an
+                empty trace; tokens < 1 or committed < 0; a layer's counts not summing to ``tokens * top_k`` or an
+                entry above ``tokens``; rows not ordered by (request, block) or steps of a block not 0, 1, 2, ...
+        """
+        h = self.header
+        for key in ("num_moe_layers", "num_experts", "top_k"):
+            if not isinstance(h.get(key), int) or h[key] < 1:
+                raise MoeOffloadError(f"{where}: header field {key} must be a positive integer, got {h.get(key)!r}")
+        L, E, k = self.num_moe_layers, self.num_experts, self.top_k
+        if k > E:
+            raise MoeOffloadError(f"{where}: top_k {k} exceeds num_experts {E}")
+        c = self.counts
+        if c.ndim != 3 or c.shape[1:] != (L, E):
+            raise MoeOffloadError(f"{where}: counts of shape {c.shape}, header says [N, {L}, {E}]")
+        n = c.shape[0]
+        if n == 0:
+            raise MoeOffloadError(f"{where}: the trace has no diffusion step")
+        for name in _ROW_ARRAYS:
+            a = getattr(self, name)
+            if a.shape != (n,):
+                raise MoeOffloadError(f"{where}: {name} of shape {a.shape}, expected ({n},)")
+        tok = self.tokens.astype(np.int64)
+        if tok.min() < 1:
+            raise MoeOffloadError(f"{where}: tokens per step must be >= 1")
+        if self.committed.min() < 0:
+            raise MoeOffloadError(f"{where}: committed tokens must be >= 0")
+        sums = c.sum(axis=2, dtype=np.int64)  # [N, L]
+        bad = np.argwhere(sums != tok[:, None] * k)
+        if len(bad):
+            r, layer = bad[0]
+            raise MoeOffloadError(f"{where}: row {r} layer {layer}: counts sum to {sums[r, layer]}, expected tokens x "
+                                  f"top_k = {tok[r]} x {k}")
+        over = np.argwhere(c.max(axis=2) > tok[:, None])
+        if len(over):
+            r, layer = over[0]
+            raise MoeOffloadError(f"{where}: row {r} layer {layer}: an expert has more tokens than the forward "
+                                  f"({tok[r]})")
+        req, blk, stp = (self.request.astype(np.int64), self.block.astype(np.int64), self.step.astype(np.int64))
+        if req.min() < 0 or blk.min() < 0 or stp.min() < 0:
+            raise MoeOffloadError(f"{where}: request, block and step must be >= 0")
+        key = req * (1 << 32) + blk
+        dk = np.diff(key)
+        if (dk < 0).any():
+            raise MoeOffloadError(f"{where}: rows must be ordered by request, then block")
+        new_block = np.concatenate([[True], dk != 0])
+        expect = np.where(new_block, 0, np.concatenate([[0], stp[:-1] + 1]))
+        if (stp != expect).any():
+            r = int(np.flatnonzero(stp != expect)[0])
+            raise MoeOffloadError(f"{where}: row {r}: diffusion step {stp[r]}, expected {expect[r]} (steps of a "
+                                  "block are 0, 1, 2, ...)")
+
+    # ---------------------------------------------------------------------------------------------- I/O
+
+    def save(self, path: str | Path, overwrite: bool = False) -> Path:
+        """Write the trace to ``path`` (safetensors; a new file unless ``overwrite``).
+
+        Raises:
+            MoeOffloadError: ``path`` exists and ``overwrite`` is False, or the trace is invalid.
+        """
+        from safetensors.numpy import save_file
+
+        self.validate()
+        p = Path(path)
+        if p.exists() and not overwrite:
+            raise MoeOffloadError(f"{p} already exists; choose a new path")
+        arrays = {"counts": self.counts.astype(np.uint16)}
+        arrays.update({name: getattr(self, name).astype(np.int32) for name in _ROW_ARRAYS})
+        header = dict(self.header, format=FORMAT, version=VERSION)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = p.with_name(p.name + ".partial")
+        save_file({k: np.ascontiguousarray(v) for k, v in arrays.items()}, str(tmp),
+                  metadata={META_KEY: json.dumps(header)})
+        tmp.replace(p)
+        return p
+
+
+def load_diffusion_trace(path: str | Path) -> DiffusionTrace:
+    """Read and validate a trace written by :meth:`DiffusionTrace.save`.
+
+    Raises:
+        MoeOffloadError: missing, corrupt or truncated file, not a diffusion trace (e.g. an autoregressive routing
+            trace), another format version, missing arrays, or contents failing :meth:`DiffusionTrace.validate`.
+    """
+    from .format import read_header_and_arrays
+
+    p = Path(path)
+    header, arrays = read_header_and_arrays(p, META_KEY, "diffusion trace")
+    if header.get("format") != FORMAT or header.get("version") != VERSION:
+        raise MoeOffloadError(f"{p}: unsupported diffusion trace format {header.get('format')} v{header.get('version')}")
+    missing = sorted({"counts", *_ROW_ARRAYS} - set(arrays))
+    if missing:
+        raise MoeOffloadError(f"{p}: diffusion trace lacks arrays {missing}")
+    tr = DiffusionTrace(header, arrays["counts"], *(arrays[n] for n in _ROW_ARRAYS))
+    tr.validate(str(p))
+    return tr
+
+
+# ------------------------------------------------------------------------------------------------ statistics
+
+
+def stability_profile(trace: DiffusionTrace, budget: int, max_distance: int = 8) -> dict:
+    """How stable the routing is within blocks: the measure TIDE's interval refresh relies on.
+
+    For every pair of steps ``(r, r + d)`` of one block, with ``S_r`` = the ``budget`` experts with the most tokens
+    at step ``r`` (ties: lower id), ``coverage(d)`` = token-experts of step ``r + d`` whose expert is in ``S_r``
+    divided by all token-experts of step ``r + d`` (pooled over layers, blocks and requests). Also the Jaccard
+    overlap of the active expert sets of consecutive steps and the mean active experts per layer and step.
+
+    Args:
+        trace: a diffusion trace.
+        budget: experts per layer kept (``1 <= budget <= num_experts``).
+        max_distance: largest ``d`` reported.
+
+    Returns:
+        dict: ``coverage`` (list of floats for d = 0..max_distance, None where no pair exists), ``jaccard_next``
+        (mean over layers and consecutive steps), ``active_per_layer_step``, ``steps_per_block`` (mean),
+        ``budget``.
+
+    Raises:
+        MoeOffloadError: a budget out of range.
+    """
+    E = trace.num_experts
+    if not 1 <= budget <= E:
+        raise MoeOffloadError(f"budget must be in [1, {E}], got {budget}")
+    cov_num = np.zeros(max_distance + 1)
+    cov_den = np.zeros(max_distance + 1)
+    jac = []
+    for _, _, a, b in trace.blocks():
+        c = trace.counts[a:b].astype(np.float64)  # [s, L, E]
+        order = np.lexsort((np.broadcast_to(np.arange(E), c.shape), -c), axis=-1)
+        top = np.zeros(c.shape, dtype=bool)
+        np.put_along_axis(top, order[..., :budget], True, axis=-1)
+        top &= c > 0
+        for d in range(min(max_distance, b - a - 1) + 1):
+            cov_num[d] += (c[d:] * top[:b - a - d]).sum()
+            cov_den[d] += c[d:].sum()
+        act = c > 0
+        if b - a > 1:
+            inter = (act[1:] & act[:-1]).sum(-1)
+            union = (act[1:] | act[:-1]).sum(-1)
+            jac.append((inter / np.maximum(union, 1)).ravel())
+    coverage = [float(n / d) if d else None for n, d in zip(cov_num, cov_den)]
+    return {"budget": int(budget), "coverage": coverage,
+            "jaccard_next": float(np.concatenate(jac).mean()) if jac else None,
+            "active_per_layer_step": float((trace.counts > 0).sum(axis=-1).mean()),
+            "steps_per_block": trace.num_steps / len(trace.blocks())}
+
+
+# ------------------------------------------------------------------------------------------------ synthetic
+
+
+def synthetic_diffusion_trace(num_moe_layers: int = 19, num_experts: int = 256, top_k: int = 8,
+                              requests: int = 4, blocks: int = 8, block_length: int = 32, skew: float = 0.3,
+                              block_concentration: float = 1.0, reuse_masked: float = 0.85,
+                              reuse_committed: float = 0.97, commit_redraw: float = 0.5,
+                              tokens_per_step: float = 2.5, seed: int = 0) -> DiffusionTrace:
+    """Generate a SYNTHETIC diffusion routing trace (no model involved; its header says ``synthetic: true``).
+
+    No real LLaDA2 routing can be obtained here, so this stands in for it. Default geometry: LLaDA2.0-mini
+    (19 MoE layers x 256 experts, top-8, blocks of 32 tokens; one forward per step over the block's 32 tokens, as a
+    runtime with a prefix KV cache runs it).
+
+    Model, per request, per block, per MoE layer:
+
+    * global popularity: a Zipf law ``p(rank r) ∝ r**-skew`` over a random permutation of the layer's experts
+      (``skew`` small: LLaDA2's router balances load with an expert bias);
+    * block preference: the block's law is ``p * exp(block_concentration * g)`` with ``g ~ N(0, 1)`` per expert,
+      renormalised (a block's content favours some experts);
+    * each of the block's tokens holds ``top_k`` distinct experts in lanes, drawn from the block's law at step 0.
+      From one step to the next a lane keeps its expert with probability ``reuse_masked`` while its token is
+      masked, ``reuse_committed`` once it is committed, and ``1 - commit_redraw`` on the step right after its token
+      was committed (its input changed from the mask token to a real token); a changed lane draws a new expert from
+      the block's law, excluding the token's other experts;
+    * commits: each step commits ``min(masked, 1 + Poisson(tokens_per_step - 1))`` random masked tokens (at least
+      one, as LLaDA2's schedule guarantees); the block ends at the step that commits its last token.
+
+    Calibration (what the TIDE text available here reports, and what is assumed): the TIDE text states only
+    qualitatively that "within a short window (say, 5 consecutive diffusion steps), the same experts fire
+    repeatedly" and that consecutive steps show "high correlation"; it gives no overlap numbers (nor do the
+    authors' code and notebook as far as they could be read here). The defaults were chosen so that, by
+    ``stability_profile`` on the default trace (4 requests x 8 blocks, seed 0): consecutive steps' active sets
+    overlap strongly (Jaccard 0.88; 126 of 256 experts active per layer and step), and a half-budget set (128)
+    chosen at one step covers 99% of that step's token-experts, 96% one step later, 87% five steps later and
+    83% eight steps later (25% budget: 76%, 73%, 64%, 61%). ``tokens_per_step`` 2.5 (about 13 steps per
+    32-token block under LLaDA2's threshold 0.95) is an assumption. None of these numbers is measured on LLaDA2;
+    results on this trace describe the generator.
+
+    Args:
+        num_moe_layers, num_experts, top_k: geometry (``1 <= top_k <= num_experts``).
+        requests, blocks: requests and blocks per request (>= 1).
+        block_length: tokens per block (>= 1).
+        skew: Zipf exponent of global popularity (>= 0).
+        block_concentration: log-normal sigma of the per-block preference (>= 0).
+        reuse_masked, reuse_committed, commit_redraw: lane persistence probabilities, in [0, 1].
+        tokens_per_step: mean tokens committed per step (>= 1).
+        seed: numpy PCG64 seed; equal arguments give equal traces.
+
+    Returns:
+        A validated DiffusionTrace (``committed`` holds each step's commits; ``tokens`` = ``block_length``).
+
+    Raises:
+        MoeOffloadError: an argument out of range.
+    """
+    L, E, k, T = int(num_moe_layers), int(num_experts), int(top_k), int(block_length)
+    if L < 1 or E < 1 or not 1 <= k <= E or T < 1 or requests < 1 or blocks < 1:
+        raise MoeOffloadError(f"synthetic diffusion trace needs layers, experts, requests, blocks, block_length >= 1 "
+                              f"and 1 <= top_k <= experts, got {L}x{E}x{k}, {requests} requests, {blocks} blocks, "
+                              f"block_length {T}")
+    if T * k > np.iinfo(np.uint16).max:
+        raise MoeOffloadError("block_length x top_k must fit uint16 counts")
+    for name, v in (("reuse_masked", reuse_masked), ("reuse_committed", reuse_committed),
+                    ("commit_redraw", commit_redraw)):
+        if not 0.0 <= v <= 1.0:
+            raise MoeOffloadError(f"{name} must be in [0, 1], got {v}")
+    if skew < 0 or block_concentration < 0 or not tokens_per_step >= 1:
+        raise MoeOffloadError("skew and block_concentration must be >= 0 and tokens_per_step >= 1")
+    rng = np.random.Generator(np.random.PCG64(seed))
+    base = 1.0 / np.arange(1, E + 1, dtype=np.float64) ** float(skew)
+    glob = np.stack([base[rng.permutation(E)] for _ in range(L)])  # [L, E], expert -> weight
+    glob /= glob.sum(axis=1, keepdims=True)
+    rows_counts, rows_req, rows_blk, rows_step, rows_com = [], [], [], [], []
+    lidx = np.arange(L)[:, None]
+    for r in range(requests):
+        for b in range(blocks):
+            logp = np.log(glob) + block_concentration * rng.standard_normal((L, E))  # [L, E]
+            # step 0: top_k distinct experts per token by the Gumbel-top-k trick
+            keys = logp[:, None, :] + rng.gumbel(size=(L, T, E))
+            lanes = np.argpartition(-keys, k - 1, axis=2)[:, :, :k]  # [L, T, k]
+            masked = np.ones(T, dtype=bool)
+            just = np.zeros(T, dtype=bool)
+            s = 0
+            while True:
+                if s > 0:
+                    keep_p = np.where(just, 1.0 - commit_redraw, np.where(masked, reuse_masked, reuse_committed))
+                    redraw = rng.random((L, T, k)) >= keep_p[None, :, None]
+                    for j in range(k):
+                        li, ti = np.nonzero(redraw[:, :, j])
+                        if len(li) == 0:
+                            continue
+                        kk = logp[li] + rng.gumbel(size=(len(li), E))
+                        kk[np.arange(len(li))[:, None], lanes[li, ti]] = -np.inf  # exclude the token's experts
+                        lanes[li, ti, j] = kk.argmax(axis=1)
+                cnt = np.zeros((L, E), dtype=np.int64)
+                np.add.at(cnt, (np.broadcast_to(lidx[:, :, None], lanes.shape), lanes), 1)
+                idx = np.flatnonzero(masked)
+                n_c = min(len(idx), 1 + int(rng.poisson(tokens_per_step - 1.0)))
+                pick = rng.choice(idx, size=n_c, replace=False)
+                just[:] = False
+                just[pick] = True
+                masked[pick] = False
+                rows_counts.append(cnt)
+                rows_req.append(r)
+                rows_blk.append(b)
+                rows_step.append(s)
+                rows_com.append(n_c)
+                s += 1
+                if not masked.any():
+                    break
+    gen = {"skew": skew, "block_concentration": block_concentration, "reuse_masked": reuse_masked,
+           "reuse_committed": reuse_committed, "commit_redraw": commit_redraw, "tokens_per_step": tokens_per_step,
+           "requests": requests, "blocks": blocks, "seed": seed}
+    return DiffusionTrace.from_steps(
+        np.stack(rows_counts), rows_blk, rows_step, rows_req, np.full(len(rows_req), T), rows_com, top_k=k,
+        model_id=f"synthetic-diffusion-{L}x{E}x{k}", model_type="synthetic", block_length=T, synthetic=True,
+        source="moe_offload.trace.diffusion.synthetic_diffusion_trace(" +
+               ", ".join(f"{a}={v}" for a, v in gen.items()) + ")", generator=gen)

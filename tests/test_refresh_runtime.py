@@ -1,0 +1,73 @@
+"""The diffusion refresh planners in the real runtime (runtime/refresh_engine.py): reactive, tide-fixed and tide
+on tiny LLaDA2-MoE checkpoints give FullLoad's tokens; host fallback computes what the device path computes."""
+
+import pytest
+import torch
+
+from moe_offload.errors import MoeOffloadError
+from moe_offload.models.diffusion import run_diffusion
+from moe_offload.models.loader import load_full, load_offloaded
+
+PROMPTS = ["hello world", "the cat sat on"]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_dirs):
+    outs, _, _ = run_diffusion(load_full(tiny_dirs["llada2_moe"]), PROMPTS, 16, block_length=8, steps=4)
+    return [o.token_ids for o in outs]
+
+
+@pytest.mark.parametrize("policy", ["reactive", "tide-fixed", "tide-fixed-T3", "tide"])
+@pytest.mark.parametrize("residency", [0.25, 0.5])
+def test_refresh_policies_are_lossless(tiny_dirs, reference, policy, residency):
+    """Greedy diffusion tokens equal FullLoad's; the counters add up: every active expert of every layer call is a
+    hit or a miss, tide* compute misses on the host (reactive never does), asynchronous copies went through the
+    link emulation."""
+    lm = load_offloaded(tiny_dirs["llada2_moe"], residency=residency, policy=policy, progress=False,
+                        seconds_per_expert=1e-4)
+    eng = lm.engine
+    # tiny llada2: 2 MoE layers (the first of 3 is dense) of 16 experts, top-4: budget = ceil(ceil(r * 32) / 2)
+    assert eng.budget == {0.25: 4, 0.5: 8}[residency] and eng.pool.num_slots == 2 * eng.budget
+    outs, st, _ = run_diffusion(lm, PROMPTS, 16, block_length=8, steps=4)
+    eng.close()
+    assert [o.token_ids for o in outs] == reference
+    o = st.offload
+    assert o.hits > 0 and o.misses > 0 and o.steps > 0
+    if policy == "reactive":
+        assert o.host_experts == 0 and o.blocking_loads == o.misses
+    else:
+        assert o.host_experts > 0 and o.host_tokens >= o.host_experts
+
+
+def test_full_budget_never_copies_or_falls_back(tiny_dirs, reference):
+    for policy in ("reactive", "tide-fixed", "tide"):
+        lm = load_offloaded(tiny_dirs["llada2_moe"], residency=1.0, policy=policy, progress=False)
+        outs, st, _ = run_diffusion(lm, PROMPTS, 16, block_length=8, steps=4)
+        lm.engine.close()
+        assert [o.token_ids for o in outs] == reference
+        assert st.offload.misses == 0 and st.offload.host_experts == 0 and st.offload.bytes_loaded == 0, policy
+
+
+def test_host_fallback_equals_device_path(tiny_dirs):
+    """One layer's token-expert pairs computed from the host store and from the slots (all experts resident)."""
+    lm = load_offloaded(tiny_dirs["llada2_moe"], residency=1.0, policy="tide-fixed", progress=False)
+    eng = lm.engine
+    mod = next(m for m in lm.model.modules() if getattr(m, "_moe_offload", None) == (eng, 1))
+    torch.manual_seed(0)
+    T, k, E = 5, lm.top_k, lm.num_experts
+    hidden = torch.randn(T, lm.model.config.hidden_size)
+    idx = torch.stack([torch.randperm(E)[:k] for _ in range(T)])
+    gid = (idx + E).reshape(-1)
+    w = torch.rand(T * k)
+    mask = torch.ones(T * k, dtype=torch.bool)
+    dev = torch.zeros(T * k, hidden.shape[1])
+    host = torch.zeros_like(dev)
+    eng._accumulate(dev, mod, eng.pool.views, hidden, eng.pool.lookup[gid], mask, w, k)
+    eng._accumulate(host, mod, eng.host_views, hidden, gid, mask, w, k)
+    eng.close()
+    assert torch.allclose(dev, host, atol=1e-6) and dev.abs().sum() > 0
+
+
+def test_bad_refresh_policy_names(tiny_dirs):
+    with pytest.raises(MoeOffloadError, match="tide-fixed-T"):
+        load_offloaded(tiny_dirs["llada2_moe"], residency=0.5, policy="tide-fixed-Tx", progress=False)
