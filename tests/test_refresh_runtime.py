@@ -71,3 +71,8 @@ def test_host_fallback_equals_device_path(tiny_dirs):
 def test_bad_refresh_policy_names(tiny_dirs):
     with pytest.raises(MoeOffloadError, match="tide-fixed-T"):
         load_offloaded(tiny_dirs["llada2_moe"], residency=0.5, policy="tide-fixed-Tx", progress=False)
+
+
+def test_refresh_policy_refused_for_autoregressive_models(tiny_dirs):
+    with pytest.raises(MoeOffloadError, match="for diffusion models"):
+        load_offloaded(tiny_dirs["mixtral"], residency=0.5, policy="tide", progress=False)

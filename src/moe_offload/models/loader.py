@@ -268,6 +268,9 @@ def load_offloaded(model_dir: str | Path, *, device: str | None = None, dtype: s
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, config)
     refresh = is_refresh_policy(policy)
+    if refresh and not arch.diffusion:
+        raise MoeOffloadError(f"--policy {policy} refreshes experts per diffusion step: it is for diffusion models "
+                              f"(e.g. llada2_moe), not {arch.name}")
     if refresh:
         from ..core.refresh import make_refresh_planner
 
