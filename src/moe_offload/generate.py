@@ -46,6 +46,15 @@ class RunStats:
     def decode_tokens_per_s(self) -> float:
         return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
 
+    def add_request(self, prompt_tokens: int, ttft_s: float, decode_s: float, decode_tokens: int) -> None:
+        """Count one finished request (seconds; ``decode_tokens`` after the first token / first block)."""
+        self.requests += 1
+        self.prompt_tokens += prompt_tokens
+        self.prefill_s += ttft_s
+        self.ttft_s.append(ttft_s)
+        self.decode_s += decode_s
+        self.decode_tokens += decode_tokens
+
 
 def encode_prompt(tokenizer, prompt: str) -> list[int]:
     """Token ids of ``prompt``, wrapped in the tokenizer's chat template when it has one."""
@@ -147,12 +156,7 @@ def run(lm: LoadedModel, prompts: list[str], max_new_tokens: int, *, temperature
                                       request=i, on_step=recorder.end_step if recorder is not None else None)
         text = lm.tokenizer.decode(new, skip_special_tokens=True)
         outputs.append(Output(prompt, text, new, len(pids), ttft, dec))
-        stats.requests += 1
-        stats.prompt_tokens += len(pids)
-        stats.prefill_s += ttft
-        stats.ttft_s.append(ttft)
-        stats.decode_s += dec
-        stats.decode_tokens += len(new) - 1
+        stats.add_request(len(pids), ttft, dec, len(new) - 1)
     if eng is not None:
         stats.offload = eng.stats
     return outputs, stats

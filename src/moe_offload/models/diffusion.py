@@ -316,12 +316,8 @@ def run_diffusion(lm: LoadedModel, prompts: list[str], max_new_tokens: int, *, b
         outputs.append(Output(prompt, text, res.token_ids, len(pids), res.first_block_s,
                               res.seconds - res.first_block_s))
         results.append(res)
-        stats.requests += 1
-        stats.prompt_tokens += len(pids)
-        stats.prefill_s += res.first_block_s
-        stats.ttft_s.append(res.first_block_s)
-        stats.decode_s += res.seconds - res.first_block_s
-        stats.decode_tokens += max(0, len(res.token_ids) - first_block)
+        stats.add_request(len(pids), res.first_block_s, res.seconds - res.first_block_s,
+                          max(0, len(res.token_ids) - first_block))
     if eng is not None:
         stats.offload = eng.stats
     return outputs, stats, results

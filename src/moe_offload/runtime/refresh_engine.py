@@ -230,7 +230,7 @@ class RefreshEngine:
             self._accumulate(pairs, module, self.pool.views, hidden_states, slot_ids, on_device, weights, k)
         if not bool(on_device.all()):
             t0 = time.perf_counter()
-            dev = self.host_views[next(iter(self.host_views))].device
+            dev = self.store.buf.device
             hs, g, w = hidden_states.to(dev), gid.to(dev), weights.to(dev)
             host_pairs = torch.zeros(num_tokens * k, hidden_states.shape[-1], dtype=hidden_states.dtype, device=dev)
             self._accumulate(host_pairs, module, self.host_views, hs, g, ~on_device.to(dev), w, k)

@@ -291,9 +291,7 @@ def write_diffusion_report(rows: list[dict], sweep: list[dict], out_dir, title: 
     Raises:
         MoeOffloadError: no rows, or ``out_dir`` exists and is a file or not empty (never overwrites).
     """
-    import csv
-
-    from .report import _columns, _fmt, write_report
+    from .report import table_lines, write_csv, write_report
 
     files = write_report(rows, out_dir, title)
     out = Path(out_dir)
@@ -302,22 +300,12 @@ def write_diffusion_report(rows: list[dict], sweep: list[dict], out_dir, title: 
         md.write_text(md.read_text() + "\n" + extra_md.rstrip() + "\n")
     if not sweep:
         return files
-    cols = _columns(sweep)
-    p = out / "interval_sweep.csv"
-    with p.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
-        w.writeheader()
-        for r in sweep:
-            w.writerow({c: r.get(c, "") for c in cols})
-    files.append(p)
+    files.append(write_csv(sweep, out / "interval_sweep.csv"))
     keep = ["hardware", "residency", "policy", "interval", "projected_tok_s", "fraction_of_full_load", "hit_rate",
             "device_rate", "swaps", "fallback_token_experts", "ms_per_step"]
     lines = [f"# TIDE interval sweep — {title}", "",
              "tide-fixed refreshes every T steps (the authors' jump_steps); tide's interval is its mean interval "
-             "(steps x layers / refreshes).", "",
-             "| " + " | ".join(keep) + " |", "|" + "---|" * len(keep)]
-    for r in sweep:
-        lines.append("| " + " | ".join(_fmt(c, r.get(c)) for c in keep) + " |")
+             "(steps x layers / refreshes).", ""] + table_lines(sweep, keep)
     p = out / "interval_sweep.md"
     p.write_text("\n".join(lines) + "\n")
     files.append(p)

@@ -65,6 +65,27 @@ def _prepare_out(out_dir) -> Path:
     return out
 
 
+def write_csv(rows: list[dict], path: Path, cols: list[str] | None = None) -> Path:
+    """Write ``rows`` as CSV with columns ``cols`` (default ``_columns(rows)``; missing cells empty); returns
+    ``path``."""
+    cols = cols or _columns(rows)
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
+        w.writeheader()
+        for r in rows:
+            w.writerow({c: r.get(c, "") for c in cols})
+    return path
+
+
+def table_lines(rows: list[dict], cols: list[str]) -> list[str]:
+    """Markdown table lines (header, rule, one line per row) of ``rows`` restricted to ``cols``, cells formatted
+    by ``_fmt`` (pipes escaped)."""
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        lines.append("| " + " | ".join(_fmt(c, r.get(c)).replace("|", "\\|") for c in cols) + " |")
+    return lines
+
+
 def write_report(rows: list[dict], out_dir, title: str) -> list[Path]:
     """Write ``results.csv``, ``results.md``, ``hit_rate.png`` and (when rows carry ``projected_tok_s``)
     ``decode_speed.png`` into ``out_dir``.
@@ -91,23 +112,14 @@ def write_report(rows: list[dict], out_dir, title: str) -> list[Path]:
     cols = _columns(rows)
     written = []
 
-    p = out / "results.csv"
-    with p.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
-        w.writeheader()
-        for r in rows:
-            w.writerow({c: r.get(c, "") for c in cols})
-    written.append(p)
+    written.append(write_csv(rows, out / "results.csv", cols))
 
     p = out / "results.md"
     lines = [f"# {title}", ""]
     if _is_synthetic(rows):
         lines += ["Rows marked synthetic replay a generated trace (`moe_offload.trace.synthetic`): they measure the "
                   "simulator and the generator, not a model.", ""]
-    lines.append("| " + " | ".join(cols) + " |")
-    lines.append("|" + "---|" * len(cols))
-    for r in rows:
-        lines.append("| " + " | ".join(_fmt(c, r.get(c)).replace("|", "\\|") for c in cols) + " |")
+    lines += table_lines(rows, cols)
     p.write_text("\n".join(lines) + "\n")
     written.append(p)
 

@@ -33,13 +33,13 @@ arrays. :func:`synthetic_diffusion_trace` generates one (see its docstring for t
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from ..errors import MoeOffloadError
+from .format import HeaderGeometry, read_header_and_arrays, run_bounds, write_arrays_with_header
 
 FORMAT = "moe-offload-diffusion-trace"
 VERSION = 1
@@ -48,7 +48,7 @@ _ROW_ARRAYS = ("request", "block", "step", "tokens", "committed")
 
 
 @dataclass
-class DiffusionTrace:
+class DiffusionTrace(HeaderGeometry):
     """An in-memory diffusion routing trace; see the module docstring for the arrays (shapes, dtypes, meaning).
 
     Construct with :meth:`from_steps`, :func:`load_diffusion_trace` or :func:`synthetic_diffusion_trace`; the
@@ -66,17 +66,6 @@ class DiffusionTrace:
 
     # ---------------------------------------------------------------------------------------------- geometry
 
-    @property
-    def num_moe_layers(self) -> int:
-        return int(self.header["num_moe_layers"])
-
-    @property
-    def num_experts(self) -> int:
-        return int(self.header["num_experts"])
-
-    @property
-    def top_k(self) -> int:
-        return int(self.header["top_k"])
 
     @property
     def block_length(self) -> int:
@@ -95,12 +84,7 @@ class DiffusionTrace:
         """``[(request, block, row_start, row_end)]`` in order; rows ``[row_start, row_end)`` are the block's steps
         0, 1, ... (validated traces only)."""
         if self._blocks is None:
-            key = self.request.astype(np.int64) * (1 << 32) + self.block.astype(np.int64)
-            change = np.flatnonzero(np.diff(key)) + 1
-            starts = np.concatenate([[0], change]).astype(np.int64)
-            ends = np.concatenate([change, [len(key)]]).astype(np.int64)
-            self._blocks = [(int(self.request[s]), int(self.block[s]), int(s), int(e)) for s, e in zip(starts, ends)
-                            if e > s]
+            self._blocks = run_bounds(self.request, self.block)
         return self._blocks
 
     # ---------------------------------------------------------------------------------------------- building
@@ -230,21 +214,13 @@ class DiffusionTrace:
         Raises:
             MoeOffloadError: ``path`` exists and ``overwrite`` is False, or the trace is invalid.
         """
-        from safetensors.numpy import save_file
-
         self.validate()
         p = Path(path)
         if p.exists() and not overwrite:
             raise MoeOffloadError(f"{p} already exists; choose a new path")
         arrays = {"counts": self.counts.astype(np.uint16)}
         arrays.update({name: getattr(self, name).astype(np.int32) for name in _ROW_ARRAYS})
-        header = dict(self.header, format=FORMAT, version=VERSION)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        tmp = p.with_name(p.name + ".partial")
-        save_file({k: np.ascontiguousarray(v) for k, v in arrays.items()}, str(tmp),
-                  metadata={META_KEY: json.dumps(header)})
-        tmp.replace(p)
-        return p
+        return write_arrays_with_header(p, arrays, META_KEY, dict(self.header, format=FORMAT, version=VERSION))
 
 
 def load_diffusion_trace(path: str | Path) -> DiffusionTrace:
@@ -254,8 +230,6 @@ def load_diffusion_trace(path: str | Path) -> DiffusionTrace:
         MoeOffloadError: missing, corrupt or truncated file, not a diffusion trace (e.g. an autoregressive routing
             trace), another format version, missing arrays, or contents failing :meth:`DiffusionTrace.validate`.
     """
-    from .format import read_header_and_arrays
-
     p = Path(path)
     header, arrays = read_header_and_arrays(p, META_KEY, "diffusion trace")
     if header.get("format") != FORMAT or header.get("version") != VERSION:

@@ -45,18 +45,10 @@ def model_fingerprint(config_json: dict) -> str:
     return f"{config_json.get('model_type', 'unknown')}-{hashlib.sha256(canon.encode()).hexdigest()[:12]}"
 
 
-@dataclass
-class Trace:
-    """An in-memory routing trace; see the module docstring for the arrays' meaning, shapes and dtypes."""
+class HeaderGeometry:
+    """The model geometry every trace header carries (``num_moe_layers``, ``num_experts``, ``top_k``)."""
 
     header: dict
-    expert_ids: np.ndarray
-    expert_weights: np.ndarray
-    request: np.ndarray
-    step: np.ndarray
-    prompt_ids: np.ndarray
-    router_probs: np.ndarray | None = None
-    _bounds: list[tuple[int, int, int, int]] | None = field(default=None, repr=False)
 
     @property
     def num_moe_layers(self) -> int:
@@ -70,6 +62,42 @@ class Trace:
     def top_k(self) -> int:
         return int(self.header["top_k"])
 
+
+def run_bounds(major: np.ndarray, minor: np.ndarray) -> list[tuple[int, int, int, int]]:
+    """``[(major, minor, row_start, row_end)]`` of the runs of consecutive rows with equal ``(major, minor)``
+    (int arrays ``[N]``, e.g. request and step), in row order."""
+    key = major.astype(np.int64) * (1 << 32) + minor.astype(np.int64)
+    change = np.flatnonzero(np.diff(key)) + 1
+    starts = np.concatenate([[0], change]).astype(np.int64)
+    ends = np.concatenate([change, [len(key)]]).astype(np.int64)
+    return [(int(major[s]), int(minor[s]), int(s), int(e)) for s, e in zip(starts, ends) if e > s]
+
+
+def write_arrays_with_header(p: Path, arrays: dict, meta_key: str, header: dict) -> Path:
+    """Write numpy ``arrays`` and the JSON ``header`` (safetensors metadata ``meta_key``) to ``p`` atomically
+    (through ``p.partial``); the caller decides about overwriting. Returns ``p``."""
+    from safetensors.numpy import save_file
+
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(p.name + ".partial")
+    save_file({k: np.ascontiguousarray(v) for k, v in arrays.items()}, str(tmp), metadata={meta_key: json.dumps(header)})
+    tmp.replace(p)
+    return p
+
+
+@dataclass
+class Trace(HeaderGeometry):
+    """An in-memory routing trace; see the module docstring for the arrays' meaning, shapes and dtypes."""
+
+    header: dict
+    expert_ids: np.ndarray
+    expert_weights: np.ndarray
+    request: np.ndarray
+    step: np.ndarray
+    prompt_ids: np.ndarray
+    router_probs: np.ndarray | None = None
+    _bounds: list[tuple[int, int, int, int]] | None = field(default=None, repr=False)
+
     @property
     def num_requests(self) -> int:
         return len(self.header["requests"])
@@ -78,11 +106,7 @@ class Trace:
         """``[(request, step, row_start, row_end)]`` in replay order; rows ``[row_start, row_end)`` of the arrays
         are that step's tokens (many for a prefill, one for a decode step)."""
         if self._bounds is None:
-            key = self.request.astype(np.int64) * (1 << 32) + self.step.astype(np.int64)
-            change = np.flatnonzero(np.diff(key)) + 1
-            starts = np.concatenate([[0], change]).astype(np.int64)
-            ends = np.concatenate([change, [len(key)]]).astype(np.int64)
-            self._bounds = [(int(self.request[s]), int(self.step[s]), int(s), int(e)) for s, e in zip(starts, ends)]
+            self._bounds = run_bounds(self.request, self.step)
         return self._bounds
 
     def check_model(self, fingerprint: str) -> None:
@@ -97,8 +121,6 @@ class Trace:
         Raises:
             MoeOffloadError: ``path`` exists and ``overwrite`` is False.
         """
-        from safetensors.numpy import save_file
-
         p = Path(path)
         if p.exists() and not overwrite:
             raise MoeOffloadError(f"{p} already exists; choose a new --out")
@@ -108,12 +130,7 @@ class Trace:
         if self.router_probs is not None:
             arrays["router_probs"] = self.router_probs.astype(np.float16)
         header = dict(self.header, format=FORMAT, version=VERSION, router_probs=self.router_probs is not None)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        tmp = p.with_name(p.name + ".partial")
-        save_file({k: np.ascontiguousarray(v) for k, v in arrays.items()}, str(tmp),
-                  metadata={META_KEY: json.dumps(header)})
-        tmp.replace(p)
-        return p
+        return write_arrays_with_header(p, arrays, META_KEY, header)
 
 
 def read_header_and_arrays(p: Path, meta_key: str, what: str) -> tuple[dict, dict]:
