@@ -73,6 +73,13 @@ def test_this_machine_measured(tmp_path, monkeypatch):
     hw = profiles.load_hardware("this-machine")
     assert hw.name == "this-machine" and hw.link_gbps == out["link_gbps"] > 0
     assert len(out["measured"]["samples_gbps"]) == 2
+    # the TIDE cost model's compute keys are measured too, so `--hardware this-machine` builds TideCosts
+    from moe_offload.core.costs import HW_KEYS, TideCosts
+
+    assert all(hw.extra.get(k, getattr(hw, k, None)) is not None for k in HW_KEYS)
+    assert out["host_bf16_gflops"] > 0 and out["host_stream_gbps"] > 0
+    c = TideCosts.from_profiles(hw, "llada2.0-mini")
+    assert c.fallback_token_s == pytest.approx(6291456 / (out["host_bf16_gflops"] * 1e9))
 
 
 # ------------------------------------------------------------------------------------------------ time model

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from .errors import MoeOffloadError
 
-BUILTIN_MODELS = ("testbed", "testbed-sparse")
+BUILTIN_MODELS = ("testbed", "testbed-sparse", "llada2-medium")
 DEFAULT_PROMPTS = 3
 
 
@@ -49,6 +49,10 @@ def _float(s: str) -> float:
 def resolve_model(name: str | None, progress: bool = True) -> Path:
     """A checkpoint directory for ``--model``: a path, or a built-in name (built into the cache on first use)."""
     name = name or "testbed"
+    if name == "llada2-medium" and not Path(name).exists():
+        from .models.tiny import ensure_llada2_medium
+
+        return ensure_llada2_medium(progress=progress)
     if name in BUILTIN_MODELS and not Path(name).exists():
         from .testbed.build import ensure_testbed
 
@@ -193,6 +197,27 @@ def build_parser() -> argparse.ArgumentParser:
     bl = bsub.add_parser("link", help="measure host->device copy bandwidth; saves the this-machine profile")
     bl.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
     bl.add_argument("--size-mb", type=_positive_int, default=256)
+    bf = bsub.add_parser("diffusion", help="TIDE: diffusion tokens/s of FullLoad, reactive, tide-fixed-T<n> and tide "
+                         "per budget under an emulated link and host-fallback regime")
+    bf.add_argument("--model", default="llada2-medium",
+                    help="a diffusion checkpoint directory; default llada2-medium (built-in, built on first use)")
+    bf.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
+    bf.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: the checkpoint's")
+    bf.add_argument("--budgets", default="0.25,0.5", help="experts per layer on the device, comma-separated "
+                    "fractions in (0, 1] (default 0.25,0.5)")
+    bf.add_argument("--intervals", default="1-8", help="tide-fixed intervals T: 'A-B' or comma-separated (default 1-8)")
+    bf.add_argument("--hardware", default="rtx4090", help="hardware profile whose cost ratios are emulated")
+    bf.add_argument("--model-profile", default="llada2.0-mini", help="model profile of the emulated costs")
+    bf.add_argument("--max-new-tokens", type=_positive_int, default=64)
+    bf.add_argument("--block-length", type=_positive_int, default=32)
+    bf.add_argument("--steps", type=_positive_int, help="diffusion steps per block (default: --block-length)")
+    bf.add_argument("--threshold", type=_float, default=0.95)
+    bf.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    bf.add_argument("--prompts", metavar="FILE", help="file with one prompt per line")
+    bf.add_argument("--sharegpt", type=_positive_int, metavar="N", help="the first N human turns of ShareGPT")
+    bf.add_argument("--sharegpt-offset", type=_nonneg_int, default=0, metavar="K")
+    bf.add_argument("--out", help="also write the table (markdown) to this new file")
+    bf.add_argument("--quiet", action="store_true", help="no progress bars")
     br = bsub.add_parser("replay", help="simulator speed in expert accesses per second (synthetic 48x128x8)")
     br.add_argument("--seconds", type=_float, default=5.0)
     from .predictor.cli import add_parser as add_predictor_parser
@@ -334,7 +359,23 @@ def _cmd_trace(args) -> int:
     from .trace.stats import format_stats, trace_stats
 
     if args.trace_cmd == "info":
-        tr = load_trace(args.file)
+        try:
+            tr = load_trace(args.file)
+        except MoeOffloadError as err:
+            from .trace.diffusion import load_diffusion_trace, stability_profile
+
+            try:
+                dt = load_diffusion_trace(args.file)
+            except MoeOffloadError:
+                raise err from None
+            st = {"kind": "diffusion", "model_id": dt.header.get("model_id"), "synthetic": dt.synthetic,
+                  "num_moe_layers": dt.num_moe_layers, "num_experts": dt.num_experts, "top_k": dt.top_k,
+                  "block_length": dt.block_length, "diffusion_steps": dt.num_steps, "blocks": len(dt.blocks()),
+                  "tokens_committed": int(dt.committed.sum()),
+                  "stability": {f"budget_{b}": stability_profile(dt, max(1, round(b * dt.num_experts)), 8)
+                                for b in (0.25, 0.5)}}
+            print(json.dumps(st) if args.json else json.dumps(st, indent=1))
+            return 0
         st = dict(trace_stats(tr), model_id=tr.header.get("model_id"))
         print(json.dumps(st) if args.json else format_stats(st))
         return 0
@@ -349,6 +390,22 @@ def _cmd_trace(args) -> int:
     if not prompts:
         raise MoeOffloadError(f"no prompt is at most --max-prompt-chars {args.max_prompt_chars} characters long")
     path = resolve_model(args.model, progress=not args.quiet)
+    from .models.loader import read_config
+
+    if read_config(path)[2].diffusion:  # a diffusion trace (per block, step, layer: expert token counts)
+        from .models.diffusion import run_diffusion
+        from .models.loader import load_full
+        from .trace.diffusion import DiffusionTraceRecorder
+
+        lm = load_full(path, device=args.device, dtype=args.dtype)
+        with DiffusionTraceRecorder(lm, 32, source=f"moe-offload trace collect on {path}") as rec:
+            _, _, results = run_diffusion(lm, prompts, args.max_new_tokens, progress=not args.quiet, recorder=rec)
+            tr = rec.trace(results)
+        tr.save(out)
+        print(f"wrote {out}: diffusion trace, {len(results)} requests, {tr.num_steps} diffusion steps "
+              f"(block 32, steps 32, threshold 0.95), {tr.num_moe_layers} MoE layers x {tr.num_experts} experts, "
+              f"top-{tr.top_k}")
+        return 0
     lm = load_offloaded(path, device=args.device, dtype=args.dtype, policy=args.policy, progress=not args.quiet)
     with TraceRecorder(lm, router_probs=args.router_probs, source=f"moe-offload trace collect on {path}") as rec:
         run(lm, prompts, args.max_new_tokens, progress=not args.quiet, recorder=rec)
@@ -591,6 +648,23 @@ def _cmd_bench(args) -> int:
 
         print(json.dumps(bench_replay_speed(seconds=args.seconds), indent=1))
         return 0
+    if args.out and Path(args.out).exists():
+        raise MoeOffloadError(f"{args.out} already exists; choose a new --out")
+    if args.bench_cmd == "diffusion":
+        from .bench import bench_diffusion
+
+        budgets = _split_floats(args.budgets, "--budgets")
+        intervals = _parse_intervals(args.intervals)
+        prompts = load_prompts(args)
+        path = resolve_model(args.model, progress=not args.quiet)
+        table = bench_diffusion(path, prompts, budgets, intervals, max_new_tokens=args.max_new_tokens,
+                                block_length=args.block_length, steps=args.steps, threshold=args.threshold,
+                                hardware=args.hardware, model_profile=args.model_profile, device=args.device,
+                                dtype=args.dtype, progress=not args.quiet)
+        print(table)
+        if args.out:
+            Path(args.out).write_text(table + "\n")
+        return 0
     from .bench import bench_decode
 
     try:
@@ -599,8 +673,6 @@ def _cmd_bench(args) -> int:
         raise MoeOffloadError(f"--residencies must be comma-separated numbers, got {args.residencies!r}") from None
     if any(not (0 < r <= 1) for r in residencies):
         raise MoeOffloadError(f"--residencies values must be in (0, 1], got {args.residencies}")
-    if args.out and Path(args.out).exists():
-        raise MoeOffloadError(f"{args.out} already exists; choose a new --out")
     prompts = load_prompts(args)
     path = resolve_model(args.model, progress=not args.quiet)
     table = bench_decode(path, prompts, residencies, max_new_tokens=args.max_new_tokens, device=args.device,

@@ -235,7 +235,7 @@ def load_offloaded(model_dir: str | Path, *, device: str | None = None, dtype: s
                    residency: float | None = None, slots: int | None = None, policy: str = "lru",
                    progress: bool = True, link_epl: float = 1.39, link_gbps: float | None = None,
                    seconds_per_expert: float | None = None, interval: int = 1,
-                   host_seconds_per_token_expert: float = 0.0) -> LoadedModel:
+                   host_seconds_per_token_expert: float = 0.0, host_seconds_per_expert: float = 0.0) -> LoadedModel:
     """Load ``model_dir`` with routed experts in a host store and a device slot pool of the requested size.
 
     Args:
@@ -255,7 +255,9 @@ def load_offloaded(model_dir: str | Path, *, device: str | None = None, dtype: s
             (``interval`` steps; or "tide-fixed-T<n>"), "tide" (cost model calibrated at load:
             ``runtime.refresh_engine.calibrate_costs``); the slots are then split into equal per-layer budgets
             (``ceil(slots / L)`` experts per layer, at least top-k) and misses are computed on the host.
-        host_seconds_per_token_expert: refresh planners: emulated host fallback cost per token-expert (seconds).
+        host_seconds_per_token_expert, host_seconds_per_expert: refresh planners: emulated host fallback cost
+            (seconds) per token-expert and per expert computed on the host (a fallback layer call then takes at least
+            their sum; ``bench diffusion`` sets them).
 
     Raises:
         MoeOffloadError: any bad input (see ``read_config``, ``Checkpoint``, ``num_slots_for``, ``make_policy``).
@@ -386,10 +388,12 @@ def load_offloaded(model_dir: str | Path, *, device: str | None = None, dtype: s
         costs = None
         if policy.lower() == "tide":
             costs = calibrate_costs(mods[0][1], store, pool, transfer, len(mods), num_experts, top_k,
-                                    host_seconds_per_token_expert=host_seconds_per_token_expert)
+                                    host_seconds_per_token_expert=host_seconds_per_token_expert,
+                                    host_seconds_per_expert=host_seconds_per_expert)
         planner = make_refresh_planner(policy, len(mods), num_experts, budget, costs=costs, interval=interval)
         engine = RefreshEngine(store, pool, planner, len(mods), num_experts, transfer,
-                               host_seconds_per_token_expert=host_seconds_per_token_expert)
+                               host_seconds_per_token_expert=host_seconds_per_token_expert,
+                               host_seconds_per_expert=host_seconds_per_expert)
         engine.attach([m for _, m in mods])
         return LoadedModel(model, _load_tokenizer(path), engine, arch, dev, dt, len(mods), num_experts, top_k,
                            layout.expert_bytes, path)

@@ -6,6 +6,7 @@ layout, per-expert keys included) plus a 258-token byte-level tokenizer, so ``--
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -66,3 +67,132 @@ def make_tiny(arch: str, out_dir: str | Path, *, seed: int = 0, dtype: torch.dty
     model.save_pretrained(out)
     tok.save_pretrained(out)
     return out
+
+
+#: LLaDA2-MoE with LLaDA2.0-mini's routing geometry (256 routed experts in 8 groups, top-4 groups, top-8, one shared
+#: expert, first layer dense) at a size this CPU runs in milliseconds per diffusion step: the "medium" checkpoint of
+#: the TIDE benchmark (``bench diffusion``).
+LLADA2_MEDIUM = dict(hidden_size=128, num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                     max_position_embeddings=2048, intermediate_size=256, moe_intermediate_size=64, num_experts=256,
+                     num_experts_per_tok=8, n_group=8, topk_group=4, num_shared_experts=1, first_k_dense_replace=1,
+                     routed_scaling_factor=2.5)
+
+
+@torch.no_grad()
+def balance_expert_bias(model: torch.nn.Module, batches: list[torch.Tensor], iters: int = 40,
+                        rate: float = 0.01) -> list[float]:
+    """Auxiliary-loss-free load balancing of a router's selection bias, as LLaDA2 / DeepSeek-V3 train it: after each
+    pass over ``batches`` every router's ``expert_bias [E]`` (float32) moves by ``rate`` towards balance,
+    ``bias_e += rate * sign(mean_load - load_e)``, where ``load_e`` counts the tokens routed to expert ``e``.
+
+    A random checkpoint's routers otherwise send most tokens to a few experts; a trained model's are balanced by
+    this very update, which makes the routing of a balanced random model a more realistic offloading workload.
+
+    Args:
+        model: a model whose routers have an ``expert_bias`` buffer and return ``(logits, weights, indices)``.
+        batches: ``input_ids [1, S]`` int64 tensors.
+        iters: passes; rate: bias step (scores are sigmoids in (0, 1)).
+
+    Returns:
+        The max/mean load ratio of each pass (1.0 = perfectly balanced), pooled over routers.
+
+    Raises:
+        MoeOffloadError: no router with ``expert_bias``.
+    """
+    gates = [m for m in model.modules() if isinstance(getattr(m, "expert_bias", None), torch.Tensor)]
+    if not gates:
+        raise MoeOffloadError("the model has no router with an expert_bias to balance")
+    loads = [torch.zeros(g.expert_bias.numel()) for g in gates]
+
+    def hook(i):
+        def fn(module, args, out):
+            loads[i] += torch.bincount(out[2].reshape(-1).cpu(), minlength=loads[i].numel()).float()
+        return fn
+
+    handles = [g.register_forward_hook(hook(i)) for i, g in enumerate(gates)]
+    history = []
+    try:
+        for _ in range(iters):
+            for ld in loads:
+                ld.zero_()
+            for ids in batches:
+                model(input_ids=ids, use_cache=False)
+            history.append(float(torch.stack([ld.max() / ld.mean() for ld in loads]).mean()))
+            for g, ld in zip(gates, loads):
+                g.expert_bias += rate * torch.sign(ld.mean() - ld).to(g.expert_bias.device)
+    finally:
+        for h in handles:
+            h.remove()
+    return history
+
+
+def make_llada2_medium(out_dir: str | Path, texts: list[str], *, seed: int = 0, block_length: int = 32,
+                       overwrite: bool = False) -> tuple[Path, list[float]]:
+    """Write the medium random LLaDA2-MoE (``LLADA2_MEDIUM``) with its routers load-balanced on ``texts``
+    (``balance_expert_bias`` over ``text + block_length`` mask tokens, as the diffusion loop's forwards see them).
+
+    Returns:
+        ``(path, balance_history)``.
+
+    Raises:
+        MoeOffloadError: ``out_dir`` exists and is not empty (unless ``overwrite``), or no text.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if not texts:
+        raise MoeOffloadError("make_llada2_medium needs texts to balance the routers on")
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise MoeOffloadError(f"{out} already exists and is not empty; choose another --out")
+    tok = tiny_tokenizer(mask_token=True)
+    config = AutoConfig.for_model("llada2_moe", vocab_size=len(tok), bos_token_id=tok.bos_token_id,
+                                  eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id,
+                                  tie_word_embeddings=False, initializer_range=0.2, mask_token_id=tok.mask_token_id,
+                                  **LLADA2_MEDIUM)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    masks = [tok.mask_token_id] * block_length
+    batches = [torch.tensor([tok(t)["input_ids"][:config.max_position_embeddings - block_length] + masks])
+               for t in texts]
+    history = balance_expert_bias(model, batches)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out, history
+
+
+def ensure_llada2_medium(progress: bool = True) -> Path:
+    """The built-in ``llada2-medium`` checkpoint (``make_llada2_medium``, routers balanced on 32 ShareGPT human turns
+    disjoint from the default prompts), built on first use into the cache (``testbed.build.default_cache_dir``) in a
+    temporary directory renamed into place, so an interrupted build leaves nothing half-written. About 40 s on 2
+    cores.
+
+    Raises:
+        MoeOffloadError: the ShareGPT data set is not installed.
+    """
+    import shutil
+    import tempfile
+
+    from ..testbed.build import default_cache_dir
+    from ..testbed.sharegpt import human_turns
+
+    cache = default_cache_dir()
+    target = cache / "llada2-medium"
+    if (target / "config.json").is_file() and (target / "balance.json").is_file():
+        return target
+    cache.mkdir(parents=True, exist_ok=True)
+    if progress:
+        print("building llada2-medium (random LLaDA2-MoE with LLaDA2.0-mini's routing geometry, routers balanced "
+              "on ShareGPT text; about 40 s)...", flush=True)
+    texts = [t[:400] for t in human_turns(32, offset=200)]
+    tmp = Path(tempfile.mkdtemp(prefix=".llada2-medium.", suffix=".tmp", dir=cache))
+    try:
+        _, history = make_llada2_medium(tmp, texts, overwrite=True)
+        (tmp / "balance.json").write_text(json.dumps({"max_over_mean_load_per_pass": history,
+                                                      "texts": "ShareGPT human turns 200..231, first 400 chars"}))
+        if target.exists():
+            shutil.rmtree(target)
+        tmp.rename(target)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target

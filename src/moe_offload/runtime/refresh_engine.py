@@ -302,14 +302,15 @@ def _median_seconds(fn, repeats: int = 5) -> float:
 
 def calibrate_costs(module: torch.nn.Module, store: HostStore, pool: SlotPool, transfer: TransferEngine,
                     num_moe_layers: int, num_experts: int, top_k: int, host_seconds_per_token_expert: float = 0.0,
-                    tokens: int = 32):
+                    host_seconds_per_expert: float = 0.0, tokens: int = 32):
     """Measure the TIDE cost model on this machine at start-up (``core.costs.TideCosts``, seconds):
 
     * ``swap_s``: one expert's host->device copy through ``transfer`` (its link emulation when set, else the
       median of 3 real copies into slot 0, before any slot is in use);
     * ``fallback_expert_s`` / ``fallback_token_s``: host compute of one expert for 1 and for ``tokens`` tokens
-      from the host store (median of 5), split into a per-call and a per-token-expert part, plus
-      ``host_seconds_per_token_expert`` (the emulated host slowness);
+      from the host store (median of 5), split into a per-call and a per-token-expert part; with an emulated
+      host (``host_seconds_per_expert`` / ``host_seconds_per_token_expert``, which ``RefreshEngine`` enforces as a
+      minimum duration) each part is the larger of the measured and the emulated one;
     * ``device_expert_s`` / ``device_token_s``: the same on the slot pool.
 
     Raises:
@@ -347,7 +348,7 @@ def calibrate_costs(module: torch.nn.Module, store: HostStore, pool: SlotPool, t
         d1, dn = per_call(dev_views, 1, pool.device), per_call(dev_views, tokens, pool.device)
     return TideCosts(expert_bytes=store.layout.expert_bytes, swap_s=swap_s,
                      device_expert_s=d1, device_token_s=max(0.0, (dn - d1) / (tokens - 1)),
-                     fallback_expert_s=h1,
-                     fallback_token_s=max(0.0, (hn - h1) / (tokens - 1)) + host_seconds_per_token_expert,
+                     fallback_expert_s=max(h1, host_seconds_per_expert),
+                     fallback_token_s=max((hn - h1) / (tokens - 1), host_seconds_per_token_expert, 0.0),
                      num_moe_layers=num_moe_layers, num_experts=num_experts, top_k=top_k,
                      provenance={"all": "measured at start-up (runtime.refresh_engine.calibrate_costs)"})

@@ -219,8 +219,69 @@ def load_model_profile(name: str) -> ModelProfile:
 # ------------------------------------------------------------------------------------------------ measuring
 
 
+def _median_time(fn, repeats: int, sync=None) -> float:
+    fn()  # warm-up
+    if sync:
+        sync()
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        if sync:
+            sync()
+        out.append(time.perf_counter() - t0)
+    return statistics.median(out)
+
+
+def measure_compute(device, hidden: int = 2048, intermediate: int = 512, tokens: int = 32,
+                    stream_mb: int = 64, repeats: int = 7) -> dict:
+    """Measure the TIDE cost model's compute rates (``core.costs.HW_KEYS``) on this machine, at LLaDA2.0-mini's
+    expert shape by default (``[tokens, hidden] x [hidden, intermediate]`` bf16 GEMMs).
+
+    Host (always the CPU, where a host fallback runs): ``host_stream_gbps`` (GB/s of a sum over a ``stream_mb`` MiB
+    bf16 tensor: streaming an expert's weights from host memory), ``host_bf16_gflops`` (GFLOP/s of the GEMM above)
+    and ``host_call_overhead_us`` (microseconds of a 1x1x1 matmul call). Device (``device``; on the CPU the same
+    numbers): ``device_mem_bw_gbps``, ``device_bf16_tflops``, ``layer_overhead_us`` (a 1x1x1 matmul, i.e. one
+    launch), with efficiencies 1.0 since the rates are measured at the expert's own shape.
+
+    Returns:
+        ``{"values": {key: number}, "methods": {key: how}}`` (medians of ``repeats``).
+    """
+    import torch
+
+    dev = torch.device(device)
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else None
+    bf = torch.bfloat16
+
+    def rates(d, sync_fn):
+        buf = torch.ones((stream_mb << 20) // 2, dtype=bf, device=d)
+        stream_s = _median_time(lambda: buf.sum(), repeats, sync_fn)
+        x = torch.randn(tokens, hidden, device=d).to(bf)
+        w = torch.randn(hidden, intermediate, device=d).to(bf)
+        gemm_s = _median_time(lambda: x @ w, repeats, sync_fn)
+        one = torch.ones(1, 1, dtype=bf, device=d)
+        call_s = _median_time(lambda: one @ one, repeats, sync_fn)
+        return buf.numel() * 2 / stream_s / 1e9, 2 * tokens * hidden * intermediate / gemm_s, call_s * 1e6
+
+    h_gbps, h_flops, h_call = rates(torch.device("cpu"), None)
+    d_gbps, d_flops, d_call = (h_gbps, h_flops, h_call) if dev.type == "cpu" else rates(dev, sync)
+    shape = f"bf16 [{tokens}, {hidden}] x [{hidden}, {intermediate}]"
+    values = {"host_stream_gbps": round(h_gbps, 3), "host_bf16_gflops": round(h_flops / 1e9, 3),
+              "host_call_overhead_us": round(h_call, 3), "device_mem_bw_gbps": round(d_gbps, 3),
+              "device_bf16_tflops": round(d_flops / 1e12, 6), "device_mem_efficiency": 1.0,
+              "device_compute_efficiency": 1.0, "layer_overhead_us": round(d_call, 3)}
+    methods = {"host_stream_gbps": f"sum over a {stream_mb} MiB bf16 host tensor",
+               "host_bf16_gflops": f"host GEMM {shape}", "host_call_overhead_us": "host 1x1x1 bf16 matmul call",
+               "device_mem_bw_gbps": f"sum over a {stream_mb} MiB bf16 tensor on {dev}",
+               "device_bf16_tflops": f"GEMM {shape} on {dev}", "device_mem_efficiency": "rate measured directly",
+               "device_compute_efficiency": "rate measured directly",
+               "layer_overhead_us": f"1x1x1 bf16 matmul call on {dev}"}
+    return {"values": values, "methods": methods}
+
+
 def measure_link(device=None, size_mb: int = 256, repeats: int = 5) -> dict:
-    """Measure this machine's host->device copy bandwidth and write the ``this-machine`` hardware profile.
+    """Measure this machine's host->device copy bandwidth and compute rates (``measure_compute``: host fallback and
+    device compute, the TIDE cost model's keys) and write the ``this-machine`` hardware profile.
 
     On CUDA: a pinned host uint8 tensor of ``size_mb`` MiB copied to the device (``non_blocking``), timed with CUDA
     events after one warm-up copy. On the CPU: a copy between two host tensors of that size, timed with
@@ -281,6 +342,7 @@ def measure_link(device=None, size_mb: int = 256, repeats: int = 5) -> dict:
     else:
         raise MoeOffloadError(f"measure_link supports cpu and cuda devices, not {dev}")
     when = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    compute = measure_compute(dev)
     profile = {
         "name": THIS_MACHINE,
         "description": f"measured on {platform.node()} ({device_name})",
@@ -299,6 +361,9 @@ def measure_link(device=None, size_mb: int = 256, repeats: int = 5) -> dict:
         "unsourced": [],
         "note": "Measured, not from a paper. On the CPU the 'device' is host memory and the link is a memcpy.",
     }
+    for key, value in compute["values"].items():
+        profile[key] = value
+        profile["sources"][key] = f"measured by profiles.measure_compute at {when}: {compute['methods'][key]}"
     path = this_machine_path()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".partial")

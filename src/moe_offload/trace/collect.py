@@ -13,10 +13,10 @@ import torch
 
 from ..errors import MoeOffloadError
 from ..models.loader import LoadedModel, experts_modules
-from .format import Trace
+from .format import HookedRecorder, Trace
 
 
-class TraceRecorder:
+class TraceRecorder(HookedRecorder):
     """Records a routing trace while ``generate.run`` runs (pass it as ``recorder=``).
 
     Args:
@@ -101,12 +101,4 @@ class TraceRecorder:
         """Remove the engine observer and router hooks."""
         if self._observe in self.lm.engine.observers:
             self.lm.engine.observers.remove(self._observe)
-        for h in self._handles:
-            h.remove()
-        self._handles = []
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
+        super().close()

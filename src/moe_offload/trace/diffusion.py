@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import MoeOffloadError
-from .format import HeaderGeometry, read_header_and_arrays, run_bounds, write_arrays_with_header
+from .format import HeaderGeometry, HookedRecorder, read_header_and_arrays, run_bounds, write_arrays_with_header
 
 FORMAT = "moe-offload-diffusion-trace"
 VERSION = 1
@@ -411,3 +411,89 @@ def synthetic_diffusion_trace(num_moe_layers: int = 19, num_experts: int = 256, 
         model_id=f"synthetic-diffusion-{L}x{E}x{k}", model_type="synthetic", block_length=T, synthetic=True,
         source="moe_offload.trace.diffusion.synthetic_diffusion_trace(" +
                ", ".join(f"{a}={v}" for a, v in gen.items()) + ")", generator=gen)
+
+
+# ------------------------------------------------------------------------------------------------ collection
+
+
+class DiffusionTraceRecorder(HookedRecorder):
+    """Records a diffusion trace while ``models.diffusion.run_diffusion`` runs (pass it as ``recorder=``).
+
+    A forward pre-hook on every experts module reads the ``top_k_index [T, k]`` it receives — the same routing for
+    FullLoad and for every offloaded engine (they are lossless) — and counts tokens per expert; ``end_step`` closes
+    one diffusion step's row ``[L, E]``. The block, step-in-block and committed tokens of every row come from the
+    run's ``DiffusionResult``s (:meth:`trace`).
+
+    Args:
+        lm: a loaded diffusion model (``load_full`` or ``load_offloaded``).
+        block_length: the run's block length (stored in the header).
+        source: free text stored in the header.
+    Call ``close()`` (or use it as a context manager) to remove the hooks.
+
+    Raises:
+        MoeOffloadError: a model without experts modules.
+    """
+
+    def __init__(self, lm, block_length: int, source: str = ""):
+        import torch
+
+        from ..models.loader import experts_modules
+
+        mods = experts_modules(lm.model)
+        if not mods:
+            raise MoeOffloadError("the model has no experts modules to record")
+        self.lm, self.source, self.block_length = lm, source, int(block_length)
+        self.L, self.E, self.k = len(mods), lm.num_experts, lm.top_k
+        self._torch = torch
+        self._cur = np.zeros((self.L, self.E), np.int64)
+        self._seen = np.zeros(self.L, bool)
+        self._rows: list[np.ndarray] = []
+        self._req: list[int] = []
+        self._request = -1
+        self._handles = [m.register_forward_pre_hook(self._hook(i), with_kwargs=True)
+                         for i, (_, m) in enumerate(mods)]
+
+    def _hook(self, layer: int):
+        def hook(module, args, kwargs):
+            idx = args[1] if len(args) > 1 else kwargs["top_k_index"]
+            self._cur[layer] += self._torch.bincount(idx.reshape(-1).cpu(), minlength=self.E).numpy()
+            self._seen[layer] = True
+        return hook
+
+    def start_request(self, index: int, prompt_ids: list[int]) -> None:
+        """Request ``index`` begins (its prompt ids are not stored: diffusion traces hold counts only)."""
+        self._request = index
+
+    def end_step(self, step: int) -> None:
+        """A diffusion step's forward finished: its counts become one row.
+
+        Raises:
+            RuntimeError: some MoE layer did not report its routing.
+        """
+        if not self._seen.all():
+            raise RuntimeError("a diffusion step finished without every MoE layer reporting its routing")
+        self._rows.append(self._cur.copy())
+        self._req.append(self._request)
+        self._cur[:] = 0
+        self._seen[:] = False
+
+    def trace(self, results) -> DiffusionTrace:
+        """The trace of the run whose ``DiffusionResult``s (one per request, in order) are ``results``.
+
+        Raises:
+            MoeOffloadError: the recorded steps do not match the results' steps.
+        """
+        block, step, committed = [], [], []
+        for res in results:
+            for b in res.blocks:
+                for s, c in enumerate(b.committed):
+                    block.append(b.index)
+                    step.append(s)
+                    committed.append(c)
+        if len(block) != len(self._rows):
+            raise MoeOffloadError(f"recorded {len(self._rows)} diffusion steps but the results hold {len(block)}")
+        lm = self.lm
+        return DiffusionTrace.from_steps(np.stack(self._rows) if self._rows else np.zeros((0, self.L, self.E)),
+                                         block, step, request=self._req, committed=committed, top_k=self.k,
+                                         model_id=lm.model_id, model_type=lm.arch.model_type,
+                                         block_length=self.block_length, source=self.source)

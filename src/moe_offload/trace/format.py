@@ -63,6 +63,25 @@ class HeaderGeometry:
         return int(self.header["top_k"])
 
 
+class HookedRecorder:
+    """Base of the trace recorders: holds the torch hook handles in ``_handles``; ``close()`` (or leaving the
+    ``with`` block) removes them."""
+
+    _handles: list
+
+    def close(self) -> None:
+        """Remove the hooks."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
 def run_bounds(major: np.ndarray, minor: np.ndarray) -> list[tuple[int, int, int, int]]:
     """``[(major, minor, row_start, row_end)]`` of the runs of consecutive rows with equal ``(major, minor)``
     (int arrays ``[N]``, e.g. request and step), in row order."""
