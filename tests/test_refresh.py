@@ -222,7 +222,7 @@ def test_tide_planner_budget_invariant_and_prefetch_api():
                                    seed=1)
     costs = TideCosts.from_numbers(1, swap_s=1e-4, fallback_expert_s=2e-4, fallback_token_s=1e-5,
                                    device_expert_s=1e-5, nonexpert_step_s=1e-3, top_k=4)
-    p = TidePlanner(3, 32, 8, costs, tau_max=6)
+    p = TidePlanner(3, 32, 8, costs, tau_max=6, on_demand=False)  # swaps win here: on_demand would not prefetch
     seen_async = False
     for _, block, a, b in tr.blocks():
         p.begin_block(0, block)
@@ -235,10 +235,48 @@ def test_tide_planner_budget_invariant_and_prefetch_api():
             for layer in range(3):
                 dec = p.route(layer, tr.counts[row, layer])
                 assert len(p.resident(layer)) + len(p.in_flight(layer)) <= 8
-                assert set(dec.device) <= p.resident(layer) and not set(dec.host) & p.resident(layer)
+                # on-demand rounds may evict experts computed in an earlier round of the same step
+                on_device_now = dec.device if dec.rounds is None else dec.rounds[-1].compute
+                assert set(on_device_now) <= p.resident(layer) and not set(dec.host) & p.resident(layer)
+                assert sorted(dec.device + dec.host) == list(np.flatnonzero(tr.counts[row, layer]))
                 p.land(layer, list(p.in_flight(layer)))  # everything lands before the next layer (fast link)
             p.end_step(2e-3)
     assert seen_async and p.stats["prefetch_swaps"] > 0
+
+
+def test_tide_on_demand_swap_or_fallback_hand_worked():
+    """Per-miss choice: swap (1.0 s) when cheaper than the host fallback (0.5 s + 0.2 s per token), i.e. for misses
+    with >= 3 tokens; swapped experts take free slots, then idle residents' slots, then (a later round) the slots
+    of experts already computed this step, fewest tokens first; a synchronous refresh is the first round."""
+    costs = TideCosts.from_numbers(1, swap_s=1.0, fallback_expert_s=0.5, fallback_token_s=0.2)
+    p = TidePlanner(1, 6, 2, costs)
+    p.begin_block(0, 0)
+    # step 0: block-start sync refresh: top-2 = {0 (5), 3 (3)}; expert 2 (1 token: 0.7 s < 1 s) on the host
+    assert p.begin_step(0) is None
+    d = p.route(0, np.array([5, 0, 1, 3, 0, 0]))
+    assert d.rounds is None and d.transfer.load == [0, 3] and d.host == [2]
+    p.end_step()
+    # step 1: a typical miss (3 tokens) costs 1.1 s on the host > 1 s: no asynchronous refresh; misses 4 (6) and
+    # 5 (3) are swapped: 4 into idle expert 3's slot (round 0, computed with 0), 5 into 0's slot (round 1)
+    assert p.begin_step(1) is None
+    d = p.route(0, np.array([4, 0, 0, 0, 6, 3]))
+    assert [(r.load, r.evict, r.compute) for r in d.rounds] == [([4], [3], [0, 4]), ([5], [0], [5])]
+    assert d.transfer.load == [4, 5] and d.transfer.evict == [3, 0] and d.transfer.blocking
+    assert d.device == [0, 4, 5] and d.host == [] and (d.hit_experts, d.hit_tokens) == (1, 4)
+    assert p.resident(0) == {4, 5}
+    p.end_step()
+    # step 2: the only miss has 1 token: host
+    assert p.begin_step(2) is None
+    d = p.route(0, np.array([1, 0, 0, 0, 2, 0]))
+    assert d.rounds is None and d.transfer is None and d.host == [0] and d.device == [4]
+    p.end_step()
+    # next block, step 0: sync refresh to {1, 2} (ties: lower id), then 3 (3 tokens) swapped into 1's slot
+    p.begin_block(0, 1)
+    assert p.begin_step(0) is None
+    d = p.route(0, np.array([0, 3, 3, 3, 0, 0]))
+    assert [(r.load, r.evict, r.compute) for r in d.rounds] == [([1, 2], [4, 5], [1, 2]), ([3], [1], [3])]
+    assert d.host == [] and p.resident(0) == {2, 3}
+    assert p.stats["swaps"] == 2 + 2 + 2 + 1
 
 
 def test_full_budget_starts_as_fullload():

@@ -39,7 +39,9 @@ Planners (``make_refresh_planner``):
   length, the set and how to refresh: prefetch it asynchronously while the interval computes (misses and not yet
   landed experts fall back to the host), refresh synchronously from the step's own counts like ``tide-fixed``,
   or keep the current set one more step. At step 0 of a block, where no in-block history exists, it refreshes
-  synchronously (the authors' code refreshes at step 0 of every block).
+  synchronously (the authors' code refreshes at step 0 of every block). Per miss it chooses between the host
+  fallback and an on-demand swap, whichever the cost model finds cheaper for the miss's tokens
+  (``TidePlanner``'s ``on_demand``; ``LayerDecision.rounds`` reuse the slots of experts already computed).
 """
 
 from __future__ import annotations
@@ -106,6 +108,8 @@ class LayerDecision:
         device_tokens, host_tokens: token-experts computed on the device / on the host.
         slot_plan: reactive only: the per-layer ``core.slots.LayerPlan`` (its ``rounds`` say which loads to do
             before which computations when the layer needs more experts than the budget holds); None otherwise.
+        rounds: tide with on-demand swaps only: the ``Round``s to execute in order (their loads and evictions
+            together are ``transfer``); the experts of ``host`` are computed on the host besides. None otherwise.
     """
 
     layer: int
@@ -117,6 +121,18 @@ class LayerDecision:
     device_tokens: int
     host_tokens: int
     slot_plan: object | None = None
+    rounds: list | None = None
+
+
+@dataclass
+class Round:
+    """One round of a layer's on-demand execution (``LayerDecision.rounds``): drop ``evict`` (experts already
+    computed in an earlier round of this step, or not needed in it), copy ``load`` host->device (blocking) into
+    their slots, then compute ``compute`` (resident now) on the device."""
+
+    load: list[int]
+    evict: list[int]
+    compute: list[int]
 
 
 def select_top(score: np.ndarray, budget: int) -> np.ndarray:
@@ -757,6 +773,14 @@ class TidePlanner(RefreshPlanner):
         block_start: ``"sync"`` or ``"keep"``.
         estimator_kw: keyword arguments of :class:`StabilityEstimator` (``decay``, ``prior_rho``, ...).
         modes: refresh modes the optimiser may choose (``("async",)``: prefetch only, TIDE as described).
+        on_demand: per-miss choice between a swap and a host fallback (default True): a missed expert with
+            ``c`` tokens is swapped in on demand when ``swap_s + device_time(c, 1) < fallback_time(c, 1)`` — into a
+            free slot, the slot of a resident expert this step does not use, or, in a later round, the slot of a
+            resident expert already computed this step (fewest tokens first) — and computed on the host
+            otherwise. With a fast link (e.g. H200) most misses are cheaper to swap; with a slow one only the
+            heavily used ones are. Not applied in a step where the layer refreshes synchronously. When a layer's
+            typical miss is cheaper to swap (``swap_beats_fallback``) the layer also skips the asynchronous
+            refreshes: its working set then follows the on-demand swaps.
 
     Attributes:
         last_choices: ``{layer: IntervalChoice}`` of the latest decisions (for reports and tests).
@@ -765,8 +789,10 @@ class TidePlanner(RefreshPlanner):
     name = "tide"
 
     def __init__(self, num_layers: int, num_experts: int, budget: int, costs: TideCosts, tau_max: int = 16,
-                 block_start: str = "sync", estimator_kw: dict | None = None, modes=("async", "sync")):
+                 block_start: str = "sync", estimator_kw: dict | None = None, modes=("async", "sync"),
+                 on_demand: bool = True):
         super().__init__(num_layers, num_experts, budget)
+        self.on_demand = bool(on_demand)
         if block_start not in ("sync", "keep"):
             raise MoeOffloadError(f"block_start must be 'sync' or 'keep', got {block_start!r}")
         self.costs = costs
@@ -822,6 +848,9 @@ class TidePlanner(RefreshPlanner):
             if last is None:
                 continue
             est = self.estimators[layer]
+            if self.on_demand and self.swap_beats_fallback(est):
+                self._next[layer] = s + 1  # misses are swapped on demand (route): nothing to prefetch
+                continue
             occupied = self._resident[layer] | set(self._in_flight[layer])
             ref = self._ref[layer]
             age = None if ref is None else (s - 1) - ref
@@ -877,7 +906,75 @@ class TidePlanner(RefreshPlanner):
         est = self.estimators[layer]
         est.observe(counts, self.tracker.score(layer))
         self._since[layer] += 1
+        if self.on_demand:
+            return self._on_demand(layer, counts, before, tr)
         return self._decision(layer, counts, before, tr)
+
+    def swap_beats_fallback(self, est: "StabilityEstimator") -> bool:
+        """Whether a typical miss (the layer's mean tokens per active expert, ``est``) costs less swapped in on
+        demand than computed on the host: then the layer runs without asynchronous refreshes and its misses are
+        swapped in (``on_demand``), as on a fast link; otherwise the interval optimiser plans its refreshes."""
+        c = self.costs
+        tk = est.token_experts_per_step
+        if not tk or est.active_per_step <= 0:
+            return False
+        mean = tk / est.active_per_step
+        return c.swap_s + c.device_time(mean, 1) < c.fallback_time(mean, 1)
+
+    def _on_demand(self, layer: int, counts: np.ndarray, before: set, sync: Transfer | None) -> LayerDecision:
+        """Route with the per-miss swap-or-fallback choice (class docstring, ``on_demand``); ``sync``: this step's
+        synchronous refresh (already applied to the resident set), which becomes part of the first round."""
+        c = self.costs
+        # swap_s + device_time(n, 1) < fallback_time(n, 1)  <=>  n * gain > swap_s + device_expert_s - fallback_expert_s
+        gain = c.fallback_token_s - c.device_token_s
+        base = c.swap_s + c.device_expert_s - c.fallback_expert_s
+        if (gain <= 0 and base >= 0) or (gain > 0 and counts.max(initial=0) * gain <= base):
+            return self._decision(layer, counts, before, sync)  # no miss of this step is cheaper to swap
+        res, fl = self._resident[layer], self._in_flight[layer]
+        act = np.flatnonzero(counts)
+        on_dev = [int(e) for e in act if e in res]
+        swap = sorted((int(e) for e in act if e not in res and e not in fl and counts[e] * gain > base),
+                      key=lambda e: (-counts[e], e))
+        if not swap:
+            return self._decision(layer, counts, before, sync)
+        # round 0: free slots, then slots of resident experts this step does not use (lowest score first)
+        free = self.budget - len(res) - len(fl)
+        score = self.tracker.score(layer)
+        idle = sorted((e for e in res if counts[e] == 0), key=lambda e: (score[e], e))
+        n0 = min(len(swap), max(0, free) + len(idle))
+        ev0 = idle[:max(0, n0 - max(0, free))]
+        rounds = [Round(load=swap[:n0], evict=ev0, compute=on_dev + swap[:n0])]
+        res.difference_update(ev0)
+        res.update(swap[:n0])
+        # later rounds: slots of experts computed in an earlier round, fewest tokens first
+        done = sorted(rounds[0].compute, key=lambda e: (counts[e], e))
+        rest = swap[n0:]
+        while rest and done:
+            n = min(len(rest), len(done))
+            load, evict = rest[:n], done[:n]
+            rounds.append(Round(load=load, evict=evict, compute=list(load)))
+            done = done[n:] + sorted(load, key=lambda e: (counts[e], e))
+            rest = rest[n:]
+        for r in rounds[1:]:
+            res.difference_update(r.evict)
+            res.update(r.load)
+        n_new = sum(len(r.load) for r in rounds)
+        self.stats["swaps"] += n_new
+        self.stats["blocking_swaps"] += n_new
+        if sync is not None:  # the refresh's copies (counted by _sync_refresh) come first
+            rounds[0] = Round(load=sync.load + rounds[0].load, evict=sync.evict + rounds[0].evict,
+                              compute=rounds[0].compute)
+        loads = [e for r in rounds for e in r.load]
+        evicts = [e for r in rounds for e in r.evict]
+        computed = {e for r in rounds for e in r.compute}
+        host = [int(e) for e in act if int(e) not in computed]
+        dev = sorted(computed)
+        hit = [e for e in act if e in before]
+        return LayerDecision(layer=layer, device=dev, host=host,
+                             transfer=Transfer(layer=layer, load=loads, evict=evicts, blocking=True),
+                             hit_tokens=int(counts[hit].sum()) if hit else 0, hit_experts=len(hit),
+                             device_tokens=int(counts[dev].sum()), host_tokens=int(counts[host].sum()) if host else 0,
+                             rounds=rounds)
 
     def end_step(self, step_seconds=None):
         if step_seconds is not None and step_seconds > 0:

@@ -215,29 +215,50 @@ class RefreshEngine:
         if dec.slot_plan is not None:  # reactive: on-demand loads in rounds of at most `budget` experts
             return self._forward_rounds(module, moe_layer, hidden_states, top_k_index, top_k_weights, dec,
                                         dec.slot_plan)
-        if dec.transfer is not None:
-            self._apply(dec.transfer)
         st = self.stats
         self._count(dec)
-        st.rounds += 1
         gid = (top_k_index + moe_layer * self.num_experts).reshape(-1)
         weights = top_k_weights.reshape(-1)
-        slot_ids = self.pool.lookup[gid]
-        on_device = slot_ids >= 0
         pairs = torch.zeros(num_tokens * k, hidden_states.shape[-1], dtype=hidden_states.dtype,
                             device=hidden_states.device)
+        if dec.rounds is not None:  # tide's on-demand swaps: copy, compute, reuse computed experts' slots
+            flat = top_k_index.reshape(-1)
+            st.rounds += len(dec.rounds)
+            for rnd in dec.rounds:
+                if rnd.load or rnd.evict:
+                    self._apply(Transfer(layer=moe_layer, load=rnd.load, evict=rnd.evict, blocking=True))
+                if rnd.compute:
+                    mask = torch.isin(flat, torch.tensor(rnd.compute, device=flat.device))
+                    self._accumulate(pairs, module, self.pool.views, hidden_states, self.pool.lookup[gid], mask,
+                                     weights, k)
+            if dec.host:
+                self._host_pairs(pairs, module, hidden_states, gid, weights,
+                                 torch.isin(flat, torch.tensor(dec.host, device=flat.device)), dec)
+            return pairs.view(num_tokens, k, -1).sum(dim=1).to(hidden_states.dtype)
+        if dec.transfer is not None:
+            self._apply(dec.transfer)
+        st.rounds += 1
+        slot_ids = self.pool.lookup[gid]
+        on_device = slot_ids >= 0
         if bool(on_device.any()):
             self._accumulate(pairs, module, self.pool.views, hidden_states, slot_ids, on_device, weights, k)
         if not bool(on_device.all()):
-            t0 = time.perf_counter()
-            dev = self.store.buf.device
-            hs, g, w = hidden_states.to(dev), gid.to(dev), weights.to(dev)
-            host_pairs = torch.zeros(num_tokens * k, hidden_states.shape[-1], dtype=hidden_states.dtype, device=dev)
-            self._accumulate(host_pairs, module, self.host_views, hs, g, ~on_device.to(dev), w, k)
-            pairs += host_pairs.to(pairs.device)
-            _sleep_until(t0 + dec.host_tokens * self.host_token_s + len(dec.host) * self.host_expert_s)
-            st.fallback_s += time.perf_counter() - t0
+            self._host_pairs(pairs, module, hidden_states, gid, weights, ~on_device, dec)
         return pairs.view(num_tokens, k, -1).sum(dim=1).to(hidden_states.dtype)
+
+    def _host_pairs(self, pairs, module, hidden_states, gid, weights, mask, dec) -> None:
+        """Host fallback: add the pairs selected by ``mask [T * k]`` bool, computed from the host store where the
+        weights are (only activations move), to ``pairs [T * k, H]``; the call lasts at least the emulated host
+        cost of ``dec``'s host experts and tokens."""
+        t0 = time.perf_counter()
+        dev = self.store.buf.device
+        k = pairs.shape[0] // hidden_states.shape[0]
+        hs, g, w = hidden_states.to(dev), gid.to(dev), weights.to(dev)
+        host_pairs = torch.zeros(pairs.shape, dtype=hidden_states.dtype, device=dev)
+        self._accumulate(host_pairs, module, self.host_views, hs, g, mask.to(dev), w, k)
+        pairs += host_pairs.to(pairs.device)
+        _sleep_until(t0 + dec.host_tokens * self.host_token_s + len(dec.host) * self.host_expert_s)
+        self.stats.fallback_s += time.perf_counter() - t0
 
     def _count(self, dec) -> None:
         st = self.stats
