@@ -223,6 +223,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .predictor.cli import add_parser as add_predictor_parser
 
     add_predictor_parser(sub, _positive_int, _nonneg_int, _float)
+    from .serve.cli import add_parsers as add_serve_parsers
+
+    add_serve_parsers(sub, bsub, _positive_int, _nonneg_int, _float)
     return ap
 
 
@@ -314,22 +317,13 @@ def _diffusion_params(args, path: Path) -> dict | None:
         MoeOffloadError: --block-length/--steps/--threshold given for an autoregressive model, --predictor for a
             diffusion model, or a bad value (``models.diffusion.check_params``).
     """
-    from .models.diffusion import check_params
+    from .models.diffusion import loop_params
     from .models.loader import read_config
 
     _, _, arch = read_config(path)
-    given = [f"--{n.replace('_', '-')}" for n in ("block_length", "steps", "threshold") if getattr(args, n) is not None]
-    if not arch.diffusion:
-        if given:
-            raise MoeOffloadError(f"{', '.join(given)} only apply to diffusion models; {path} is {arch.name} "
-                                  "(autoregressive)")
-        return None
-    if args.predictor:
+    params = loop_params(arch, args.block_length, args.steps, args.threshold, args.max_new_tokens, str(path))
+    if params is not None and args.predictor:
         raise MoeOffloadError(f"--predictor is not supported for diffusion models ({arch.name}) yet")
-    block = 32 if args.block_length is None else args.block_length
-    params = {"block_length": block, "steps": block if args.steps is None else args.steps,
-              "threshold": 0.95 if args.threshold is None else args.threshold}
-    check_params(args.max_new_tokens, **params)
     return params
 
 
@@ -707,6 +701,10 @@ def main(argv: list[str] | None = None) -> int:
             from .predictor.cli import run as run_predictor
 
             return run_predictor(args)
+        if args.cmd == "serve" or getattr(args, "bench_cmd", None) == "serve":
+            from .serve.cli import run as run_serve
+
+            return run_serve(args)
         return _cmd_bench(args)
     except MoeOffloadError as e:
         print(f"moe-offload: error: {e}", file=sys.stderr)

@@ -95,11 +95,14 @@ def _pick(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Gen
 @torch.no_grad()
 def generate_ids(lm: LoadedModel, prompt_ids: list[int], max_new_tokens: int, *, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int | None = None, request: int = 0,
-                 on_step: Callable[[int], None] | None = None) -> tuple[list[int], float, float]:
+                 on_step: Callable[[int], None] | None = None,
+                 on_token: Callable[[int], bool | None] | None = None) -> tuple[list[int], float, float]:
     """Generate up to ``max_new_tokens`` after ``prompt_ids``; stops at an EOS id (included in the output).
 
     Before each forward pass the engine's slot table is told the step (0 = prefill, i = i-th decode step of
     request number ``request``); after it, ``on_step(step)`` is called (e.g. by a trace recorder).
+    ``on_token(token_id)`` is called with every new token as soon as it is chosen (e.g. to stream it); when it
+    returns True, generation stops after that token (a stop sequence matched, the client went away).
 
     Returns:
         ``(new_ids, ttft_s, decode_s)``: generated ids, seconds from start to the first token (prefill), seconds
@@ -127,11 +130,13 @@ def generate_ids(lm: LoadedModel, prompt_ids: list[int], max_new_tokens: int, *,
     new = [int(tok)]
     _sync(dev)
     t1 = time.perf_counter()
-    while len(new) < max_new_tokens and new[-1] not in eos:
+    stop = on_token is not None and bool(on_token(new[-1]))
+    while not stop and len(new) < max_new_tokens and new[-1] not in eos:
         out = forward(len(new), input_ids=tok.view(1, 1), **{cache_kw: past})
         past = out.get(cache_kw)
         tok = _pick(out.logits[:, -1], temperature, top_p, gen)
         new.append(int(tok))
+        stop = on_token is not None and bool(on_token(new[-1]))
     _sync(dev)
     return new, t1 - t0, time.perf_counter() - t1
 

@@ -63,6 +63,29 @@ def check_params(max_new_tokens: int, block_length: int, steps: int, threshold: 
         raise MoeOffloadError(f"--threshold must be in (0, 1], got {threshold}")
 
 
+def loop_params(arch, block_length: int | None, steps: int | None, threshold: float | None,
+                max_new_tokens: int = 1, what: str = "the model") -> dict | None:
+    """The block-diffusion loop's keyword arguments from optional ``--block-length/--steps/--threshold`` values
+    (defaults block 32, steps = block length, threshold 0.95), validated; None for an autoregressive ``arch``
+    (a ``models.registry.Architecture``; ``what`` names the model in messages).
+
+    Raises:
+        MoeOffloadError: one of the options given for an autoregressive model, or a bad value (``check_params``).
+    """
+    given = [f"--{n}" for n, v in (("block-length", block_length), ("steps", steps), ("threshold", threshold))
+             if v is not None]
+    if not arch.diffusion:
+        if given:
+            raise MoeOffloadError(f"{', '.join(given)} only apply to diffusion models; {what} is {arch.name} "
+                                  "(autoregressive)")
+        return None
+    block = 32 if block_length is None else block_length
+    params = {"block_length": block, "steps": block if steps is None else steps,
+              "threshold": 0.95 if threshold is None else threshold}
+    check_params(max_new_tokens, **params)
+    return params
+
+
 def transfer_schedule(block_length: int, steps: int) -> list[int]:
     """Tokens to commit at each diffusion step of a block at least: ``block_length`` split evenly over ``steps``,
     the remainder going to the first steps (LLaDA2's ``_get_num_transfer_tokens``); sums to ``block_length``."""
@@ -180,7 +203,8 @@ def diffusion_generate_ids(lm: LoadedModel, prompt_ids: list[int], max_new_token
                            steps: int | None = None, threshold: float = 0.95, temperature: float = 0.0,
                            top_p: float = 1.0, seed: int | None = None, request: int = 0,
                            on_step: Callable[[int, int, int], None] | None = None,
-                           on_step_end: Callable[[int, int, int], None] | None = None) -> DiffusionResult:
+                           on_step_end: Callable[[int, int, int], None] | None = None,
+                           on_block: Callable[[list[int]], bool | None] | None = None) -> DiffusionResult:
     """Block-diffusion generation of up to ``max_new_tokens`` tokens after ``prompt_ids`` (see the module docstring).
 
     Args:
@@ -195,6 +219,10 @@ def diffusion_generate_ids(lm: LoadedModel, prompt_ids: list[int], max_new_token
         request: request number given to ``engine.begin_step``.
         on_step / on_step_end: called before / after every diffusion step with ``(block, step_in_block,
             global_step)``; ``block`` counts generated blocks from 0, ``global_step`` the request's steps from 0.
+        on_block: called after every completed block with the output tokens that became final in it (the
+            generated positions of the block, cut after the first EOS and to ``max_new_tokens``; possibly empty),
+            e.g. to stream block by block; when it returns True, generation stops after that block and the result
+            holds the tokens given so far.
 
     The mask token is excluded from the choices (a trained LLaDA2 gives it ~zero probability; a random test model
     might otherwise commit it and leave its block unfinished).
@@ -232,6 +260,8 @@ def diffusion_generate_ids(lm: LoadedModel, prompt_ids: list[int], max_new_token
     step_seconds: list[float] = []
     global_step = 0
     first_block_s = 0.0
+    emitted = 0  # output tokens handed to on_block so far
+    end = prompt_len
     t_start = time.perf_counter()
     for b in range(prompt_len // block_length, num_blocks):
         start, end = b * block_length, (b + 1) * block_length
@@ -266,14 +296,24 @@ def diffusion_generate_ids(lm: LoadedModel, prompt_ids: list[int], max_new_token
         blocks.append(stats)
         if len(blocks) == 1:
             first_block_s = time.perf_counter() - t_start
+        if on_block is not None:
+            final = _cut_after_eos(x[0, prompt_len:min(end, prompt_len + max_new_tokens)].tolist(), eos)
+            stop = bool(on_block(final[emitted:]))
+            emitted = len(final)
+            if stop:
+                break
         if any(t in eos for t in x[0, prompt_len:end].tolist()):
             break
-    new = x[0, prompt_len:prompt_len + max_new_tokens].tolist()
-    for i, t in enumerate(new):
-        if t in eos:
-            new = new[:i + 1]
-            break
+    new = _cut_after_eos(x[0, prompt_len:min(end, prompt_len + max_new_tokens)].tolist(), eos)
     return DiffusionResult(new, prompt_len, blocks, step_seconds, first_block_s, time.perf_counter() - t_start)
+
+
+def _cut_after_eos(ids: list[int], eos: set[int]) -> list[int]:
+    """``ids`` up to and including the first EOS id (all of them when there is none)."""
+    for i, t in enumerate(ids):
+        if t in eos:
+            return ids[:i + 1]
+    return ids
 
 
 def run_diffusion(lm: LoadedModel, prompts: list[str], max_new_tokens: int, *, block_length: int = 32,

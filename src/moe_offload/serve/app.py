@@ -1,0 +1,374 @@
+"""The OpenAI-compatible HTTP API (FastAPI): ``/v1/models``, ``/v1/chat/completions``, ``/v1/completions``,
+``/v1/stats``, ``/health``.
+
+Streaming responses are server-sent events (``data: {chunk}`` ... ``data: [DONE]``); a client that disconnects
+mid-stream cancels its request (Starlette cancels the response stream; the stream's ``finally`` cancels the job).
+Every request error is an OpenAI-style JSON body with a 4xx status; an unexpected failure inside the engine is a
+500 for that request only (the worker and the server stay up).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from contextlib import asynccontextmanager
+
+import torch
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from fastapi.sse import EventSourceResponse, format_sse_event
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..generate import encode_prompt
+from .protocol import ChatCompletionRequest, CompletionRequest, OpenAIError, error_body
+from .worker import SCHEDULING, Delta, Done, Failed, Job, Params, Worker, percentile
+
+
+class ServeState:
+    """Everything the endpoints need: the model, its worker, the memory plan and the server's settings.
+
+    Args:
+        lm: the loaded model (``models.loader.LoadedModel``, offloaded).
+        model_name: the name clients pass as ``model``.
+        max_context: most tokens (prompt + new) one request may use.
+        plan: ``serve.memory.MemoryPlan`` of this model.
+        diffusion: block-diffusion parameters (``block_length``, ``steps``, ``threshold``) or None.
+        tracker: CPU memory tracker (``serve.memory.DeviceTierTracker``) or None.
+    """
+
+    def __init__(self, lm, model_name: str, max_context: int, plan, diffusion: dict | None = None, tracker=None):
+        self.lm = lm
+        self.model_name = model_name
+        self.max_context = max_context
+        self.plan = plan
+        self.diffusion = diffusion
+        self.tracker = tracker
+        self.worker = Worker(lm, diffusion, tracker)
+        self.created = int(time.time())
+        if lm.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(lm.device)
+
+    # -- memory ------------------------------------------------------------------------------------------------
+    def memory(self) -> dict:
+        """The plan, and the measured device-tier peak (bytes) with how it was measured."""
+        from .memory import static_device_bytes
+
+        lm = self.lm
+        out = {"plan": self.plan.as_dict() if self.plan is not None else None}
+        if lm.device.type == "cuda":
+            peak, method = torch.cuda.max_memory_allocated(lm.device), "torch.cuda.max_memory_allocated"
+            static, dynamic = None, None
+        elif self.tracker is not None:
+            static, dynamic = static_device_bytes(lm), self.tracker.peak_bytes
+            peak, method = static + dynamic, ("parameters + buffers + slot pool + lookup table, plus the peak of "
+                                              "tensor storages allocated during requests (DeviceTierTracker)")
+        else:
+            static, dynamic, peak, method = static_device_bytes(lm), None, None, "not measured (--track-memory)"
+        budget = self.plan.budget_bytes if self.plan is not None else None
+        out["measured"] = {"method": method, "device_peak_bytes": peak, "static_bytes": static,
+                           "request_peak_bytes": dynamic,
+                           "within_budget": (peak <= budget) if (peak is not None and budget is not None) else None}
+        return out
+
+    def stats(self) -> dict:
+        """``GET /v1/stats``: engine counters (hits, misses, hit rate, bytes loaded), speed (decode tokens/s, TTFT),
+        the slot pool (slots, residency, policy), requests (served, cancelled, failed, queue length) and memory."""
+        lm, w = self.lm, self.worker
+        s, eng = w.stats, lm.engine
+        o = eng.stats
+        total = lm.num_moe_layers * lm.num_experts
+        ttft = list(s.ttft_s)
+        server_ttft = list(s.server_ttft_s)
+        out = {
+            "model": self.model_name,
+            "scheduling": SCHEDULING,
+            "batch_size": 1,
+            "policy": eng.policy_name,
+            "device": str(lm.device),
+            "dtype": str(lm.dtype).replace("torch.", ""),
+            "max_context": self.max_context,
+            "requests_served": s.requests_served,
+            "requests_cancelled": s.requests_cancelled,
+            "requests_failed": s.requests_failed,
+            "requests_running": int(w.active is not None),
+            "queue_length": w.queue_length,
+            "prompt_tokens": s.prompt_tokens,
+            "completion_tokens": s.completion_tokens,
+            "decode_tokens": s.decode_tokens,
+            "decode_s": s.decode_s,
+            "decode_tokens_per_s": s.decode_tokens / s.decode_s if s.decode_s > 0 else 0.0,
+            "ttft_s": sum(ttft) / len(ttft) if ttft else 0.0,
+            "server_ttft_p50_s": percentile(server_ttft, 0.5),
+            "server_ttft_p95_s": percentile(server_ttft, 0.95),
+            "queue_wait_s_mean": sum(s.queue_s) / len(s.queue_s) if s.queue_s else 0.0,
+            "hits": o.hits,
+            "misses": o.misses,
+            "hit_rate": o.hit_rate,
+            "bytes_loaded": o.bytes_loaded,
+            "load_time_s": o.load_time_s,
+            "slots": eng.pool.num_slots,
+            "routed_experts": total,
+            "residency": eng.pool.num_slots / total,
+            "expert_bytes": lm.expert_bytes,
+            "memory": self.memory(),
+        }
+        if hasattr(o, "host_experts"):  # diffusion refresh planners (TIDE): host fallback and prefetch counters
+            out |= {"host_fallback_experts": o.host_experts, "host_fallback_tokens": o.host_tokens,
+                    "fallback_s": o.fallback_s, "prefetches": o.prefetches, "diffusion_steps": o.steps}
+        if self.diffusion is not None:
+            out["diffusion"] = dict(self.diffusion, streaming="block by block")
+        return out
+
+    # -- request checks ----------------------------------------------------------------------------------------
+    def check_model(self, name: str) -> None:
+        """Raises OpenAIError (404, ``model_not_found``) unless ``name`` is the served model's name."""
+        if name != self.model_name:
+            raise OpenAIError(404, f"The model `{name}` does not exist; this server serves `{self.model_name}`.",
+                              param="model", code="model_not_found")
+
+    def params(self, req, prompt_tokens: int, max_tokens: int | None) -> Params:
+        """Validate the sampling settings and the token budget of a request.
+
+        Raises:
+            OpenAIError: 400 for an unsupported or out-of-range setting, or a prompt + max_tokens above the context.
+        """
+        if req.n not in (None, 1):
+            raise OpenAIError(400, "only n = 1 is supported", param="n")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(req, name) not in (None, 0, 0.0):
+                raise OpenAIError(400, f"{name} is not supported", param=name)
+        if req.logit_bias:
+            raise OpenAIError(400, "logit_bias is not supported", param="logit_bias")
+        temperature = 0.0 if req.temperature is None else req.temperature
+        if not 0 <= temperature <= 2:
+            raise OpenAIError(400, f"temperature must be in [0, 2], got {temperature}", param="temperature")
+        top_p = 1.0 if req.top_p is None else req.top_p
+        if not 0 < top_p <= 1:
+            raise OpenAIError(400, f"top_p must be in (0, 1], got {top_p}", param="top_p")
+        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        if len(stop) > 4 or any(not s for s in stop):
+            raise OpenAIError(400, "stop must be at most 4 non-empty strings", param="stop")
+        if prompt_tokens == 0:
+            raise OpenAIError(400, "the prompt encodes to no token", param="prompt")
+        room = self.max_context - prompt_tokens
+        if max_tokens is None:
+            if room <= 0:
+                raise OpenAIError(400, f"This model's maximum context length is {self.max_context} tokens; the prompt "
+                                  f"has {prompt_tokens}.", param="messages", code="context_length_exceeded")
+            max_tokens = room
+        if max_tokens <= 0:
+            raise OpenAIError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+        if max_tokens > room:
+            raise OpenAIError(400, f"This model's maximum context length is {self.max_context} tokens. However, you "
+                              f"requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the prompt, "
+                              f"{max_tokens} for the completion).", param="max_tokens",
+                              code="context_length_exceeded")
+        return Params(max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p), seed=req.seed,
+                      stop=stop)
+
+    def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+        """Token ids of the messages in the model's chat template (a single user message without a template: its
+        text, as ``generate`` encodes a prompt; several messages without a template: ``role: text`` lines)."""
+        if not req.messages:
+            raise OpenAIError(400, "messages must hold at least one message", param="messages")
+        tok = self.lm.tokenizer
+        msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
+        if len(msgs) == 1 and msgs[0]["role"] == "user":
+            return encode_prompt(tok, msgs[0]["content"])
+        if getattr(tok, "chat_template", None):
+            try:
+                ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+            except Exception as e:  # the template refused the conversation (e.g. roles out of order)
+                raise OpenAIError(400, f"the chat template rejects these messages: {e}", param="messages") from None
+            return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in msgs) + "assistant:"
+        return tok(text)["input_ids"]
+
+    def completion_prompt(self, req: CompletionRequest) -> list[int]:
+        """Token ids of a completions ``prompt`` (raw text, no chat template; or token ids as given)."""
+        p = req.prompt
+        if isinstance(p, list) and p and isinstance(p[0], str):
+            if len(p) != 1:
+                raise OpenAIError(400, "only one prompt per request is supported", param="prompt")
+            p = p[0]
+        if isinstance(p, str):
+            return self.lm.tokenizer(p)["input_ids"]
+        vocab = int(self.lm.model.config.vocab_size)
+        if any(not 0 <= t < vocab for t in p):
+            raise OpenAIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+        return list(p)
+
+
+DISCONNECT_POLL_S = 0.25  # a non-streamed request checks this often whether its client is still there
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+def create_app(state: ServeState) -> FastAPI:
+    """The FastAPI application over ``state``; its lifespan starts and stops the worker thread."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state.worker.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(state.worker.stop)
+
+    app = FastAPI(title="moe-offload", lifespan=lifespan)
+    app.state.serve = state
+
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(request: Request, exc: OpenAIError):
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        errs = exc.errors()
+        e = errs[0] if errs else {}
+        loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+        if e.get("type") == "json_invalid":
+            msg = f"the request body is not valid JSON: {e.get('ctx', {}).get('error', e.get('msg'))}"
+        else:
+            msg = f"{'.'.join(loc) or 'body'}: {e.get('msg', 'invalid value')}"
+        return JSONResponse(error_body(msg, param=".".join(loc) or None), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        return JSONResponse(error_body(str(exc.detail)), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception):
+        return JSONResponse(error_body(f"internal error: {exc.__class__.__name__}: {exc}", type="server_error"),
+                            status_code=500)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": state.model_name}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.created,
+                                            "owned_by": "moe-offload", "max_model_len": state.max_context}]}
+
+    @app.get("/v1/stats")
+    async def stats():
+        return state.stats()
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        state.check_model(body.model)
+        if body.logprobs:
+            raise OpenAIError(400, "logprobs are not supported", param="logprobs")
+        if body.tools:
+            raise OpenAIError(400, "tools are not supported", param="tools")
+        ids = state.chat_prompt(body)
+        limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        params = state.params(body, len(ids), limit)
+        return await _respond(state, request, body, ids, params, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        state.check_model(body.model)
+        for name, bad in (("echo", body.echo), ("logprobs", body.logprobs), ("suffix", body.suffix),
+                          ("best_of", body.best_of not in (None, 1))):
+            if bad:
+                raise OpenAIError(400, f"{name} is not supported", param=name)
+        ids = state.completion_prompt(body)
+        params = state.params(body, len(ids), body.max_tokens)
+        return await _respond(state, request, body, ids, params, chat=False)
+
+    return app
+
+
+async def _respond(state: ServeState, request: Request, body, ids: list[int], params: Params, chat: bool):
+    job = Job(ids, params, asyncio.get_running_loop())
+    state.worker.submit(job)
+    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+    created = _now()
+    obj = "chat.completion" if chat else "text_completion"
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return EventSourceResponse(_stream(state, job, rid, created, chat, include_usage, body.return_token_ids),
+                                   headers={"Cache-Control": "no-cache"})
+    ev = None
+    checked = time.monotonic()
+    try:
+        while not isinstance(ev, (Done, Failed)):
+            try:
+                ev = await asyncio.wait_for(job.events.get(), timeout=DISCONNECT_POLL_S)
+            except TimeoutError:
+                pass
+            if time.monotonic() - checked >= DISCONNECT_POLL_S and not isinstance(ev, (Done, Failed)):
+                checked = time.monotonic()
+                if await request.is_disconnected():
+                    return JSONResponse(error_body("client disconnected"), status_code=499)
+    finally:
+        if not isinstance(ev, (Done, Failed)):  # the client went away (or the handler was cancelled)
+            state.worker.cancel(job)
+    if isinstance(ev, Failed):
+        return JSONResponse(error_body(ev.message, type="server_error"), status_code=500)
+    choice = {"index": 0, "finish_reason": ev.finish_reason, "logprobs": None}
+    if chat:
+        choice["message"] = {"role": "assistant", "content": ev.text}
+    else:
+        choice["text"] = ev.text
+    if body.return_token_ids:
+        choice["token_ids"] = ev.token_ids
+    return {"id": rid, "object": obj, "created": created, "model": state.model_name, "choices": [choice],
+            "usage": _usage(ev)}
+
+
+def _usage(ev: Done) -> dict:
+    n = len(ev.token_ids)
+    return {"prompt_tokens": ev.prompt_tokens, "completion_tokens": n, "total_tokens": ev.prompt_tokens + n}
+
+
+def _sse(obj) -> bytes:
+    return format_sse_event(data_str=json.dumps(obj, separators=(",", ":")))
+
+
+async def _stream(state: ServeState, job: Job, rid: str, created: int, chat: bool, include_usage: bool,
+                  token_ids: bool):
+    """Server-sent events of one request: chunks as tokens (or diffusion blocks) become final, a last chunk with
+    the finish reason, an optional usage chunk, then ``[DONE]``. Cancels the job if the stream is abandoned."""
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    head = {"id": rid, "object": obj, "created": created, "model": state.model_name}
+
+    def chunk(text: str | None, ids: list[int] | None, finish: str | None, role: bool = False) -> bytes:
+        if chat:
+            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text is not None else {})
+            c = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+        else:
+            c = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+        if token_ids and ids is not None:
+            c["token_ids"] = ids
+        return _sse(dict(head, choices=[c]))
+
+    ev = None
+    try:
+        if chat:
+            yield chunk(None, None, None, role=True)
+        while True:
+            ev = await job.events.get()
+            if isinstance(ev, Delta):
+                if ev.text or (token_ids and ev.token_ids):
+                    yield chunk(ev.text, ev.token_ids, None)
+            elif isinstance(ev, Done):
+                yield chunk(None if chat else "", [], ev.finish_reason)
+                if include_usage:
+                    yield _sse(dict(head, choices=[], usage=_usage(ev)))
+                yield format_sse_event(data_str="[DONE]")
+                return
+            else:  # Failed
+                yield _sse(error_body(ev.message, type="server_error"))
+                yield format_sse_event(data_str="[DONE]")
+                return
+    finally:
+        if not isinstance(ev, (Done, Failed)):  # abandoned: the client disconnected mid-stream
+            state.worker.cancel(job)

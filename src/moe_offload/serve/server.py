@@ -1,0 +1,215 @@
+"""Start-up of ``moe-offload serve``: load the model with a slot pool sized by the memory plan, print the plan,
+and run the FastAPI app on uvicorn (in the foreground, or on a background thread for tests and the load test).
+"""
+
+from __future__ import annotations
+
+import gc
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..errors import MoeOffloadError
+from .memory import (GB, DeviceTierTracker, MemoryPlan, lookup_bytes, non_expert_bytes, profile_request,
+                     slots_for_budget)
+
+DEFAULT_MAX_CONTEXT = 1024  # tokens; at most the model's max_position_embeddings
+CUDA_DEFAULT_FRACTION = 0.9  # default budget on CUDA: this share of the free device memory at start-up
+
+
+@dataclass
+class ServeConfig:
+    """What ``moe-offload serve`` was asked for.
+
+    Attributes:
+        model_dir: checkpoint directory. model_name: the ``model`` clients pass (default: ``model_dir``).
+        device / dtype: as ``generate`` (None: cuda when available / the checkpoint's dtype).
+        policy: eviction policy (``lru``, ``lfu``, ``prefill-hot``; diffusion models also ``reactive``,
+            ``tide-fixed[-T<n>]``, ``tide``).
+        residency / slots / memory_budget_gb: at most one: slots as a fraction of all routed experts / as a count /
+            from a device-tier budget in GB (10^9 bytes). None of them: on CUDA a budget of 90% of the free device
+            memory, on the CPU residency 1.0.
+        max_context: most tokens (prompt + completion) per request (default min(1024, max_position_embeddings)).
+        block_length / steps / threshold: diffusion models (defaults 32 / block length / 0.95).
+        track_memory: on the CPU, measure the device tier during requests (``DeviceTierTracker``; slows decoding).
+        progress: progress bars while loading.
+    """
+
+    model_dir: Path
+    model_name: str | None = None
+    device: str | None = None
+    dtype: str | None = None
+    policy: str = "lru"
+    residency: float | None = None
+    slots: int | None = None
+    memory_budget_gb: float | None = None
+    max_context: int | None = None
+    block_length: int | None = None
+    steps: int | None = None
+    threshold: float | None = None
+    track_memory: bool = False
+    progress: bool = False
+
+
+def _log(msg: str) -> None:
+    print(f"moe-offload serve: {msg}", file=sys.stderr, flush=True)
+
+
+def _diffusion_params(cfg: ServeConfig, arch) -> dict | None:
+    from ..models.diffusion import loop_params
+
+    return loop_params(arch, cfg.block_length, cfg.steps, cfg.threshold)
+
+
+def load_for_serving(cfg: ServeConfig, log=_log):
+    """Load the model for serving and plan its device tier (``serve.memory``); returns an ``app.ServeState``.
+
+    With a budget (``memory_budget_gb``, or the CUDA default): load with a minimal pool (top-k slots), run the
+    profile request at ``max_context``, size the pool from the budget, and load again with that pool. Otherwise load
+    with the requested slots and profile on it (for the printed plan). The plan is logged line by line.
+
+    Raises:
+        MoeOffloadError: a bad checkpoint or option, a policy the server cannot run, ``max_context`` above the
+            model's positions, or a budget too small for top-k slots.
+    """
+    from ..models.loader import (FORECAST_RUNTIME_POLICIES, _top_k, is_refresh_policy, load_offloaded, read_config,
+                                 resolve_device)
+    from .app import ServeState
+
+    path, config, arch = read_config(cfg.model_dir)
+    if cfg.policy in FORECAST_RUNTIME_POLICIES:
+        raise MoeOffloadError(f"--policy {cfg.policy} needs a predictor, which serve does not run; use lru, lfu or "
+                              "prefill-hot (diffusion models also reactive, tide-fixed, tide)")
+    diffusion = _diffusion_params(cfg, arch)
+    max_pos = getattr(config, "max_position_embeddings", None)
+    max_context = cfg.max_context or min(DEFAULT_MAX_CONTEXT, max_pos or DEFAULT_MAX_CONTEXT)
+    if max_context < 2:
+        raise MoeOffloadError(f"--max-context must be at least 2, got {max_context}")
+    if max_pos and max_context > max_pos:
+        raise MoeOffloadError(f"--max-context {max_context} exceeds the model's max_position_embeddings {max_pos}")
+    given = [n for n, v in (("--residency", cfg.residency), ("--slots", cfg.slots),
+                            ("--memory-budget", cfg.memory_budget_gb)) if v is not None]
+    if len(given) > 1:
+        raise MoeOffloadError(f"give at most one of --residency, --slots, --memory-budget (got {', '.join(given)})")
+    dev = resolve_device(cfg.device)
+    top_k = _top_k(config)
+    budget, source = None, None
+    if cfg.memory_budget_gb is not None:
+        if not cfg.memory_budget_gb > 0:
+            raise MoeOffloadError(f"--memory-budget must be > 0 GB, got {cfg.memory_budget_gb}")
+        budget, source = int(cfg.memory_budget_gb * GB), "--memory-budget"
+    elif not given and dev.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(dev)
+        budget = int(CUDA_DEFAULT_FRACTION * free)
+        source = f"default: {CUDA_DEFAULT_FRACTION:.0%} of the free CUDA memory ({free / GB:.2f} GB)"
+    block = diffusion["block_length"] if diffusion else None
+    load = dict(device=cfg.device, dtype=cfg.dtype, policy=cfg.policy, progress=cfg.progress)
+    t0 = time.perf_counter()
+    if budget is not None:
+        log(f"loading {path} with a minimal pool (top-k = {top_k} slots"
+            + (" per MoE layer" if is_refresh_policy(cfg.policy) else "") + ") for the profile run")
+        lm = load_offloaded(path, slots=top_k, **load)
+        layers, n_total = lm.num_moe_layers, lm.num_moe_layers * lm.num_experts
+        base = non_expert_bytes(lm) + lookup_bytes(lm)
+        slots_for_budget(budget, base, lm.expert_bytes, n_total, top_k,
+                         layers if is_refresh_policy(cfg.policy) else None)  # weights alone too big: fail early
+        log(f"profile run: the largest request ({max_context} tokens, sampled)")
+        prof = profile_request(lm, max_context, block)
+        slots = slots_for_budget(budget, base + prof.peak_bytes, lm.expert_bytes, n_total, top_k,
+                                 layers if is_refresh_policy(cfg.policy) else None)
+        del lm
+        gc.collect()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+        log(f"loading {path} with {slots} slots")
+        lm = load_offloaded(path, slots=slots, **load)
+    else:
+        lm = load_offloaded(path, residency=cfg.residency, slots=cfg.slots, **load)
+        source = ("--slots" if cfg.slots is not None else "--residency" if cfg.residency is not None
+                  else "--residency 1.0 (default)")
+        log(f"profile run: the largest request ({max_context} tokens, sampled)")
+        prof = profile_request(lm, max_context, block)
+    if lm.tokenizer is None:
+        raise MoeOffloadError(f"{path} has no tokenizer: cannot encode prompts")
+    plan = MemoryPlan(budget, source, non_expert_bytes(lm), lookup_bytes(lm), prof.kv_cache_bytes,
+                      prof.activation_bytes, lm.expert_bytes, lm.engine.pool.num_slots,
+                      lm.num_moe_layers * lm.num_experts, top_k, max_context)
+    for line in plan.lines():
+        log(line)
+    log(f"ready in {time.perf_counter() - t0:.1f} s: {arch.name}, {lm.device}, {str(lm.dtype).replace('torch.', '')}"
+        + (f", block diffusion {diffusion}" if diffusion else ""))
+    tracker = DeviceTierTracker(lm.device) if cfg.track_memory and lm.device.type != "cuda" else None
+    return ServeState(lm, cfg.model_name or str(cfg.model_dir), max_context, plan, diffusion, tracker)
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening-ready TCP socket bound to ``host:port`` (port 0: a free port).
+
+    Raises:
+        MoeOffloadError: the address cannot be bound (in use, not local, permission).
+    """
+    try:
+        info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(info[0], socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(info[4])
+    except OSError as e:
+        raise MoeOffloadError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve_forever(state, sock: socket.socket) -> None:
+    """Run the app on uvicorn in the foreground on ``sock`` (from ``bind_socket``) until interrupted (Ctrl-C)."""
+    import uvicorn
+
+    from .app import create_app
+
+    host, port = sock.getsockname()[:2]
+    _log(f"listening on http://{host}:{port} (OpenAI API under /v1)")
+    uvicorn.Server(uvicorn.Config(create_app(state), log_level="info")).run(sockets=[sock])
+
+
+class ServerThread:
+    """The app on uvicorn in a background thread, on a loopback socket with a free port (tests, load test).
+
+    Use as a context manager; ``base_url`` is ``http://127.0.0.1:PORT``. Leaving stops uvicorn (its lifespan
+    stops the worker) and joins the thread.
+
+    Raises:
+        MoeOffloadError: the server did not start within ``timeout`` seconds.
+    """
+
+    def __init__(self, state, host: str = "127.0.0.1", timeout: float = 30.0):
+        import uvicorn
+
+        from .app import create_app
+
+        self.sock = bind_socket(host, 0)
+        self.host, self.port = host, self.sock.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(create_app(state), log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+        self.timeout = timeout
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def __enter__(self) -> "ServerThread":
+        self.thread.start()
+        t0 = time.monotonic()
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() - t0 > self.timeout:
+                raise MoeOffloadError("the server did not start")
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(self.timeout)
+        self.sock.close()

@@ -1,0 +1,314 @@
+"""The serving worker: one thread that runs requests one at a time, in arrival order (**queued**, batch 1).
+
+The engine generates for one request at a time (its slot pool, lookup table and KV cache serve one sequence), so
+concurrent clients wait in a FIFO queue; each request runs exactly ``generate``'s loop (``generate.generate_ids``,
+or ``models.diffusion.diffusion_generate_ids`` for block-diffusion models) with the request's prompt and settings,
+so its tokens are those ``generate`` gives. Tokens are handed to the request's event queue as they are chosen
+(autoregressive) or block by block (diffusion); a cancelled request (its client went away) stops after the
+current token / block and its state is dropped; a cancelled request still waiting never runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+
+import torch
+
+from ..generate import _eos_ids, generate_ids
+
+SCHEDULING = "queued: one worker runs requests one at a time in arrival (FIFO) order, batch 1"
+
+
+class Detokenizer:
+    """Incremental detokenizer with stop sequences.
+
+    ``add(ids)`` returns the text that became final: the decoded text grows token by token; text that could still
+    change (an incomplete UTF-8 sequence, shown as U+FFFD) or that could be the start of a stop sequence is held
+    back. When a stop sequence appears, the text is cut before it and ``stopped`` is set. ``finish()`` returns the
+    held-back rest. The concatenation of everything returned is ``text``, which is what a non-streamed response
+    carries, so streamed deltas always concatenate to the non-streamed text.
+
+    Args:
+        tokenizer: a transformers tokenizer (``decode(ids, skip_special_tokens=True)``).
+        stop: stop sequences (non-empty strings).
+    """
+
+    def __init__(self, tokenizer, stop: list[str]):
+        self.tokenizer = tokenizer
+        self.stop = stop
+        self.hold = max((len(s) for s in stop), default=1) - 1
+        self.ids: list[int] = []
+        self.text = ""
+        self.stopped = False
+
+    def _decode(self) -> str:
+        return self.tokenizer.decode(self.ids, skip_special_tokens=True)
+
+    def add(self, ids: list[int]) -> str:
+        """Feed new token ids; returns the new final text (possibly empty)."""
+        if self.stopped:
+            return ""
+        self.ids.extend(ids)
+        full = self._decode()
+        if self.stop:
+            hits = [i for i in (full.find(s, max(0, len(self.text) - len(s))) for s in self.stop) if i >= 0]
+            if hits:
+                self.stopped = True
+                return self._emit(full[:min(hits)])
+        safe = len(full.rstrip("\ufffd")) - self.hold
+        return self._emit(full[:safe]) if safe > len(self.text) else ""
+
+    def finish(self) -> str:
+        """The held-back text at the end of generation ("" after a stop sequence)."""
+        return "" if self.stopped else self._emit(self._decode())
+
+    def _emit(self, upto: str) -> str:
+        delta = upto[len(self.text):]
+        self.text += delta
+        return delta
+
+
+@dataclass
+class Params:
+    """Generation settings of one request (validated by the app): tokens, sampling, stop sequences."""
+
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Delta:
+    """Streamed piece: new final ``text`` and the ``token_ids`` chosen since the last delta."""
+
+    text: str
+    token_ids: list[int]
+
+
+@dataclass
+class Done:
+    """End of a request: ``finish_reason`` ("stop": EOS or a stop sequence; "length": max_tokens), the full
+    ``text`` and ``token_ids``, ``prompt_tokens``, and times in seconds (``ttft_s``: prefill / first block;
+    ``decode_s``: the rest; ``queue_s``: waiting for the worker)."""
+
+    finish_reason: str
+    text: str
+    token_ids: list[int]
+    prompt_tokens: int
+    ttft_s: float
+    decode_s: float
+    queue_s: float
+
+
+@dataclass
+class Failed:
+    """The request failed inside the engine (never expected; the server stays up)."""
+
+    message: str
+
+
+class Job:
+    """One request in the queue.
+
+    Args:
+        prompt_ids: the encoded prompt.
+        params: generation settings.
+        loop: the event loop of the HTTP handler waiting on ``events``.
+    Attributes:
+        events: ``asyncio.Queue`` of ``Delta`` ... then one ``Done`` or ``Failed``.
+        cancelled: set when the client went away.
+    """
+
+    def __init__(self, prompt_ids: list[int], params: Params, loop: asyncio.AbstractEventLoop):
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.loop = loop
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.cancelled = threading.Event()
+        self.created = time.perf_counter()
+        self.first_token_at: float | None = None
+        self.finished = False
+
+    def push(self, event) -> None:
+        """Hand an event to the handler's loop (thread-safe; dropped if that loop is closed)."""
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:
+            pass
+
+
+@dataclass
+class ServerStats:
+    """Counters of served requests (times in seconds): ``ttft_s`` holds each request's prefill time (engine),
+    ``server_ttft_s`` the time from arrival to its first token (queue wait included), ``queue_s`` the wait."""
+
+    requests_served: int = 0
+    requests_cancelled: int = 0
+    requests_failed: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    decode_tokens: int = 0
+    decode_s: float = 0.0
+    prefill_s: float = 0.0
+    ttft_s: collections.deque = field(default_factory=lambda: collections.deque(maxlen=10000))
+    server_ttft_s: collections.deque = field(default_factory=lambda: collections.deque(maxlen=10000))
+    queue_s: collections.deque = field(default_factory=lambda: collections.deque(maxlen=10000))
+
+
+def percentile(values, q: float) -> float | None:
+    """The ``q``-quantile (0..1) of ``values`` by linear interpolation; None when empty."""
+    v = sorted(values)
+    if not v:
+        return None
+    pos = q * (len(v) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (pos - lo)
+
+
+class Worker:
+    """Runs queued jobs on one thread against one loaded model.
+
+    Args:
+        lm: the loaded model (``models.loader.LoadedModel``).
+        diffusion: block-diffusion parameters ``{"block_length", "steps", "threshold"}`` for a diffusion model, else
+            None.
+        tracker: ``serve.memory.DeviceTierTracker`` entered around every job (CPU memory measurement), or None.
+    """
+
+    def __init__(self, lm, diffusion: dict | None = None, tracker=None):
+        self.lm = lm
+        self.diffusion = diffusion
+        self.tracker = tracker
+        self.stats = ServerStats()
+        self.eos = _eos_ids(lm)
+        self._queue: collections.deque[Job] = collections.deque()
+        self._cv = threading.Condition()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._request = 0
+        self.active: Job | None = None
+
+    # -- queue -------------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the worker thread (idempotent)."""
+        if self._thread is None:
+            self._stopping = False
+            self._thread = threading.Thread(target=self._run, name="moe-offload-worker", daemon=True)
+            self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Cancel the waiting and running jobs and join the thread (seconds)."""
+        with self._cv:
+            self._stopping = True
+            for job in self._queue:
+                job.cancelled.set()
+            self._queue.clear()
+            if self.active is not None:
+                self.active.cancelled.set()
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    def submit(self, job: Job) -> None:
+        """Append a job to the FIFO queue."""
+        with self._cv:
+            self._queue.append(job)
+            self._cv.notify()
+
+    def cancel(self, job: Job) -> None:
+        """The client of ``job`` went away: drop it from the queue, or stop it after the current token / block."""
+        job.cancelled.set()
+        with self._cv:
+            try:
+                self._queue.remove(job)
+                self.stats.requests_cancelled += 1
+            except ValueError:
+                pass
+
+    @property
+    def queue_length(self) -> int:
+        """Jobs waiting (not counting the running one)."""
+        return len(self._queue)
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._stopping:
+                    self._cv.wait()
+                if self._stopping:
+                    return
+                job = self._queue.popleft()
+                self.active = job
+            try:
+                if self.tracker is not None:
+                    with self.tracker:
+                        self._execute(job)
+                else:
+                    self._execute(job)
+            except Exception as e:  # never kill the worker: report the failure to that request only
+                self.stats.requests_failed += 1
+                traceback.print_exc()
+                job.push(Failed(f"{e.__class__.__name__}: {e}"))
+            finally:
+                job.finished = True
+                self.active = None
+
+    # -- one request -------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _execute(self, job: Job) -> None:
+        lm, p = self.lm, job.params
+        started = time.perf_counter()
+        detok = Detokenizer(lm.tokenizer, p.stop)
+
+        def on_tokens(ids: list[int]) -> bool:
+            if job.first_token_at is None:
+                job.first_token_at = time.perf_counter()
+            text = detok.add(ids)
+            job.push(Delta(text, list(ids)))
+            return detok.stopped or job.cancelled.is_set()
+
+        request = self._request
+        self._request += 1
+        if self.diffusion is None:
+            new, ttft, dec = generate_ids(lm, job.prompt_ids, p.max_tokens, temperature=p.temperature, top_p=p.top_p,
+                                          seed=p.seed, request=request, on_token=lambda t: on_tokens([t]))
+            decode_tokens = max(0, len(new) - 1)
+        else:
+            from ..models.diffusion import diffusion_generate_ids
+
+            d = self.diffusion
+            res = diffusion_generate_ids(lm, job.prompt_ids, p.max_tokens, block_length=d["block_length"],
+                                         steps=d["steps"], threshold=d["threshold"], temperature=p.temperature,
+                                         top_p=p.top_p, seed=p.seed, request=request, on_block=on_tokens)
+            new, ttft, dec = res.token_ids, res.first_block_s, res.seconds - res.first_block_s
+            first_block = res.blocks[0].start + d["block_length"] - len(job.prompt_ids) if res.blocks else 0
+            decode_tokens = max(0, len(new) - first_block)
+        st = self.stats
+        if job.cancelled.is_set():
+            st.requests_cancelled += 1
+            return
+        tail = detok.finish()
+        if tail:
+            job.push(Delta(tail, []))
+        reason = "stop" if detok.stopped or (new and new[-1] in self.eos) else "length"
+        queue_s = started - job.created
+        st.requests_served += 1
+        st.prompt_tokens += len(job.prompt_ids)
+        st.completion_tokens += len(new)
+        st.decode_tokens += decode_tokens
+        st.decode_s += dec
+        st.prefill_s += ttft
+        st.ttft_s.append(ttft)
+        st.queue_s.append(queue_s)
+        if job.first_token_at is not None:
+            st.server_ttft_s.append(job.first_token_at - job.created)
+        job.push(Done(reason, detok.text, list(new), len(job.prompt_ids), ttft, dec, queue_s))
