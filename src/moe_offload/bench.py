@@ -154,7 +154,8 @@ def diffusion_regime(trace, fullload_s: float, expert_bytes: int, hardware: str 
 def bench_diffusion(path: Path, prompts: list[str], budgets: list[float], intervals: list[int], *,
                     max_new_tokens: int = 64, block_length: int = 32, steps: int | None = None,
                     threshold: float = 0.95, hardware: str = "rtx4090", model_profile: str = "llada2.0-mini",
-                    device: str | None = None, dtype: str | None = None, progress: bool = True) -> str:
+                    device: str | None = None, dtype: str | None = None, progress: bool = True,
+                    repeats: int = 1) -> str:
     """TIDE on this machine (``bench diffusion``): tokens/s of FullLoad, ``reactive``, ``tide-fixed-T<n>`` for every
     ``n`` in ``intervals`` and ``tide`` at each per-layer budget, greedy, measured in one run, tokens compared with
     FullLoad's, under the emulated regime of ``diffusion_regime`` (the link paced by the ``TransferEngine``'s
@@ -171,6 +172,7 @@ def bench_diffusion(path: Path, prompts: list[str], budgets: list[float], interv
         intervals: tide-fixed intervals (diffusion steps), each >= 1.
         hardware, model_profile: the profiles whose cost ratios are emulated (default LLaDA2.0-mini on rtx4090).
         max_new_tokens, block_length, steps, threshold: the diffusion loop's parameters.
+        repeats: timed runs per row (>= 1); a row's seconds are their median (the counters are the last run's).
 
     Returns:
         A markdown table (policy, budget, tok/s, vs FullLoad, vs reactive, modelled vs FullLoad, host token-expert
@@ -180,6 +182,7 @@ def bench_diffusion(path: Path, prompts: list[str], budgets: list[float], interv
         MoeOffloadError: a model that is not a diffusion model, bad budgets/intervals/diffusion parameters, or as
             ``load_offloaded``.
     """
+    import statistics
     import time
 
     from .errors import MoeOffloadError
@@ -194,20 +197,28 @@ def bench_diffusion(path: Path, prompts: list[str], budgets: list[float], interv
         raise MoeOffloadError(f"budgets must be fractions in (0, 1], got {budgets}")
     if not intervals or any(t < 1 for t in intervals):
         raise MoeOffloadError(f"tide-fixed intervals must be >= 1, got {intervals}")
+    if repeats < 1:
+        raise MoeOffloadError(f"repeats must be >= 1, got {repeats}")
     kw = dict(block_length=block_length, steps=steps, threshold=threshold)
 
     def measure(lm, recorder=None):
         run_diffusion(lm, prompts[:1], min(8, max_new_tokens), **kw)  # warm-up; not counted
-        t0 = time.perf_counter()
-        outs, stats, results = run_diffusion(lm, prompts, max_new_tokens, progress=progress, recorder=recorder, **kw)
-        secs = time.perf_counter() - t0
-        return outs, stats, results, secs
+        times, tokens = [], []
+        for r in range(repeats):
+            t0 = time.perf_counter()
+            outs, stats, results = run_diffusion(lm, prompts, max_new_tokens, progress=progress,
+                                                 recorder=recorder if r == 0 else None, **kw)
+            times.append(time.perf_counter() - t0)
+            tokens.append([o.token_ids for o in outs])
+        if any(t != tokens[0] for t in tokens):
+            raise RuntimeError("repeated runs of the same greedy requests gave different tokens")
+        return outs, stats, results, statistics.median(times)
 
     full = load_full(path, device=device, dtype=dtype)
     if not is_diffusion(full):
         raise MoeOffloadError(f"{path} is not a diffusion model: bench diffusion needs one (e.g. llada2_moe)")
     with DiffusionTraceRecorder(full, block_length, source=f"moe-offload bench diffusion on {path}") as rec:
-        ref_out, _, ref_res, ref_s = measure(full, rec)
+        ref_out, _, ref_res, ref_s = measure(full, rec)  # the recorder sees the first timed run only
         trace = rec.trace(ref_res)
     ref_tokens = [o.token_ids for o in ref_out]
     n_tokens = sum(len(t) for t in ref_tokens)
@@ -250,7 +261,7 @@ def bench_diffusion(path: Path, prompts: list[str], budgets: list[float], interv
                      f"{modelled:.3f} | {host:.1%} | {blocking} | {pre} | {'yes' if same else 'NO'} |")
     lines.append(
         f"\n{len(prompts)} prompts x {max_new_tokens} new tokens (block {block_length}, {steps} steps per block, "
-        f"threshold {threshold}), model {path}: {trace.num_moe_layers} MoE layers x {trace.num_experts} experts, "
+        f"threshold {threshold}; median of {repeats} timed run{'s' if repeats > 1 else ''} per row), model {path}: {trace.num_moe_layers} MoE layers x {trace.num_experts} experts, "
         f"top-{trace.top_k}; {trace.num_steps} diffusion steps, {float(trace.tokens.mean()):.0f} tokens per forward "
         f"on average, {float((trace.counts > 0).sum(-1).mean()):.1f} active experts per layer and step.\n"
         f"Emulated regime: {model_profile} on {hardware}, scaled x{scale:.2f} onto this machine's FullLoad "

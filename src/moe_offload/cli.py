@@ -216,6 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
     bf.add_argument("--prompts", metavar="FILE", help="file with one prompt per line")
     bf.add_argument("--sharegpt", type=_positive_int, metavar="N", help="the first N human turns of ShareGPT")
     bf.add_argument("--sharegpt-offset", type=_nonneg_int, default=0, metavar="K")
+    bf.add_argument("--repeats", type=_positive_int, default=1,
+                    help="timed runs per row; the row reports their median (default 1)")
     bf.add_argument("--out", help="also write the table (markdown) to this new file")
     bf.add_argument("--quiet", action="store_true", help="no progress bars")
     br = bsub.add_parser("replay", help="simulator speed in expert accesses per second (synthetic 48x128x8)")
@@ -654,7 +656,7 @@ def _cmd_bench(args) -> int:
         table = bench_diffusion(path, prompts, budgets, intervals, max_new_tokens=args.max_new_tokens,
                                 block_length=args.block_length, steps=args.steps, threshold=args.threshold,
                                 hardware=args.hardware, model_profile=args.model_profile, device=args.device,
-                                dtype=args.dtype, progress=not args.quiet)
+                                dtype=args.dtype, progress=not args.quiet, repeats=args.repeats)
         print(table)
         if args.out:
             Path(args.out).write_text(table + "\n")

@@ -488,8 +488,8 @@ class IntervalOptimiser:
         if M.ndim != 1 or len(M) == 0:
             raise MoeOffloadError("expected_miss_s must be a non-empty 1-D array")
         c = self.costs
-        resident = set(int(e) for e in resident)
-        sel = [int(e) for e in select_top(score, budget)]
+        resident = resident if isinstance(resident, (set, frozenset)) else set(int(e) for e in resident)
+        sel = select_top(score, budget).tolist()
         selset = set(sel)
         new = [e for e in sel if e not in resident]  # rank order: most used first
         # keep residents outside the selection while there is room (never demote more than promoted)
@@ -647,16 +647,21 @@ class RefreshPlanner(ABC):
         """The current step finished, in ``step_seconds`` (optional; used by cost-aware planners)."""
 
     # ---- helpers
+    def _mask(self, experts) -> np.ndarray:
+        """Bool ``[E]``: True for the given experts (a set or another iterable of ints)."""
+        m = np.zeros(self.num_experts, dtype=bool)
+        if experts:
+            m[np.fromiter(experts, dtype=np.int64, count=len(experts))] = True
+        return m
+
     def _decision(self, layer: int, counts: np.ndarray, before: set, transfer: Transfer | None) -> LayerDecision:
         act = np.flatnonzero(counts)
-        res = self._resident[layer]
-        dev = [int(e) for e in act if e in res]
-        host = [int(e) for e in act if e not in res]
-        hit = [e for e in act if e in before]
-        return LayerDecision(layer=layer, device=dev, host=host, transfer=transfer,
-                             hit_tokens=int(counts[hit].sum()) if hit else 0, hit_experts=len(hit),
-                             device_tokens=int(counts[dev].sum()) if dev else 0,
-                             host_tokens=int(counts[host].sum()) if host else 0)
+        on = self._mask(self._resident[layer])[act]
+        dev, host = act[on], act[~on]
+        hit = act[self._mask(before)[act]]
+        return LayerDecision(layer=layer, device=dev.tolist(), host=host.tolist(), transfer=transfer,
+                             hit_tokens=int(counts[hit].sum()), hit_experts=len(hit),
+                             device_tokens=int(counts[dev].sum()), host_tokens=int(counts[host].sum()))
 
     def _sync_refresh(self, layer: int, counts: np.ndarray) -> Transfer:
         """The authors' refresh: resident := the budget experts with the most tokens in ``counts`` (positive only),
@@ -932,11 +937,12 @@ class TidePlanner(RefreshPlanner):
             return self._decision(layer, counts, before, sync)  # no miss of this step is cheaper to swap
         res, fl = self._resident[layer], self._in_flight[layer]
         act = np.flatnonzero(counts)
-        on_dev = [int(e) for e in act if e in res]
-        swap = sorted((int(e) for e in act if e not in res and e not in fl and counts[e] * gain > base),
-                      key=lambda e: (-counts[e], e))
-        if not swap:
+        res_mask = self._mask(res)
+        cand = act[(counts[act] * gain > base) & ~res_mask[act] & ~self._mask(fl)[act]]
+        if not len(cand):
             return self._decision(layer, counts, before, sync)
+        swap = cand[np.lexsort((cand, -counts[cand]))].tolist()  # most tokens first, ties by lower id
+        on_dev = act[res_mask[act]].tolist()
         # round 0: free slots, then slots of resident experts this step does not use (lowest score first)
         free = self.budget - len(res) - len(fl)
         score = self.tracker.score(layer)
@@ -966,14 +972,13 @@ class TidePlanner(RefreshPlanner):
                               compute=rounds[0].compute)
         loads = [e for r in rounds for e in r.load]
         evicts = [e for r in rounds for e in r.evict]
-        computed = {e for r in rounds for e in r.compute}
-        host = [int(e) for e in act if int(e) not in computed]
-        dev = sorted(computed)
-        hit = [e for e in act if e in before]
-        return LayerDecision(layer=layer, device=dev, host=host,
+        on = self._mask({e for r in rounds for e in r.compute})[act]
+        dev, host = act[on], act[~on]
+        hit = act[self._mask(before)[act]]
+        return LayerDecision(layer=layer, device=dev.tolist(), host=host.tolist(),
                              transfer=Transfer(layer=layer, load=loads, evict=evicts, blocking=True),
-                             hit_tokens=int(counts[hit].sum()) if hit else 0, hit_experts=len(hit),
-                             device_tokens=int(counts[dev].sum()), host_tokens=int(counts[host].sum()) if host else 0,
+                             hit_tokens=int(counts[hit].sum()), hit_experts=len(hit),
+                             device_tokens=int(counts[dev].sum()), host_tokens=int(counts[host].sum()),
                              rounds=rounds)
 
     def end_step(self, step_seconds=None):
