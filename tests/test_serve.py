@@ -186,9 +186,16 @@ def test_bad_requests_through_the_client_and_the_server_survives(qwen):
         client.completions.create(model="tiny-qwen", prompt="hi", max_tokens=600)
     for path in ("/v1/chat/completions", "/v1/completions"):
         code, err = _post_raw(srv, path, b'{"model": "tiny-qwen", "messages": [')  # malformed JSON
-        assert code == 400 and "JSON" in err["error"]["message"]
+        assert code == 400 and "not valid JSON at character" in err["error"]["message"]
+        assert err["error"]["param"] is None
         code, err = _post_raw(srv, path, b"[1, 2]")
         assert code == 400
+    req = urllib.request.Request(srv.base_url + "/v1/completions", data=b'{"model": "tiny-qwen", "prompt": "hi"}',
+                                 headers={"Content-Type": "application/x-www-form-urlencoded"})
+    with pytest.raises(urllib.error.HTTPError) as no_json:
+        urllib.request.urlopen(req)
+    assert no_json.value.code == 400 and "Content-Type: application/json" in json.loads(no_json.value.read())[
+        "error"]["message"]
     code, err = _post_raw(srv, "/v1/completions", json.dumps({"model": "tiny-qwen", "prompt": ["a", "b"]}).encode())
     assert code == 400 and err["error"]["param"] == "prompt"
     assert _get(srv, "/health")["status"] == "ok"
@@ -303,6 +310,10 @@ def test_slots_for_budget_by_hand():
         slots_for_budget(1000, 800, 100, 64, 4)
     with pytest.raises(MoeOffloadError, match="too small"):
         slots_for_budget(1000, 300, 100, 64, 3, num_moe_layers=3)  # 2 per layer < top-k 3
+    # the early check (before the profile run) knows only the weights: it says so, and what comes on top
+    with pytest.raises(MoeOffloadError, match=r"weights and lookup table alone take .* need at least 0\.001 GB plus "
+                                              r"the KV cache and activations"):
+        slots_for_budget(1000, 800, 100, 64, 4, weights_only=True)
 
 
 def test_budget_too_small_is_a_clear_startup_error(tiny_dirs, capsys):

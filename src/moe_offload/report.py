@@ -61,7 +61,8 @@ def stats_table(d: dict) -> str:
         ("bytes loaded", f"{_fmt_bytes(d['bytes_loaded'])} in {d['load_time_s']:.3f} s"),
     ] + ([
         ("host fallback", f"{d['host_fallback_experts']} expert calls, {d['host_fallback_tokens']} token-experts in "
-                          f"{d['fallback_s']:.3f} s; {d['prefetches']} experts prefetched"),
+                          f"{d['fallback_s']:.3f} s; {d['prefetches']} expert{'' if d['prefetches'] == 1 else 's'} "
+                          "prefetched"),
     ] if "host_fallback_experts" in d else []) + [
         ("TTFT (mean)", f"{d['ttft_s']:.3f} s"),
         ("decode", f"{d['decode_tokens_per_s']:.2f} tok/s ({d['decode_tokens']} tokens)"),

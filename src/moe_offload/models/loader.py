@@ -279,7 +279,14 @@ def load_offloaded(model_dir: str | Path, *, device: str | None = None, dtype: s
         if policy.lower() != "tide":
             make_refresh_planner(policy, 1, 1, 1, interval=interval)  # reject a bad name / interval before any work
     elif policy not in FORECAST_RUNTIME_POLICIES:
-        make_policy(policy, num_slots=1, top_k=1)  # reject an unknown or simulator-only policy before any work
+        try:  # reject an unknown or simulator-only policy before any work
+            make_policy(policy, num_slots=1, top_k=1)
+        except MoeOffloadError as e:
+            if "only available in the simulator" in str(e):
+                raise
+            raise MoeOffloadError(f"unknown policy {policy!r}; choose one of: lru, lfu, prefill-hot, "
+                                  f"{', '.join(FORECAST_RUNTIME_POLICIES)} (with a predictor); diffusion models: "
+                                  "reactive, tide-fixed-T<n>, tide") from None
     ckpt = Checkpoint(path)
 
     with torch.device("meta"):

@@ -232,8 +232,12 @@ def create_app(state: ServeState) -> FastAPI:
         errs = exc.errors()
         e = errs[0] if errs else {}
         loc = [str(x) for x in e.get("loc", ()) if x != "body"]
-        if e.get("type") == "json_invalid":
-            msg = f"the request body is not valid JSON: {e.get('ctx', {}).get('error', e.get('msg'))}"
+        if e.get("type") == "json_invalid":  # loc is ("body", character offset): not a parameter
+            at = f" at character {loc[0]}" if loc else ""
+            msg = f"the request body is not valid JSON{at}: {e.get('ctx', {}).get('error', e.get('msg'))}"
+            loc = []
+        elif not loc and e.get("type") in ("model_attributes_type", "dict_type"):
+            msg = "the request body must be a JSON object (send it with Content-Type: application/json)"
         else:
             msg = f"{'.'.join(loc) or 'body'}: {e.get('msg', 'invalid value')}"
         return JSONResponse(error_body(msg, param=".".join(loc) or None), status_code=400)

@@ -341,7 +341,7 @@ class MemoryPlan:
 
 
 def slots_for_budget(budget_bytes: int, fixed_bytes: int, expert_bytes: int, routed_experts: int, top_k: int,
-                     num_moe_layers: int | None = None) -> int:
+                     num_moe_layers: int | None = None, weights_only: bool = False) -> int:
     """Slots that fit: ``floor((budget - fixed) / expert_bytes)``, at most ``routed_experts``.
 
     Args:
@@ -352,6 +352,8 @@ def slots_for_budget(budget_bytes: int, fixed_bytes: int, expert_bytes: int, rou
         top_k: experts per token.
         num_moe_layers: for the diffusion refresh planners (per-layer budgets): round down to a multiple of L and
             require top-k per layer.
+        weights_only: ``fixed_bytes`` holds only the non-expert weights and the lookup table (the early check,
+            before the profile run measures the KV cache and activations); the message then says so.
     Raises:
         MoeOffloadError: fewer slots than top-k (per layer with ``num_moe_layers``); the message gives the
             smallest budget that works.
@@ -364,9 +366,11 @@ def slots_for_budget(budget_bytes: int, fixed_bytes: int, expert_bytes: int, rou
         slots, need = per_layer * num_moe_layers, top_k * num_moe_layers
     if slots < need:
         least = fixed_bytes + need * expert_bytes
+        parts = ("non-expert weights and lookup table alone" if weights_only
+                 else "non-expert weights, lookup table, KV cache and activations")
+        more = " plus the KV cache and activations of a --max-context request" if weights_only else ""
         raise MoeOffloadError(
-            f"--memory-budget {budget_bytes / GB:g} GB is too small: non-expert weights, lookup table, KV cache and "
-            f"activations take {fixed_bytes / GB:.4f} GB and leave room for {max(0, slots)} slots of "
-            f"{expert_bytes:,d} B; {need} slots (top-k = {top_k}{' per layer' if num_moe_layers else ''}) need at "
-            f"least {math.ceil(least / 1e6) / 1e3:.3f} GB")
+            f"--memory-budget {budget_bytes / GB:g} GB is too small: {parts} take {fixed_bytes / GB:.4f} GB and "
+            f"leave room for {max(0, slots)} slots of {expert_bytes:,d} B; {need} slots (top-k = {top_k}"
+            f"{' per layer' if num_moe_layers else ''}) need at least {math.ceil(least / 1e6) / 1e3:.3f} GB{more}")
     return int(slots)

@@ -56,6 +56,9 @@ class ServeConfig:
     progress: bool = False
 
 
+SHUTDOWN_GRACE_S = 2  # seconds running streams get to finish after Ctrl-C / SIGTERM
+
+
 def _log(msg: str) -> None:
     print(f"moe-offload serve: {msg}", file=sys.stderr, flush=True)
 
@@ -116,8 +119,8 @@ def load_for_serving(cfg: ServeConfig, log=_log):
         lm = load_offloaded(path, slots=top_k, **load)
         layers, n_total = lm.num_moe_layers, lm.num_moe_layers * lm.num_experts
         base = non_expert_bytes(lm) + lookup_bytes(lm)
-        slots_for_budget(budget, base, lm.expert_bytes, n_total, top_k,
-                         layers if is_refresh_policy(cfg.policy) else None)  # weights alone too big: fail early
+        slots_for_budget(budget, base, lm.expert_bytes, n_total, top_k,  # weights alone too big: fail early
+                         layers if is_refresh_policy(cfg.policy) else None, weights_only=True)
         log(f"profile run: the largest request ({max_context} tokens, sampled)")
         prof = profile_request(lm, max_context, block)
         slots = slots_for_budget(budget, base + prof.peak_bytes, lm.expert_bytes, n_total, top_k,
@@ -172,7 +175,9 @@ def serve_forever(state, sock: socket.socket) -> None:
 
     host, port = sock.getsockname()[:2]
     _log(f"listening on http://{host}:{port} (OpenAI API under /v1)")
-    uvicorn.Server(uvicorn.Config(create_app(state), log_level="info")).run(sockets=[sock])
+    # Ctrl-C: streams still running get SHUTDOWN_GRACE_S to finish, then are cut (their jobs are cancelled)
+    uvicorn.Server(uvicorn.Config(create_app(state), log_level="info",
+                                  timeout_graceful_shutdown=SHUTDOWN_GRACE_S)).run(sockets=[sock])
 
 
 class ServerThread:
