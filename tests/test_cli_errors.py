@@ -117,3 +117,15 @@ def test_generate_json(capsys, tiny_dirs):
         assert key in s
     assert s["slots"] == 24 and s["residency"] == 0.5
     assert s["bytes_loaded"] == s["misses"] * s["expert_bytes"]  # every miss is one on-demand load of one expert
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["generate", "--max-new-tokens", "0"], "expected a positive integer"),
+    (["simulate"], "the following arguments are required: --trace, --out"),
+    (["frob"], "invalid choice: 'frob'"),
+])
+def test_argparse_errors_are_one_line(capsys, argv, needle):
+    with pytest.raises(SystemExit) as ex:
+        main(argv)
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert ex.value.code == 2 and len(lines) == 1 and needle in lines[0] and "error:" in lines[0]

@@ -39,6 +39,14 @@ def _nonneg_int(s: str) -> int:
     return v
 
 
+class OneLineErrorParser(argparse.ArgumentParser):
+    """argparse with one-line errors: ``<prog>: error: <message>`` (and a pointer to ``--help``), exit status 2,
+    instead of the usage block (subcommand parsers inherit the class)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def _float(s: str) -> float:
     try:
         return float(s)
@@ -100,7 +108,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="moe-offload", description=__doc__.splitlines()[0])
+    ap = OneLineErrorParser(prog="moe-offload", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     g = sub.add_parser("generate", help="generate text with experts offloaded (lossless)")
