@@ -130,13 +130,18 @@ class _Job:
         self.landing: Landing | None = None
 
 
-def _sleep_until(deadline: float) -> None:
-    """Return at or after ``time.perf_counter() >= deadline`` (sleeps, then yields the GIL for the last bit)."""
+def _sleep_until(deadline: float, spin: bool = True) -> None:
+    """Return at or after ``time.perf_counter() >= deadline``: sleeps, then (``spin``) yields the GIL in a loop for
+    the last ``_SPIN_S`` seconds for accuracy. A background thread passes ``spin=False`` (sleep only, a few tens of
+    microseconds late at worst): a spinning thread keeps taking the GIL from the thread that computes."""
     while True:
         rem = deadline - time.perf_counter()
         if rem <= 0:
             return
-        time.sleep(rem - _SPIN_S if rem > 2 * _SPIN_S else 0)
+        if not spin:
+            time.sleep(rem)
+        else:
+            time.sleep(rem - _SPIN_S if rem > 2 * _SPIN_S else 0)
 
 
 def _positive(name: str, value) -> float:
@@ -470,7 +475,7 @@ class TransferEngine:
                     job.deadline = job.started_at + self.seconds_per_expert
             try:
                 self._copy(job)
-                _sleep_until(job.deadline)
+                _sleep_until(job.deadline, spin=False)  # the copy worker must not compete for the GIL
                 err = None
             except Exception as e:  # report the failure, keep serving the queue
                 err = f"{type(e).__name__}: {e}"
