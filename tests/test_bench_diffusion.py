@@ -72,8 +72,8 @@ def test_balance_expert_bias_reduces_load_imbalance():
     from moe_offload.models.registry import ARCHITECTURES
     from moe_offload.models.tiny import balance_expert_bias
 
-    cfg = AutoConfig.for_model("llada2_moe", vocab_size=259, initializer_range=0.2, mask_token_id=258, pad_token_id=0,
-                               **ARCHITECTURES["llada2_moe"].tiny)
+    cfg = AutoConfig.for_model("llada2_moe", vocab_size=259, initializer_range=0.2, mask_token_id=258,
+                               pad_token_id=0, **ARCHITECTURES["llada2_moe"].tiny)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg).eval()
     batches = [torch.randint(0, 256, (1, 48), generator=torch.Generator().manual_seed(i)) for i in range(4)]

@@ -261,7 +261,8 @@ def bench_diffusion(path: Path, prompts: list[str], budgets: list[float], interv
                      f"{modelled:.3f} | {host:.1%} | {blocking} | {pre} | {'yes' if same else 'NO'} |")
     lines.append(
         f"\n{len(prompts)} prompts x {max_new_tokens} new tokens (block {block_length}, {steps} steps per block, "
-        f"threshold {threshold}; median of {repeats} timed run{'s' if repeats > 1 else ''} per row), model {path}: {trace.num_moe_layers} MoE layers x {trace.num_experts} experts, "
+        f"threshold {threshold}; median of {repeats} timed run{'s' if repeats > 1 else ''} per row), model {path}: "
+        f"{trace.num_moe_layers} MoE layers x {trace.num_experts} experts, "
         f"top-{trace.top_k}; {trace.num_steps} diffusion steps, {float(trace.tokens.mean()):.0f} tokens per forward "
         f"on average, {float((trace.counts > 0).sum(-1).mean()):.1f} active experts per layer and step.\n"
         f"Emulated regime: {model_profile} on {hardware}, scaled x{scale:.2f} onto this machine's FullLoad "
