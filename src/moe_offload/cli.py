@@ -401,14 +401,18 @@ def _cmd_trace(args) -> int:
         from .models.loader import load_full
         from .trace.diffusion import DiffusionTraceRecorder
 
+        from .models.diffusion import loop_params
+
+        params = loop_params(read_config(path)[2], None, None, None, args.max_new_tokens, str(path))
         lm = load_full(path, device=args.device, dtype=args.dtype)
-        with DiffusionTraceRecorder(lm, 32, source=f"moe-offload trace collect on {path}") as rec:
-            _, _, results = run_diffusion(lm, prompts, args.max_new_tokens, progress=not args.quiet, recorder=rec)
+        with DiffusionTraceRecorder(lm, params["block_length"], source=f"moe-offload trace collect on {path}") as rec:
+            _, _, results = run_diffusion(lm, prompts, args.max_new_tokens, progress=not args.quiet, recorder=rec,
+                                          **params)
             tr = rec.trace(results)
         tr.save(out)
         print(f"wrote {out}: diffusion trace, {len(results)} requests, {tr.num_steps} diffusion steps "
-              f"(block 32, steps 32, threshold 0.95), {tr.num_moe_layers} MoE layers x {tr.num_experts} experts, "
-              f"top-{tr.top_k}")
+              f"({', '.join(f'{k} {v}' for k, v in params.items())}), {tr.num_moe_layers} MoE layers x "
+              f"{tr.num_experts} experts, top-{tr.top_k}")
         return 0
     lm = load_offloaded(path, device=args.device, dtype=args.dtype, policy=args.policy, progress=not args.quiet)
     with TraceRecorder(lm, router_probs=args.router_probs, source=f"moe-offload trace collect on {path}") as rec:

@@ -141,11 +141,13 @@ def generate_ids(lm: LoadedModel, prompt_ids: list[int], max_new_tokens: int, *,
     return new, t1 - t0, time.perf_counter() - t1
 
 
-def run(lm: LoadedModel, prompts: list[str], max_new_tokens: int, *, temperature: float = 0.0, top_p: float = 1.0,
-        seed: int | None = None, progress: bool = False, recorder=None) -> tuple[list[Output], RunStats]:
-    """Generate for each prompt in turn; return the outputs and the run's totals (engine stats included).
+def run_requests(lm: LoadedModel, prompts: list[str], generate_one, *, progress: bool = False,
+                 recorder=None) -> tuple[list[Output], RunStats]:
+    """The request loop both generation modes share: reset the engine's counters, then for each prompt in turn
+    encode it (chat template), tell ``recorder`` (if any) the request, call ``generate_one(i, prompt_ids)`` ->
+    ``(new_ids, ttft_s, decode_s, decode_tokens)`` and count it; the engine's counters end in ``RunStats.offload``.
 
-    ``recorder``: optional ``trace.collect.TraceRecorder`` fed every request and step."""
+    Returns ``(outputs, run_stats)``."""
     from tqdm.auto import tqdm
 
     stats = RunStats()
@@ -157,11 +159,24 @@ def run(lm: LoadedModel, prompts: list[str], max_new_tokens: int, *, temperature
         pids = encode_prompt(lm.tokenizer, prompt)
         if recorder is not None:
             recorder.start_request(i, pids)
-        new, ttft, dec = generate_ids(lm, pids, max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                                      request=i, on_step=recorder.end_step if recorder is not None else None)
+        new, ttft, dec, decode_tokens = generate_one(i, pids)
         text = lm.tokenizer.decode(new, skip_special_tokens=True)
         outputs.append(Output(prompt, text, new, len(pids), ttft, dec))
-        stats.add_request(len(pids), ttft, dec, len(new) - 1)
+        stats.add_request(len(pids), ttft, dec, decode_tokens)
     if eng is not None:
         stats.offload = eng.stats
     return outputs, stats
+
+
+def run(lm: LoadedModel, prompts: list[str], max_new_tokens: int, *, temperature: float = 0.0, top_p: float = 1.0,
+        seed: int | None = None, progress: bool = False, recorder=None) -> tuple[list[Output], RunStats]:
+    """Generate for each prompt in turn; return the outputs and the run's totals (engine stats included).
+
+    ``recorder``: optional ``trace.collect.TraceRecorder`` fed every request and step."""
+
+    def one(i, pids):
+        new, ttft, dec = generate_ids(lm, pids, max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                                      request=i, on_step=recorder.end_step if recorder is not None else None)
+        return new, ttft, dec, len(new) - 1
+
+    return run_requests(lm, prompts, one, progress=progress, recorder=recorder)

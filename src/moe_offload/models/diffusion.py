@@ -148,6 +148,12 @@ class DiffusionResult:
     def steps_per_block(self) -> list[int]:
         return [b.steps for b in self.blocks]
 
+    def decode_tokens(self, block_length: int) -> int:
+        """Generated tokens after the first block (the diffusion analogue of decode tokens): those beyond the
+        generated positions of the first block, which the prompt's block shares with the prompt."""
+        first = self.blocks[0].start + block_length - self.prompt_tokens if self.blocks else 0
+        return max(0, len(self.token_ids) - first)
+
 
 def _mask_token_id(lm: LoadedModel) -> int:
     mid = getattr(lm.model.config, "mask_token_id", None)
@@ -331,35 +337,22 @@ def run_diffusion(lm: LoadedModel, prompts: list[str], max_new_tokens: int, *, b
     Raises:
         MoeOffloadError: see ``diffusion_generate_ids``; also a checkpoint without a tokenizer.
     """
-    from tqdm.auto import tqdm
-
-    from ..generate import Output, RunStats, encode_prompt
+    from ..generate import run_requests
 
     steps = block_length if steps is None else steps
     check_params(max_new_tokens, block_length, steps, threshold)
     if lm.tokenizer is None:
         raise MoeOffloadError(f"{lm.path} has no tokenizer: cannot encode prompts")
-    stats = RunStats()
-    outputs, results = [], []
-    eng = lm.engine
-    if eng is not None:
-        eng.reset_stats()
-    for i, prompt in enumerate(tqdm(prompts, desc="requests", disable=not progress, leave=False)):
-        pids = encode_prompt(lm.tokenizer, prompt)
-        if recorder is not None:
-            recorder.start_request(i, pids)
+    results = []
+
+    def one(i, pids):
         res = diffusion_generate_ids(lm, pids, max_new_tokens, block_length=block_length, steps=steps,
                                      threshold=threshold, temperature=temperature, top_p=top_p, seed=seed, request=i,
                                      on_step_end=(lambda _b, _s, g: recorder.end_step(g)) if recorder else None)
-        text = lm.tokenizer.decode(res.token_ids, skip_special_tokens=True)
-        first_block = res.blocks[0].start + block_length - len(pids)  # generated positions in the first block
-        outputs.append(Output(prompt, text, res.token_ids, len(pids), res.first_block_s,
-                              res.seconds - res.first_block_s))
         results.append(res)
-        stats.add_request(len(pids), res.first_block_s, res.seconds - res.first_block_s,
-                          max(0, len(res.token_ids) - first_block))
-    if eng is not None:
-        stats.offload = eng.stats
+        return res.token_ids, res.first_block_s, res.seconds - res.first_block_s, res.decode_tokens(block_length)
+
+    outputs, stats = run_requests(lm, prompts, one, progress=progress, recorder=recorder)
     return outputs, stats, results
 
 

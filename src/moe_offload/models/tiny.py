@@ -34,6 +34,20 @@ def tiny_tokenizer(mask_token: bool = False):
     return PreTrainedTokenizerFast(tokenizer_object=tok, **special)
 
 
+def _tokenizer_and_config(arch: str, sizes: dict):
+    """The byte-level tokenizer (with a mask token for diffusion models) and a random-checkpoint config of ``arch``
+    with ``sizes`` (initializer_range 0.2, untied head; see ``make_tiny``)."""
+    from transformers import AutoConfig
+
+    diffusion = ARCHITECTURES[arch].diffusion
+    tok = tiny_tokenizer(mask_token=diffusion)
+    extra = {"mask_token_id": tok.mask_token_id} if diffusion else {}
+    config = AutoConfig.for_model(arch, vocab_size=len(tok), bos_token_id=tok.bos_token_id,
+                                  eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id,
+                                  tie_word_embeddings=False, initializer_range=0.2, **extra, **sizes)
+    return tok, config
+
+
 def make_tiny(arch: str, out_dir: str | Path, *, seed: int = 0, dtype: torch.dtype = torch.float32,
               overwrite: bool = False) -> Path:
     """Write a tiny random checkpoint of ``arch`` (a supported ``model_type``) to ``out_dir``.
@@ -45,19 +59,14 @@ def make_tiny(arch: str, out_dir: str | Path, *, seed: int = 0, dtype: torch.dty
     Raises:
         MoeOffloadError: unknown architecture, or ``out_dir`` exists and is not empty (unless ``overwrite``).
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     if arch not in ARCHITECTURES:
         raise MoeOffloadError(f"unknown architecture {arch!r}; supported: {supported_names()}")
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise MoeOffloadError(f"{out} already exists and is not empty; choose another --out")
-    diffusion = ARCHITECTURES[arch].diffusion
-    tok = tiny_tokenizer(mask_token=diffusion)
-    extra = {"mask_token_id": tok.mask_token_id} if diffusion else {}
-    config = AutoConfig.for_model(arch, vocab_size=len(tok), bos_token_id=tok.bos_token_id,
-                                  eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id,
-                                  tie_word_embeddings=False, initializer_range=0.2, **extra, **ARCHITECTURES[arch].tiny)
+    tok, config = _tokenizer_and_config(arch, ARCHITECTURES[arch].tiny)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     with torch.no_grad():  # LLaDA2's selection-only router bias: random, so that loading it is tested
@@ -137,18 +146,14 @@ def make_llada2_medium(out_dir: str | Path, texts: list[str], *, seed: int = 0, 
     Raises:
         MoeOffloadError: ``out_dir`` exists and is not empty (unless ``overwrite``), or no text.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     if not texts:
         raise MoeOffloadError("make_llada2_medium needs texts to balance the routers on")
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise MoeOffloadError(f"{out} already exists and is not empty; choose another --out")
-    tok = tiny_tokenizer(mask_token=True)
-    config = AutoConfig.for_model("llada2_moe", vocab_size=len(tok), bos_token_id=tok.bos_token_id,
-                                  eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id,
-                                  tie_word_embeddings=False, initializer_range=0.2, mask_token_id=tok.mask_token_id,
-                                  **LLADA2_MEDIUM)
+    tok, config = _tokenizer_and_config("llada2_moe", LLADA2_MEDIUM)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     masks = [tok.mask_token_id] * block_length

@@ -290,8 +290,7 @@ class Worker:
                                          steps=d["steps"], threshold=d["threshold"], temperature=p.temperature,
                                          top_p=p.top_p, seed=p.seed, request=request, on_block=on_tokens)
             new, ttft, dec = res.token_ids, res.first_block_s, res.seconds - res.first_block_s
-            first_block = res.blocks[0].start + d["block_length"] - len(job.prompt_ids) if res.blocks else 0
-            decode_tokens = max(0, len(new) - first_block)
+            decode_tokens = res.decode_tokens(d["block_length"])
         st = self.stats
         if job.cancelled.is_set():
             st.requests_cancelled += 1

@@ -435,8 +435,6 @@ class DiffusionTraceRecorder(HookedRecorder):
     """
 
     def __init__(self, lm, block_length: int, source: str = ""):
-        import torch
-
         from ..models.loader import experts_modules
 
         mods = experts_modules(lm.model)
@@ -444,7 +442,6 @@ class DiffusionTraceRecorder(HookedRecorder):
             raise MoeOffloadError("the model has no experts modules to record")
         self.lm, self.source, self.block_length = lm, source, int(block_length)
         self.L, self.E, self.k = len(mods), lm.num_experts, lm.top_k
-        self._torch = torch
         self._cur = np.zeros((self.L, self.E), np.int64)
         self._seen = np.zeros(self.L, bool)
         self._rows: list[np.ndarray] = []
@@ -454,9 +451,11 @@ class DiffusionTraceRecorder(HookedRecorder):
                          for i, (_, m) in enumerate(mods)]
 
     def _hook(self, layer: int):
+        import torch
+
         def hook(module, args, kwargs):
             idx = args[1] if len(args) > 1 else kwargs["top_k_index"]
-            self._cur[layer] += self._torch.bincount(idx.reshape(-1).cpu(), minlength=self.E).numpy()
+            self._cur[layer] += torch.bincount(idx.reshape(-1).cpu(), minlength=self.E).numpy()
             self._seen[layer] = True
         return hook
 
