@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from moe_offload.generate import encode_prompt, generate_ids
+from moe_offload.runtime.formats import ExpertRows
 from moe_offload.models.loader import experts_modules, load_full, load_offloaded
 from moe_offload.models.registry import ARCHITECTURES
 
@@ -59,9 +60,10 @@ def test_experts_never_on_device(tiny_dirs, arch):
     ref = load_full(tiny_dirs[arch], device="cpu")
     ref_mod = experts_modules(ref.model)[1][1]
     # expert 3 of MoE layer 1 in the host store equals the fully loaded model's fused parameters
-    views = lm.engine.store.layout.views(lm.engine.store.buf[lm.num_experts + 3: lm.num_experts + 4])
-    for name, v in views.items():
-        assert torch.equal(v[0], getattr(ref_mod, name)[3])
+    rows = ExpertRows(lm.engine.pool.format, lm.engine.store.buf)
+    for name in lm.engine.pool.format.params:
+        assert torch.equal(rows.weight(name, slice(lm.num_experts + 3, lm.num_experts + 4))[0],
+                           getattr(ref_mod, name)[3])
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss", "deepseek_v3"])

@@ -6,6 +6,7 @@ import torch
 
 from moe_offload.errors import MoeOffloadError
 from moe_offload.models.diffusion import run_diffusion
+from moe_offload.runtime.formats import ExpertRows
 from moe_offload.models.loader import load_full, load_offloaded
 
 PROMPTS = ["hello world", "the cat sat on"]
@@ -76,8 +77,8 @@ def test_host_fallback_equals_device_path(tiny_dirs):
     mask = torch.ones(T * k, dtype=torch.bool)
     dev = torch.zeros(T * k, hidden.shape[1])
     host = torch.zeros_like(dev)
-    eng._accumulate(dev, mod, eng.pool.views, hidden, eng.pool.lookup[gid], mask, w, k)
-    eng._accumulate(host, mod, eng.host_views, hidden, gid, mask, w, k)
+    eng._accumulate(dev, mod, eng.pool.rows, hidden, eng.pool.lookup[gid], mask, w, k)
+    eng._accumulate(host, mod, ExpertRows(eng.pool.format, eng.store.buf), hidden, gid, mask, w, k)
     eng.close()
     assert torch.allclose(dev, host, atol=1e-6) and dev.abs().sum() > 0
 

@@ -24,7 +24,7 @@ from moe_offload.serve.memory import GB, slots_for_budget
 from moe_offload.serve.server import ServeConfig, ServerThread, load_for_serving
 from moe_offload.serve.worker import Detokenizer
 
-BUDGET_GB = 0.0048  # tiny Qwen3-MoE at 512 tokens: room for 29 of its 48 experts
+BUDGET_GB = 0.0048  # tiny Qwen3-MoE at 512 tokens: room for 28 of its 48 experts (measured activation peak)
 PROMPT = "Hello there, how are you today?"
 
 
@@ -288,7 +288,7 @@ def test_memory_plan_by_hand_and_measured_peak(qwen, tiny_dirs):
     budget = int(BUDGET_GB * GB)
     by_hand = (budget - plan.non_expert_bytes - plan.lookup_bytes - plan.kv_cache_bytes - plan.activation_bytes) \
         // expert_bytes
-    assert plan.slots == min(by_hand, layers * experts) == 29
+    assert plan.slots == min(by_hand, layers * experts) == 28
     assert state.lm.engine.pool.num_slots == plan.slots
     assert state.lm.engine.pool.nbytes == plan.slots * expert_bytes
     assert plan.budget_bytes == budget and plan.total_bytes <= budget and plan.max_context == 512

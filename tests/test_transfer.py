@@ -23,7 +23,7 @@ N_SLOTS = 4
 def make(device="cpu", pin=False):
     layout = ExpertLayout([("w1", (4, 4)), ("w2", (4, 4))], torch.float32)  # 32 floats = 128 bytes
     store = HostStore(layout, N_EXPERTS, pin=pin)
-    store.buf.copy_(torch.arange(N_EXPERTS * layout.numel, dtype=torch.float32).view(N_EXPERTS, -1) + 1)
+    store.buf.view(torch.float32).copy_(torch.arange(N_EXPERTS * 32, dtype=torch.float32).view(N_EXPERTS, -1) + 1)
     pool = SlotPool(layout, N_SLOTS, N_EXPERTS, torch.device(device))
     return store, pool
 

@@ -117,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     size.add_argument("--residency", type=_float, help="device slots as a fraction of all routed experts, (0, 1]")
     size.add_argument("--slots", type=int, help="number of device slots (>= top-k)")
     g.add_argument("--full-load", action="store_true", help="every weight on the device (the reference)")
+    g.add_argument("--host-store", choices=["pinned", "mmap"], default="pinned",
+                   help="where the offloaded experts live on the host: pinned (default: a private copy, page-locked "
+                   "on CUDA) or mmap (read from the safetensors files' memory maps: no private copy)")
     g.add_argument("--temperature", type=_float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-p", type=_float, default=1.0)
     g.add_argument("--seed", type=int)
@@ -257,7 +260,8 @@ def _cmd_generate(args) -> int:
         lm = load_full(path, device=args.device, dtype=args.dtype)
     else:
         lm = load_offloaded(path, device=args.device, dtype=args.dtype, residency=args.residency, slots=args.slots,
-                            policy=args.policy, progress=not args.quiet, link_gbps=args.link_gbps)
+                            policy=args.policy, progress=not args.quiet, link_gbps=args.link_gbps,
+                            host_store=args.host_store)
     if lm.tokenizer is None:
         raise MoeOffloadError(f"{path} has no tokenizer: cannot encode prompts")
     runner = None

@@ -36,6 +36,8 @@ def stats_dict(lm: LoadedModel, s: RunStats) -> dict:
         "routed_experts": total,
         "residency": slots / total,
         "expert_bytes": lm.expert_bytes,
+        "expert_dtypes": list(lm.expert_dtypes),
+        "host_store": lm.host_store,
         "peak_slot_bytes": eng.pool.nbytes if eng else total * lm.expert_bytes,
         "host_store_bytes": eng.store.nbytes if eng else 0,
         "device_peak_bytes": torch.cuda.max_memory_allocated(lm.device) if lm.device.type == "cuda" else None,
@@ -67,6 +69,9 @@ def stats_table(d: dict) -> str:
         ("TTFT (mean)", f"{d['ttft_s']:.3f} s"),
         ("decode", f"{d['decode_tokens_per_s']:.2f} tok/s ({d['decode_tokens']} tokens)"),
         ("peak slot bytes", _fmt_bytes(d["peak_slot_bytes"])),
+        ("experts", f"{_fmt_bytes(d['expert_bytes'])} each, stored as {' + '.join(d['expert_dtypes'])}"
+                    + (f"; host store {d['host_store']} ({_fmt_bytes(d['host_store_bytes'])} private)"
+                       if d["host_store"] else "")),
     ]
     w = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)

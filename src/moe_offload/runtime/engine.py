@@ -139,7 +139,7 @@ class OffloadEngine:
             if len(plan.rounds) > 1:  # pairs of experts outside this round get a sentinel past the window
                 in_round = torch.isin(gid, torch.tensor(rnd.eids, device=gid.device))
                 slot_ids = slot_ids.masked_fill(~in_round, self.pool.num_slots)
-            out, perm, valid = slot_pair_outputs(module, self.pool.views, hidden_states, slot_ids, weights, k,
+            out, perm, valid = slot_pair_outputs(module, self.pool.rows, hidden_states, slot_ids, weights, k,
                                                  min(rnd.slots), max(rnd.slots))
             if len(plan.rounds) == 1:  # undo the sort: row i of out is pair perm[i]
                 pairs = torch.empty_like(out).index_copy_(0, perm, out)

@@ -8,9 +8,9 @@ turns a router's expert ids into slot ids. The pool only moves bytes; *which* ex
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
+from .formats import ExpertFormat, ExpertRows
 from .store import ExpertLayout, HostStore
 
 
@@ -18,33 +18,38 @@ class SlotPool:
     """Device slots for experts plus the expert->slot lookup table.
 
     Args:
-        layout: the expert layout (same as the host store's).
+        fmt: the experts' ``ExpertFormat`` (or a bare ``ExpertLayout``: bytes only, no ``rows``); its layout must be
+            the host store's.
         num_slots: S, number of slots.
         num_experts_total: N, size of the lookup table.
         device: where the slots live.
 
     Attributes:
-        buf: ``[S, layout.numel]`` tensor of ``layout.dtype`` on ``device``.
-        views: ``{param_name: [S, *shape]}`` views into ``buf``.
+        buf: ``[S, expert_bytes]`` uint8 on ``device``: each slot one expert's stored bytes (native precision).
+        views: ``{field_name: [S, *shape]}`` views into ``buf``.
+        rows: ``runtime.formats.ExpertRows`` over ``buf`` (compute weights of any slots), or None for a bare layout.
         lookup: ``[N]`` int64 on ``device``: slot of each expert or -1.
     """
 
-    def __init__(self, layout: ExpertLayout, num_slots: int, num_experts_total: int, device: torch.device):
-        self.layout = layout
+    def __init__(self, fmt: ExpertFormat | ExpertLayout, num_slots: int, num_experts_total: int,
+                 device: torch.device):
+        self.format = fmt if isinstance(fmt, ExpertFormat) else None
+        self.layout = fmt.layout if isinstance(fmt, ExpertFormat) else fmt
         self.num_slots = num_slots
         self.device = torch.device(device)
-        self.buf = torch.zeros((num_slots, layout.numel), dtype=layout.dtype, device=self.device)
-        self.views = layout.views(self.buf)
+        self.buf = torch.zeros((num_slots, self.layout.expert_bytes), dtype=torch.uint8, device=self.device)
+        self.views = self.layout.views(self.buf)
+        self.rows = ExpertRows(self.format, self.buf) if self.format is not None else None
         self.lookup = torch.full((num_experts_total,), -1, dtype=torch.long, device=self.device)
         # on the CPU a slot copy is a plain single-threaded memcpy through a byte view: torch's copy_ splits a row
         # of a few hundred KB across its intra-op threads, which costs far more than the copy when the cores are
         # busy (measured: 20 us vs 6 ms per 330 KB expert with another process on both cores)
-        self._bytes = self.buf.view(torch.uint8).numpy() if self.device.type == "cpu" else None
+        self._bytes = self.buf.numpy() if self.device.type == "cpu" else None
 
     @property
     def nbytes(self) -> int:
         """Device bytes of the slots (the lookup table excluded: 8 bytes per expert)."""
-        return self.buf.numel() * self.buf.element_size()
+        return self.buf.numel()
 
     def load(self, store: HostStore, eids: list[int], slots: list[int], evicted: list[int]) -> None:
         """Copy experts ``eids`` from the host store into ``slots`` and update the lookup table.
@@ -55,14 +60,9 @@ class SlotPool:
             evicted: experts that left their slots for these loads (set to -1 in the lookup table).
         Copies are issued non-blocking; they are ordered before later kernels on the current stream.
         """
-        if self._bytes is not None:
-            src = store.bytes_view()
-            for e, s in zip(eids, slots):
-                np.copyto(self._bytes[s], src[e])
-        else:
-            non_blocking = store.pinned and self.device.type == "cuda"
-            for e, s in zip(eids, slots):
-                self.buf[s].copy_(store.buf[e], non_blocking=non_blocking)
+        for e, s in zip(eids, slots):
+            store.copy_to(e, self._bytes[s] if self._bytes is not None else self.buf[s],
+                          non_blocking=self.device.type == "cuda")
         if evicted:
             self.lookup[torch.tensor(evicted, dtype=torch.long).to(self.device)] = -1
         self.lookup[torch.tensor(eids, dtype=torch.long).to(self.device)] = torch.tensor(

@@ -29,6 +29,7 @@ from ..core.refresh import RefreshPlanner, Transfer
 from ..errors import MoeOffloadError
 from .engine import EngineStats
 from .experts import register, slot_pair_outputs, IMPLEMENTATION_NAME
+from .formats import ExpertRows
 from .pool import SlotPool
 from .store import HostStore
 from .transfer import TransferEngine, _sleep_until
@@ -76,7 +77,6 @@ class RefreshEngine:
         self.store, self.pool, self.planner, self.transfer = store, pool, planner, transfer
         self.L, self.num_experts, self.budget = num_moe_layers, num_experts, planner.budget
         self.host_token_s, self.host_expert_s = float(host_seconds_per_token_expert), float(host_seconds_per_expert)
-        self.host_views = store.layout.views(store.buf)
         self.observers: list = []
         self.prefetcher = None  # interface parity with OffloadEngine (SeqMoE prefetching does not apply)
         self.table = None
@@ -229,7 +229,7 @@ class RefreshEngine:
                     self._apply(Transfer(layer=moe_layer, load=rnd.load, evict=rnd.evict, blocking=True))
                 if rnd.compute:
                     mask = torch.isin(flat, torch.tensor(rnd.compute, device=flat.device))
-                    self._accumulate(pairs, module, self.pool.views, hidden_states, self.pool.lookup[gid], mask,
+                    self._accumulate(pairs, module, self.pool.rows, hidden_states, self.pool.lookup[gid], mask,
                                      weights, k)
             if dec.host:
                 self._host_pairs(pairs, module, hidden_states, gid, weights,
@@ -241,7 +241,7 @@ class RefreshEngine:
         slot_ids = self.pool.lookup[gid]
         on_device = slot_ids >= 0
         if bool(on_device.any()):
-            self._accumulate(pairs, module, self.pool.views, hidden_states, slot_ids, on_device, weights, k)
+            self._accumulate(pairs, module, self.pool.rows, hidden_states, slot_ids, on_device, weights, k)
         if not bool(on_device.all()):
             self._host_pairs(pairs, module, hidden_states, gid, weights, ~on_device, dec)
         return pairs.view(num_tokens, k, -1).sum(dim=1).to(hidden_states.dtype)
@@ -251,11 +251,12 @@ class RefreshEngine:
         weights are (only activations move), to ``pairs [T * k, H]``; the call lasts at least the emulated host
         cost of ``dec``'s host experts and tokens."""
         t0 = time.perf_counter()
-        dev = self.store.buf.device
+        dev = torch.device("cpu")
         k = pairs.shape[0] // hidden_states.shape[0]
-        hs, g, w = hidden_states.to(dev), gid.to(dev), weights.to(dev)
+        hs, g, w, m = hidden_states.to(dev), gid.to(dev), weights.to(dev), mask.to(dev)
+        host_rows, g = host_expert_rows(self.store, self.pool.format, g, m)
         host_pairs = torch.zeros(pairs.shape, dtype=hidden_states.dtype, device=dev)
-        self._accumulate(host_pairs, module, self.host_views, hs, g, mask.to(dev), w, k)
+        self._accumulate(host_pairs, module, host_rows, hs, g, m, w, k)
         pairs += host_pairs.to(pairs.device)
         _sleep_until(t0 + dec.host_tokens * self.host_token_s + len(dec.host) * self.host_expert_s)
         self.stats.fallback_s += time.perf_counter() - t0
@@ -298,18 +299,28 @@ class RefreshEngine:
                 self.stats.blocking_loads += len(rnd.loads)
                 self.stats.bytes_loaded += len(rnd.loads) * self.store.layout.expert_bytes
             in_round = torch.isin(top_k_index.reshape(-1), torch.tensor(rnd.eids, device=gid.device))
-            self._accumulate(pairs, module, self.pool.views, hidden_states, self.pool.lookup[gid], in_round, weights,
+            self._accumulate(pairs, module, self.pool.rows, hidden_states, self.pool.lookup[gid], in_round, weights,
                              k)
         return pairs.view(num_tokens, k, -1).sum(dim=1).to(hidden_states.dtype)
 
     @staticmethod
-    def _accumulate(pairs, module, views, hidden_states, rows, mask, weights, k) -> None:
-        """Compute the pairs selected by ``mask`` (``rows``: their row in ``views``) into ``pairs`` [T * k, H]."""
+    def _accumulate(pairs, module, source, hidden_states, rows, mask, weights, k) -> None:
+        """Compute the pairs selected by ``mask`` (``rows``: their row in ``source``, an ``ExpertRows``) into
+        ``pairs`` [T * k, H]."""
         sel = rows[mask]
         lo, hi = int(sel.min()), int(sel.max())
         ids = rows.masked_fill(~mask, hi + 1)
-        out, perm, valid = slot_pair_outputs(module, views, hidden_states, ids, weights, k, lo, hi)
+        out, perm, valid = slot_pair_outputs(module, source, hidden_states, ids, weights, k, lo, hi)
         pairs[perm[valid]] = out[valid].to(pairs.dtype)
+
+
+def host_expert_rows(store, fmt, gid: torch.Tensor, mask: torch.Tensor):
+    """Host rows to compute the experts ``gid[mask]`` from (host fallback): ``(ExpertRows, row ids [T * k])``. A
+    private store is used in place (row = global expert id); an mmap store gathers the needed experts' rows."""
+    buf, rows = store.gather(sorted(set(gid[mask].tolist())) if store.mode == "mmap" else [])
+    if rows is not None:
+        gid = torch.where(mask, rows[gid], gid)
+    return ExpertRows(fmt, buf), gid
 
 
 def _median_seconds(fn, repeats: int = 5) -> float:
@@ -349,24 +360,26 @@ def calibrate_costs(module: torch.nn.Module, store: HostStore, pool: SlotPool, t
                 raise RuntimeError("calibration copy failed")
         swap_s = max(_median_seconds(copy, 3), 1e-9)
     hidden = int(getattr(module.config, "hidden_size"))
-    dev_views = pool.views
-    host_views = store.layout.views(store.buf)
+    dtype = pool.format.compute_dtype
+    host_rows, _ = host_expert_rows(store, pool.format, torch.zeros(1, dtype=torch.long),
+                                    torch.ones(1, dtype=torch.bool))
 
-    def per_call(views, n, device):
-        x = torch.randn(n, hidden, dtype=store.layout.dtype, device=device)
+    def per_call(source, n, device):
+        x = torch.randn(n, hidden, dtype=dtype, device=device)
         rows = torch.zeros(n, dtype=torch.long, device=device)
-        w = torch.ones(n, dtype=store.layout.dtype, device=device)
+        w = torch.ones(n, dtype=dtype, device=device)
 
         def run():
-            slot_pair_outputs(module, views, x, rows, w, 1, 0, 0)
+            slot_pair_outputs(module, source, x, rows, w, 1, 0, 0)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
         run()
         return _median_seconds(run)
 
     with torch.no_grad():
-        h1, hn = per_call(host_views, 1, store.buf.device), per_call(host_views, tokens, store.buf.device)
-        d1, dn = per_call(dev_views, 1, pool.device), per_call(dev_views, tokens, pool.device)
+        cpu = torch.device("cpu")
+        h1, hn = per_call(host_rows, 1, cpu), per_call(host_rows, tokens, cpu)
+        d1, dn = per_call(pool.rows, 1, pool.device), per_call(pool.rows, tokens, pool.device)
     return TideCosts(expert_bytes=store.layout.expert_bytes, swap_s=swap_s,
                      device_expert_s=d1, device_token_s=max(0.0, (dn - d1) / (tokens - 1)),
                      fallback_expert_s=max(h1, host_seconds_per_expert),

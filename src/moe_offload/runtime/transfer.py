@@ -203,8 +203,7 @@ class TransferEngine:
         self._cuda = self.device.type == "cuda"
         self._cpu = self.device.type == "cpu"
         if self._cpu:
-            self._src = store.bytes_view()
-            self._dst = pool.buf.view(torch.uint8).numpy()
+            self._dst = pool.buf.numpy()
         self._stream = torch.cuda.Stream(device=self.device) if self._cuda else None
         self._cond = threading.Condition()
         self._queue: deque[_Job] = deque()
@@ -485,12 +484,12 @@ class TransferEngine:
     def _copy(self, job: _Job) -> None:
         """Copy ``job``'s expert into its slot; returns when the bytes are all in the slot."""
         if self._cpu:
-            np.copyto(self._dst[job.slot], self._src[job.eid])
+            self.store.copy_to(job.eid, self._dst[job.slot])
         elif self._cuda:
             stream = self._stream
             with torch.cuda.stream(stream):
                 stream.wait_event(job.ready)
-                self.pool.buf[job.slot].copy_(self.store.buf[job.eid], non_blocking=self.store.pinned)
+                self.store.copy_to(job.eid, self.pool.buf[job.slot], non_blocking=True)
                 ev = torch.cuda.Event()
                 ev.record(stream)
             with self._cond:
@@ -498,4 +497,4 @@ class TransferEngine:
                 self._cond.notify_all()
             ev.synchronize()    # releases the GIL; blocks this worker only
         else:
-            self.pool.buf[job.slot].copy_(self.store.buf[job.eid])
+            self.store.copy_to(job.eid, self.pool.buf[job.slot])

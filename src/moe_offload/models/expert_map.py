@@ -1,0 +1,254 @@
+"""Checkpoint keys -> model parameters and routed-expert pieces; the experts' format; filling the host store.
+
+The key -> parameter mapping is transformers' own conversion mapping (``rename_source_key``), so per-expert
+checkpoints (``experts.{e}.gate_proj`` ...) and fused ones (GPT-OSS ``experts.gate_up_proj``) both work. Quantized
+checkpoints carry companions next to a weight: FP8 ``<w>.weight_scale_inv``, MXFP4 ``<p>_blocks`` / ``<p>_scales``;
+a companion is mapped through its weight's key and kept with it, never dropped.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch
+from tqdm.auto import tqdm
+
+from ..errors import MoeOffloadError
+from ..runtime.formats import FP8, MXFP4, PLAIN, ExpertFormat
+from .checkpoint import FLOAT8, Checkpoint, Quantization
+
+
+@dataclass(frozen=True)
+class ExpertPiece:
+    """Where one role (``weight``, ``scale``, ``blocks``, ``scales``) of one part of an expert parameter lives:
+    checkpoint ``key`` and, for a fused ``[E, ...]`` tensor, the row ``fused_index`` (None: a per-expert tensor)."""
+
+    key: str
+    fused_index: int | None
+
+
+@dataclass
+class CheckpointMap:
+    """The checkpoint mapped onto a model built on the meta device.
+
+    Attributes:
+        non_expert: ``{parameter or buffer name: (key, scale_key or None)}``.
+        pieces: ``{(moe_layer, expert, param): {part position: {role: ExpertPiece}}}``.
+        concat_dim: ``{param: per-expert dim its parts concatenate along}``.
+    """
+
+    non_expert: dict = field(default_factory=dict)
+    pieces: dict = field(default_factory=dict)
+    concat_dim: dict = field(default_factory=dict)
+
+
+def _companion(key: str, quant: Quantization) -> tuple[str, str]:
+    """``(base key, role)``: the weight a quantization companion belongs to, or ``(key, "weight")``.
+
+    Raises:
+        MoeOffloadError: static activation scales (not served).
+    """
+    if quant.method == "fp8":
+        if key.endswith(".weight_scale_inv"):
+            return key[: -len("_scale_inv")], "scale"
+        if key.endswith(".activation_scale") or key.endswith(".input_scale"):
+            raise MoeOffloadError(f"checkpoint key {key}: static FP8 activation scales are not supported")
+    if quant.method == "mxfp4":
+        for suffix, role in (("_blocks", "blocks"), ("_scales", "scales")):
+            if key.endswith(suffix):
+                return key[: -len(suffix)], role
+    return key, "weight"
+
+
+def map_checkpoint(model: torch.nn.Module, mods: list, ckpt: Checkpoint, quant: Quantization,
+                   expert_names: set[str]) -> CheckpointMap:
+    """Map every checkpoint key onto ``model`` (built on the meta device; ``mods`` its experts modules in MoE-layer
+    order, ``expert_names`` the names of their routed-expert parameters).
+
+    Raises:
+        MoeOffloadError: a key mapping to an expert parameter the module does not have, an expert index that
+            cannot be found, or an expert conversion other than merge (+ concatenate).
+    """
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    conversions = get_model_conversion_mapping(model)
+    renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
+    converters = [c for c in conversions if isinstance(c, WeightConverter)]
+    by_pattern = {pat: c for c in converters for pat in c.source_patterns}
+    meta_sd = model.state_dict()
+    layer_of = {name: i for i, (name, _) in enumerate(mods)}
+    num_experts = mods[0][1].num_experts
+    cmap = CheckpointMap()
+    scales: dict[str, str] = {}
+    for key in ckpt.keys():
+        base, role = _companion(key, quant)
+        target, pattern = rename_source_key(base, renamings, converters, model.base_model_prefix, meta_sd)
+        mod_name, _, pname = target.rpartition(".")
+        if mod_name not in layer_of:
+            if role == "weight":
+                cmap.non_expert.setdefault(target, (key, None))
+            else:
+                scales[target] = key
+            continue
+        layer = layer_of[mod_name]
+        if pname not in expert_names:
+            if quant.method != "mxfp4" and re.search(r"_(blocks|scales)$", pname):
+                raise MoeOffloadError(f"checkpoint key {key} looks like MXFP4 (*_blocks / *_scales) but config.json "
+                                      "has no mxfp4 quantization_config")
+            raise MoeOffloadError(f"checkpoint key {key} maps to unknown expert parameter {target}")
+        if pattern is None:  # fused [E, ...] tensor in the checkpoint, already in the module's layout
+            for e in range(num_experts):
+                cmap.pieces.setdefault((layer, e, pname), {}).setdefault(0, {})[role] = ExpertPiece(key, e)
+            continue
+        conv = by_pattern[pattern]
+        cmap.concat_dim[pname] = _concat_dim(conv, key)
+        m = re.search(re.escape(pattern).replace(r"\*", r"(\d+)"), base)
+        if m is None:
+            raise MoeOffloadError(f"cannot find the expert index in checkpoint key {key}")
+        position = conv.source_patterns.index(pattern)
+        cmap.pieces.setdefault((layer, int(m.group(1)), pname), {}).setdefault(position, {})[role] = \
+            ExpertPiece(key, None)
+    for target, skey in scales.items():
+        if target in cmap.non_expert:
+            cmap.non_expert[target] = (cmap.non_expert[target][0], skey)
+    return cmap
+
+
+def _concat_dim(conv, key: str) -> int:
+    """Per-expert concatenation dim implied by a converter [MergeModulelist(dim=0)] (+ Concatenate(dim=d))."""
+    ops = [type(o).__name__ for o in conv.operations]
+    if ops == ["MergeModulelist"] and conv.operations[0].dim == 0:
+        return 0
+    if ops == ["MergeModulelist", "Concatenate"] and conv.operations[0].dim == 0 and conv.operations[1].dim >= 1:
+        return conv.operations[1].dim - 1
+    raise MoeOffloadError(f"checkpoint key {key}: expert conversion {ops} is not supported for offloading")
+
+
+def _piece_shape(ckpt: Checkpoint, piece: ExpertPiece) -> tuple[tuple[int, ...], torch.dtype]:
+    info = ckpt.info(piece.key)
+    return (info.shape if piece.fused_index is None else info.shape[1:]), info.dtype
+
+
+def _part_spec(ckpt: Checkpoint, roles: dict, pname: str, quant: Quantization, storage_dtype) -> tuple:
+    """``(codec, compute shape, {role: (field shape, dtype)})`` of one part from its pieces.
+
+    Raises:
+        MoeOffloadError: a part whose pieces do not make a format the engine serves exactly.
+    """
+    shapes = {r: _piece_shape(ckpt, p) for r, p in roles.items()}
+    key = next(iter(roles.values())).key
+    if "blocks" in roles or "scales" in roles:
+        if set(roles) != {"blocks", "scales"}:
+            raise MoeOffloadError(f"{key}: MXFP4 expert weights need both *_blocks and *_scales")
+        (bshape, bdt), (sshape, sdt) = shapes["blocks"], shapes["scales"]
+        if bdt != torch.uint8 or sdt != torch.uint8 or len(bshape) != 3 or bshape[:2] != sshape:
+            raise MoeOffloadError(f"{key}: MXFP4 blocks {bshape} {bdt} / scales {sshape} {sdt} are not the "
+                                  "gpt-oss layout ([rows, cols/32, 16] and [rows, cols/32] uint8)")
+        return MXFP4, (bshape[1] * bshape[2] * 2, bshape[0]), {r: shapes[r] for r in ("blocks", "scales")}
+    if "weight" not in roles:
+        raise MoeOffloadError(f"{key}: a quantization scale without its weight")
+    wshape, wdt = shapes["weight"]
+    if wdt in FLOAT8:
+        if quant.method != "fp8":
+            raise MoeOffloadError(f"{key} is {str(wdt).replace('torch.', '')} but config.json has no fp8 "
+                                  "quantization_config: its scales are unknown")
+        if wdt != torch.float8_e4m3fn:
+            raise MoeOffloadError(f"{key}: FP8 {wdt} is not supported; supported: float8_e4m3fn")
+        if "scale" not in roles:
+            raise MoeOffloadError(f"{key} is FP8 without its weight_scale_inv")
+        return FP8, wshape, {"weight": shapes["weight"], "scale": shapes["scale"]}
+    if "scale" in roles:
+        raise MoeOffloadError(f"{key} has a weight_scale_inv but is stored as {wdt}, not FP8")
+    if not wdt.is_floating_point:
+        raise MoeOffloadError(f"{key}: expert parameter {pname} stored as {wdt}: not a float or a supported "
+                              "quantization")
+    return PLAIN, wshape, {"weight": (wshape, storage_dtype or wdt)}
+
+
+def build_format(mods: list, cmap: CheckpointMap, ckpt: Checkpoint, quant: Quantization,
+                 compute_dtype: torch.dtype, expert_params, keep_file_dtype: bool) -> ExpertFormat:
+    """The experts' ``ExpertFormat`` from MoE layer 0's pieces, checked against every layer and expert.
+
+    Args:
+        expert_params: ``[(name, per-expert compute shape), ...]`` of the experts module.
+        keep_file_dtype: plain parts are stored in the file's dtype (``--host-store mmap``) rather than the compute
+            dtype.
+    Raises:
+        MoeOffloadError: missing expert weights, parts whose shapes do not add up to the module's parameter (e.g.
+            ``moe_intermediate_size`` disagreeing with the stored tensors), or layers/experts stored differently.
+    """
+    num_experts = mods[0][1].num_experts
+    storage = None if keep_file_dtype else compute_dtype
+    specs, reference = [], {}
+    for pname, shape in expert_params:
+        parts = cmap.pieces.get((0, 0, pname))
+        if not parts:
+            raise MoeOffloadError(f"checkpoint lacks expert weights, e.g. MoE layer 0 expert 0 {pname}")
+        dim = cmap.concat_dim.get(pname, 0)
+        built = [_part_spec(ckpt, parts[pos], pname, quant, storage) for pos in sorted(parts)]
+        total = list(built[0][1])
+        total[dim] = sum(b[1][dim] for b in built)
+        if tuple(total) != tuple(shape) or any(len(b[1]) != len(shape) for b in built):
+            raise MoeOffloadError(f"expert parameter {pname}: the checkpoint's tensors give shape {tuple(total)}, the "
+                                  f"model built from config.json expects {tuple(shape)} (check moe_intermediate_size"
+                                  " / hidden_size against the weights)")
+        specs.append((pname, tuple(shape), dim, built))
+        reference[pname] = {pos: {r: _piece_shape(ckpt, p) for r, p in roles.items()} for pos, roles in parts.items()}
+    for layer in range(len(mods)):
+        for e in range(num_experts):
+            for pname, _ in expert_params:
+                parts = cmap.pieces.get((layer, e, pname))
+                if parts is None:
+                    raise MoeOffloadError(f"checkpoint lacks expert weights, e.g. MoE layer {layer} expert {e} "
+                                          f"{pname}")
+                got = {pos: {r: _piece_shape(ckpt, p) for r, p in roles.items()} for pos, roles in parts.items()}
+                if got != reference[pname]:
+                    for pos in sorted(parts):  # a specific reason first (a missing scale, ...)
+                        _part_spec(ckpt, parts[pos], pname, quant, storage)
+                    raise MoeOffloadError(f"MoE layer {layer} expert {e} {pname} is stored differently from MoE "
+                                          f"layer 0 expert 0 (tensor shapes or dtypes differ)")
+    return ExpertFormat(specs, compute_dtype)
+
+
+def _targets(fmt: ExpertFormat, pname: str, position: int, role: str):
+    """``(field, byte offset inside the row, storage dtype)`` where part ``position``'s ``role`` goes."""
+    pf = fmt.params[pname]
+    part = pf.parts[position]
+    f = fmt.layout.by_name[part.fields[role]]
+    row_bytes = f.nbytes // f.shape[0] if f.shape else f.nbytes
+    return f, f.offset + part.row_offset * row_bytes
+
+
+def fill_store(store, fmt: ExpertFormat, cmap: CheckpointMap, ckpt: Checkpoint, num_layers: int, num_experts: int,
+               progress: bool) -> None:
+    """Put every routed expert's pieces into ``store``: positioned reads straight into the private rows
+    (``HostStore``; plain parts in another dtype than the file's are read and cast), or byte-range segments of the
+    files (``MmapHostStore``), in file order. Parts are identified by their sorted position."""
+    jobs = []
+    for (layer, e, pname), parts in cmap.pieces.items():
+        if layer >= num_layers:
+            continue
+        eid = layer * num_experts + e
+        for i, pos in enumerate(sorted(parts)):
+            for role, piece in parts[pos].items():
+                info = ckpt.info(piece.key)
+                start = info.start if piece.fused_index is None else info.row_range(piece.fused_index)[0]
+                jobs.append((str(info.file), start, eid, pname, i, role, piece))
+    jobs.sort(key=lambda j: (j[0], j[1]))
+    bar = tqdm(total=len(jobs), desc="experts -> host store", unit="tensor", disable=not progress, leave=False,
+               miniters=max(1, len(jobs) // 100))
+    for _, start, eid, pname, i, role, piece in jobs:
+        f, off = _targets(fmt, pname, i, role)
+        info = ckpt.info(piece.key)
+        nbytes = info.nbytes if piece.fused_index is None else info.row_range(piece.fused_index)[1]
+        if store.mode == "mmap":
+            store.add_segment(eid, off, info.file, start, nbytes)
+        elif info.dtype == f.dtype:
+            ckpt.read_into(piece.key, store.row(eid)[off:off + nbytes], piece.fused_index)
+        else:  # a plain part cast to the compute dtype, as transformers' loader casts it
+            t = ckpt.tensor(piece.key, piece.fused_index).to(f.dtype).reshape(-1)
+            store.row(eid)[off:off + t.numel() * t.element_size()] = t.view(torch.uint8).numpy()
+        bar.update(1)
+    bar.close()
