@@ -231,6 +231,16 @@ def build_parser() -> argparse.ArgumentParser:
                     help="timed runs per row; the row reports their median (default 1)")
     bf.add_argument("--out", help="also write the table (markdown) to this new file")
     bf.add_argument("--quiet", action="store_true", help="no progress bars")
+    bq = bsub.add_parser("formats", help="bf16 / FP8 / MXFP4 experts: bytes per expert and decode speed vs FullLoad "
+                         "under one emulated link; host memory of --host-store pinned vs mmap on a 2.4 GB checkpoint")
+    bq.add_argument("--residency", type=_float, default=0.25, help="residency of the speed rows (default 0.25)")
+    bq.add_argument("--max-new-tokens", type=_positive_int, default=32, help="tokens per prompt (default 32)")
+    bq.add_argument("--sharegpt", type=_positive_int, default=3, metavar="N",
+                    help="prompts: the first N short ShareGPT human turns (default 3)")
+    bq.add_argument("--no-memory", action="store_true",
+                    help="skip the host memory table (it writes a 2.4 GB checkpoint)")
+    bq.add_argument("--work", help="directory for the generated checkpoints (default: a temporary one, removed)")
+    bq.add_argument("--out", help="also write the tables (markdown) to this new file")
     br = bsub.add_parser("replay", help="simulator speed in expert accesses per second (synthetic 48x128x8)")
     br.add_argument("--seconds", type=_float, default=5.0)
     from .predictor.cli import add_parser as add_predictor_parser
@@ -662,6 +672,8 @@ def _cmd_bench(args) -> int:
         return 0
     if args.out and Path(args.out).exists():
         raise MoeOffloadError(f"{args.out} already exists; choose a new --out")
+    if args.bench_cmd == "formats":
+        return _bench_formats(args)
     if args.bench_cmd == "diffusion":
         from .bench import bench_diffusion
 
@@ -690,6 +702,24 @@ def _cmd_bench(args) -> int:
     table = bench_decode(path, prompts, residencies, max_new_tokens=args.max_new_tokens, device=args.device,
                          dtype=args.dtype, policy=args.policy, progress=not args.quiet, predictor=args.predictor,
                          link_epl=LINK_REGIMES.get(args.link_regime))
+    print(table)
+    if args.out:
+        Path(args.out).write_text(table + "\n")
+    return 0
+
+
+def _bench_formats(args) -> int:
+    import tempfile
+
+    from .bench_formats import bench_formats
+    from .testbed.sharegpt import human_turns
+
+    if not (0 < args.residency <= 1):
+        raise MoeOffloadError(f"--residency must be in (0, 1], got {args.residency}")
+    prompts = [t for t in human_turns(50) if len(t) <= 300][:args.sharegpt]
+    with tempfile.TemporaryDirectory(dir=args.work) as work:
+        table = bench_formats(Path(work), prompts, residency=args.residency, max_new_tokens=args.max_new_tokens,
+                              memory=not args.no_memory)
     print(table)
     if args.out:
         Path(args.out).write_text(table + "\n")

@@ -29,12 +29,22 @@ PLAIN, FP8, MXFP4 = "plain", "fp8", "mxfp4"
 ROLES = {PLAIN: ("weight",), FP8: ("weight", "scale"), MXFP4: ("blocks", "scales")}
 
 
+_E4M3_TO_F32: dict = {}
+
+
 def _dequantize_fp8(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``codes [G, rows, cols]`` float8_e4m3fn, ``scales [G, rows/bm, cols/bn]`` -> ``[G, rows, cols]`` ``dtype``
     (transformers ``Fp8Dequantize._dequantize_one``, the op its loader runs on CPU)."""
     from transformers.integrations.finegrained_fp8 import Fp8Dequantize
 
-    return Fp8Dequantize(None)._dequantize_one(codes, scales, output_dtype=dtype)
+    # e4m3 -> float32 is exact; a 256-entry table does it ~3x faster on the CPU than torch's cast, and
+    # ``_dequantize_one``'s own ``.to(float32)`` is then a no-op: the arithmetic after it is transformers'
+    lut = _E4M3_TO_F32.get(codes.device)
+    if lut is None:
+        lut = _E4M3_TO_F32[codes.device] = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(
+            torch.float32).to(codes.device)
+    values = torch.index_select(lut, 0, codes.reshape(-1).view(torch.uint8).int()).view(codes.shape)
+    return Fp8Dequantize(None)._dequantize_one(values, scales, output_dtype=dtype)
 
 
 def _dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -22,6 +22,9 @@ def _add_common(p: argparse.ArgumentParser, positive_int, float_) -> None:
                       help="device-tier budget in GB (10^9 bytes): the slot pool gets what the non-expert weights, "
                       "the KV cache at --max-context and the measured activation peak leave (default on CUDA: 90%% "
                       "of the free device memory; on the CPU: residency 1.0)")
+    p.add_argument("--host-store", choices=["pinned", "mmap"], default="pinned",
+                   help="where the offloaded experts live on the host: pinned (default: a private copy, page-locked "
+                   "on CUDA) or mmap (read from the safetensors files' memory maps: no private copy)")
     p.add_argument("--max-context", type=positive_int,
                    help="most tokens (prompt + completion) per request (default: min(1024, the model's positions))")
     p.add_argument("--block-length", type=int, help="diffusion models: positions per block (default 32)")
@@ -60,7 +63,8 @@ def _config(args):
                        device=args.device, dtype=args.dtype, policy=args.policy, residency=args.residency,
                        slots=args.slots, memory_budget_gb=args.memory_budget, max_context=args.max_context,
                        block_length=args.block_length, steps=args.steps, threshold=args.threshold,
-                       track_memory=getattr(args, "track_memory", False), progress=not args.quiet)
+                       track_memory=getattr(args, "track_memory", False), progress=not args.quiet,
+                       host_store=args.host_store)
 
 
 def run(args) -> int:

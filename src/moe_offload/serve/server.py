@@ -38,6 +38,7 @@ class ServeConfig:
         block_length / steps / threshold: diffusion models (defaults 32 / block length / 0.95).
         track_memory: on the CPU, measure the device tier during requests (``DeviceTierTracker``; slows decoding).
         progress: progress bars while loading.
+        host_store: "pinned" or "mmap" (``models.loader.load_offloaded``).
     """
 
     model_dir: Path
@@ -54,6 +55,7 @@ class ServeConfig:
     threshold: float | None = None
     track_memory: bool = False
     progress: bool = False
+    host_store: str = "pinned"
 
 
 SHUTDOWN_GRACE_S = 2  # seconds running streams get to finish after Ctrl-C / SIGTERM
@@ -111,7 +113,7 @@ def load_for_serving(cfg: ServeConfig, log=_log):
         budget = int(CUDA_DEFAULT_FRACTION * free)
         source = f"default: {CUDA_DEFAULT_FRACTION:.0%} of the free CUDA memory ({free / GB:.2f} GB)"
     block = diffusion["block_length"] if diffusion else None
-    load = dict(device=cfg.device, dtype=cfg.dtype, policy=cfg.policy, progress=cfg.progress)
+    load = dict(device=cfg.device, dtype=cfg.dtype, policy=cfg.policy, progress=cfg.progress, host_store=cfg.host_store)
     t0 = time.perf_counter()
     if budget is not None:
         log(f"loading {path} with a minimal pool (top-k = {top_k} slots"
