@@ -77,8 +77,10 @@ def test_host_fallback_equals_device_path(tiny_dirs):
     mask = torch.ones(T * k, dtype=torch.bool)
     dev = torch.zeros(T * k, hidden.shape[1])
     host = torch.zeros_like(dev)
-    eng._accumulate(dev, mod, eng.pool.rows, hidden, eng.pool.lookup[gid], mask, w, k)
-    eng._accumulate(host, mod, ExpertRows(eng.pool.format, eng.store.buf), hidden, gid, mask, w, k)
+    eng._accumulate(dev, mod, eng.pool.rows, hidden, eng.pool.lookup[gid], mask, w, k,
+                    sorted(set(eng.pool.lookup[gid].tolist())))
+    eng._accumulate(host, mod, ExpertRows(eng.pool.format, eng.store.buf), hidden, gid, mask, w, k,
+                    sorted(set(gid.tolist())))
     eng.close()
     assert torch.allclose(dev, host, atol=1e-6) and dev.abs().sum() > 0
 

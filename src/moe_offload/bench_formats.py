@@ -94,11 +94,14 @@ def bench_format_speed(root: Path, prompts: list[str], residency: float, max_new
         rows.append(f"| {name} | {lm.expert_bytes:,} | {' + '.join(lm.expert_dtypes)} | "
                     f"{ref.decode_tokens_per_s:.2f} | {s.decode_tokens_per_s:.2f} | "
                     f"{s.decode_tokens_per_s / ref.decode_tokens_per_s:.3f} | {s.offload.hit_rate:.3f} | "
-                    f"{s.offload.bytes_loaded / 2**20:.1f} | {'yes' if same else 'NO'} |")
+                    f"{s.offload.bytes_loaded / 2**20:.1f} | "
+                    f"{1e3 * s.offload.bytes_loaded / link_bps / max(1, s.decode_tokens + s.prompt_tokens):.2f} | "
+                    f"{'yes' if same else 'NO'} |")
         del lm
         gc.collect()
     return ["| checkpoint | bytes per expert | stored as | FullLoad tok/s | offloaded tok/s | vs own FullLoad | "
-            "hit rate | MiB loaded | same tokens |", "|---|---|---|---|---|---|---|---|---|", *rows,
+            "hit rate | MiB loaded | link ms per token | same tokens |", "|---|---|---|---|---|---|---|---|---|---|",
+            *rows,
             f"\nresidency {residency}, LRU, {len(prompts)} prompts x {max_new_tokens} new tokens, greedy; emulated "
             f"link {link_bps / 1e9:.3f} GB/s for every row (1.39 bf16 experts per bf16 FullLoad layer time)"]
 
@@ -152,12 +155,13 @@ def bench_host_memory(root: Path, residency: float) -> list[str]:
             raise MoeOffloadError(f"memory measurement ({mode}) failed: {p.stderr.strip().splitlines()[-1:]}")
         res.append(json.loads(p.stdout.strip().splitlines()[-1]))
     same = res[0]["tokens"] == res[1]["tokens"]
-    lines = ["| host store | load s | peak RSS | peak RSS / ckpt | (peak RSS - baseline - pool) / ckpt | peak anon "
-             "| (peak anon - baseline anon - pool) / ckpt | private store | non-expert weights |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| host store | load s | peak RSS | peak RSS / ckpt | (peak RSS - pool) / ckpt | "
+             "(peak RSS - baseline - pool) / ckpt | peak anon | (peak anon - baseline anon - pool) / ckpt | "
+             "private store | non-expert weights |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in res:
         lines.append(f"| {r['host_store']} | {r['load_s']:.1f} | {r['peak_rss'] / 2**30:.2f} GiB | "
-                     f"{r['peak_rss'] / ckpt:.3f} | {(r['peak_rss'] - r['base_rss'] - r['pool_bytes']) / ckpt:.3f} | "
+                     f"{r['peak_rss'] / ckpt:.3f} | {(r['peak_rss'] - r['pool_bytes']) / ckpt:.3f} | "
+                     f"{(r['peak_rss'] - r['base_rss'] - r['pool_bytes']) / ckpt:.3f} | "
                      f"{r['peak_anon'] / 2**30:.2f} GiB | "
                      f"{(r['peak_anon'] - r['base_anon'] - r['pool_bytes']) / ckpt:.3f} | "
                      f"{r['store_bytes'] / 2**30:.2f} GiB | {r['non_expert'] / 2**20:.1f} MiB |")

@@ -40,7 +40,7 @@ def stats_dict(lm: LoadedModel, s: RunStats) -> dict:
         "host_store": lm.host_store,
         "peak_slot_bytes": eng.pool.nbytes if eng else total * lm.expert_bytes,
         "host_store_bytes": eng.store.nbytes if eng else 0,
-        "device_peak_bytes": torch.cuda.max_memory_allocated(lm.device) if lm.device.type == "cuda" else None,
+        "device_peak_bytes": torch.cuda.max_memory_reserved(lm.device) if lm.device.type == "cuda" else None,
     } | ({"host_fallback_experts": o.host_experts, "host_fallback_tokens": o.host_tokens,
           "fallback_s": o.fallback_s, "prefetches": o.prefetches, "diffusion_steps": o.steps}
          if hasattr(o, "host_experts") else {})

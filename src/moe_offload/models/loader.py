@@ -92,6 +92,11 @@ class LoadedModel:
     host_store: str | None = None           # "pinned" | "mmap" (None: FullLoad)
     expert_dtypes: tuple[str, ...] = ()     # stored dtypes of the experts, e.g. ("bfloat16", "float8_e4m3fn")
 
+    def close(self) -> None:
+        """Release the engine's copy worker and host store (no-op for FullLoad); the model must not run after."""
+        if self.engine is not None:
+            self.engine.close()
+
     @property
     def model_id(self) -> str:
         """Fingerprint of the checkpoint's config.json (``trace.format.model_fingerprint``)."""

@@ -15,10 +15,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..core.slots import SlotTable
-from .experts import IMPLEMENTATION_NAME, register, slot_pair_outputs
+from .experts import IMPLEMENTATION_NAME, device_index, register, slot_pair_outputs
 from .pool import SlotPool
 from .store import HostStore
 
@@ -28,8 +29,9 @@ class EngineStats:
     """Counters of one engine since the last reset.
 
     hits/misses: distinct experts per layer execution that were / were not resident before on-demand loading
-    (SeqMoE's hit rate = hits / (hits + misses)); bytes_loaded: host->device bytes; load_time_s: seconds spent
-    issuing and (on CUDA) completing on-demand copies; layer_calls: MoE layer executions.
+    (SeqMoE's hit rate = hits / (hits + misses)); bytes_loaded: host->device bytes; load_time_s: seconds spent on
+    on-demand copies (on CUDA: issuing them; they complete in stream order before the GEMM); layer_calls: MoE
+    layer executions.
     """
 
     hits: int = 0
@@ -91,26 +93,35 @@ class OffloadEngine:
     def reset_stats(self) -> None:
         self.stats = EngineStats()
 
+    def close(self) -> None:
+        """Stop the prefetcher's copy worker (which otherwise keeps the store and the pool alive) and unpin the
+        host store. The engine must not run afterwards."""
+        if self.prefetcher is not None:
+            self.prefetcher.close()
+        self.store.close()
+
     def _load(self, loads) -> None:
         if not loads:
             return
         t0 = time.perf_counter()
         self.pool.load(self.store, [l.eid for l in loads], [l.slot for l in loads],
                        [l.evicted for l in loads if l.evicted >= 0])
-        if self._cuda:
-            torch.cuda.current_stream(self.pool.device).synchronize()
         self.stats.load_time_s += time.perf_counter() - t0
         self.stats.bytes_loaded += len(loads) * self.store.layout.expert_bytes
 
     def forward(self, module: torch.nn.Module, moe_layer: int, hidden_states: torch.Tensor,
                 top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         """Experts of MoE layer ``moe_layer``: ``hidden_states [T, H]``, ``top_k_index [T, k]`` int64 expert ids
-        of this layer, ``top_k_weights [T, k]`` -> ``[T, H]`` of ``hidden_states.dtype``."""
+        of this layer, ``top_k_weights [T, k]`` -> ``[T, H]`` of ``hidden_states.dtype``.
+
+        Host-device traffic on the hot path: one small device->host copy (the layer's ``T * k`` expert ids, which
+        the slot table plans from); on-demand copies and index tensors go host->device without synchronising
+        (stream order makes the copies land before the GEMM that reads them)."""
         for obs in self.observers:
             obs(moe_layer, top_k_index, top_k_weights)
         num_tokens, k = top_k_index.shape
         gid = (top_k_index + moe_layer * self.num_experts).reshape(-1)
-        uniq, counts = torch.unique(gid, return_counts=True)
+        uniq, counts = np.unique(gid.cpu().numpy(), return_counts=True)  # the one device->host transfer
         pf = self.prefetcher
         if pf is not None:
             pf.land_ready()
@@ -124,7 +135,7 @@ class OffloadEngine:
         st.rounds += len(plan.rounds)
         weights = top_k_weights.reshape(-1)
         pairs = None
-        for i, rnd in enumerate(plan.rounds):
+        for rnd in plan.rounds:
             if pf is not None:
                 t0 = time.perf_counter()
                 pf.fetch_waits(rnd.waits)
@@ -136,17 +147,17 @@ class OffloadEngine:
             else:
                 self._load(rnd.loads)
             slot_ids = self.pool.lookup[gid]
-            if len(plan.rounds) > 1:  # pairs of experts outside this round get a sentinel past the window
-                in_round = torch.isin(gid, torch.tensor(rnd.eids, device=gid.device))
+            if len(plan.rounds) > 1:  # pairs of experts outside this round get a sentinel past every slot
+                in_round = torch.isin(gid, device_index(rnd.eids, gid.device))
                 slot_ids = slot_ids.masked_fill(~in_round, self.pool.num_slots)
             out, perm, valid = slot_pair_outputs(module, self.pool.rows, hidden_states, slot_ids, weights, k,
-                                                 min(rnd.slots), max(rnd.slots))
+                                                 sorted(rnd.slots))
             if len(plan.rounds) == 1:  # undo the sort: row i of out is pair perm[i]
                 pairs = torch.empty_like(out).index_copy_(0, perm, out)
             else:
                 if pairs is None:
                     pairs = torch.zeros_like(out)
-                pairs[perm[valid]] = out[valid]
+                pairs.index_copy_(0, perm, torch.where(valid.unsqueeze(-1), out, pairs[perm]))
         if pf is not None:
             if len(plan.rounds) > 1:  # earlier rounds' slots are Used before they computed: issue only now
                 pf.issue(moe_layer)

@@ -52,6 +52,15 @@ def _grouped_linear(x, weight, offs, bias, is_transposed):
 MAX_GROUPS = 1023
 
 
+def device_index(values: list[int], device: torch.device) -> torch.Tensor:
+    """``values`` as an int64 tensor on ``device``; on CUDA staged through pinned memory and copied without
+    blocking the host (stream order delivers it before the kernels that read it)."""
+    t = torch.tensor(values, dtype=torch.long)
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def slot_pair_outputs(
     module: torch.nn.Module,
     rows: ExpertRows,
@@ -59,8 +68,7 @@ def slot_pair_outputs(
     slot_ids: torch.Tensor,
     pair_weights: torch.Tensor,
     num_top_k: int,
-    slot_lo: int,
-    slot_hi: int,
+    slots: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Compute routed token-expert pairs from slots, weighted by their router weights.
 
@@ -70,30 +78,34 @@ def slot_pair_outputs(
         rows: the experts' rows with their format (``SlotPool.rows``, or host store rows for host fallback).
         hidden_states: ``[T, H]`` tokens entering the experts.
         slot_ids: ``[T * k]`` int64 row of each pair (pair ``j`` belongs to token ``j // k``); pairs not to be
-            computed now carry any id ``> slot_hi`` (a sentinel).
+            computed now carry any id ``> max(slots)`` (a sentinel).
         pair_weights: ``[T * k]`` router weight of each pair.
         num_top_k: k.
-        slot_lo, slot_hi: the smallest and largest row among computed pairs. When the format needs no decoding
-            (``rows.zero_copy``) and the window is at most ``MAX_GROUPS`` wide, the GEMM's groups are the window
-            ``[lo, hi]`` itself (a view, no copy); otherwise the groups are the distinct rows computed (dense ids),
-            whose weights are decoded (dequantized) once each — never more than ``MAX_GROUPS`` groups per GEMM.
+        slots: the distinct rows the computed pairs use, sorted ascending (a host list: no device sync). When
+            the format needs no decoding (``rows.zero_copy``) and ``[slots[0], slots[-1]]`` is at most
+            ``MAX_GROUPS`` wide, the GEMM's groups are that window (a view of the pool, no copy); otherwise the
+            groups are ``slots`` themselves (dense ids), whose weights are decoded (dequantized) once each, in
+            chunks of at most ``MAX_GROUPS`` groups per GEMM.
 
     Returns:
         ``(out, perm, valid)``: ``out [T * k, H]`` weighted outputs in sorted-pair order, ``perm [T * k]`` the
         sorting permutation (``out[i]`` is pair ``perm[i]``) and ``valid [T * k]`` bool, which rows hold
         computed pairs.
     """
-    if rows.zero_copy and slot_hi - slot_lo < MAX_GROUPS:
-        num_groups = slot_hi - slot_lo + 1
-        group_ids = slot_ids - slot_lo
-        sel = slice(slot_lo, slot_hi + 1)
-    else:
-        sel = torch.unique(slot_ids[slot_ids <= slot_hi])
-        if sel.numel() > MAX_GROUPS:
-            return _split_pair_outputs(module, rows, hidden_states, slot_ids, pair_weights, num_top_k, sel)
-        num_groups = sel.numel()
-        group_ids = torch.searchsorted(sel, slot_ids)  # sentinels land at num_groups or beyond
-        group_ids = torch.where(slot_ids <= slot_hi, group_ids, num_groups)
+    lo, hi = slots[0], slots[-1]
+    if rows.zero_copy and hi - lo < MAX_GROUPS:
+        return _pair_outputs(module, rows, hidden_states, slot_ids - lo, pair_weights, num_top_k, hi - lo + 1,
+                             slice(lo, hi + 1))
+    if len(slots) > MAX_GROUPS:
+        return _split_pair_outputs(module, rows, hidden_states, slot_ids, pair_weights, num_top_k, slots)
+    sel = device_index(slots, slot_ids.device)
+    group_ids = torch.searchsorted(sel, slot_ids)  # sentinels (> every slot) land at len(slots)
+    return _pair_outputs(module, rows, hidden_states, group_ids, pair_weights, num_top_k, len(slots), sel)
+
+
+def _pair_outputs(module, rows, hidden_states, group_ids, pair_weights, num_top_k, num_groups, sel):
+    """The grouped GEMMs over ``num_groups`` groups whose weights are ``rows``' rows ``sel`` (a slice or an index
+    tensor); ``group_ids [T * k]`` in ``[0, num_groups)`` for computed pairs, ``>= num_groups`` for the rest."""
     ids_g, perm = torch.sort(group_ids)
     x = hidden_states[perm // num_top_k]
     w_g = pair_weights[perm]
@@ -113,24 +125,21 @@ def slot_pair_outputs(
     return h * w_g.unsqueeze(-1), perm, valid
 
 
-def _split_pair_outputs(module, rows, hidden_states, slot_ids, pair_weights, num_top_k, sel):
+def _split_pair_outputs(module, rows, hidden_states, slot_ids, pair_weights, num_top_k, slots):
     """``slot_pair_outputs`` for more than ``MAX_GROUPS`` distinct rows: GEMMs over chunks of the rows, assembled
-    into one result in the sorted-pair order of the whole set (same arithmetic per pair)."""
-    n = slot_ids.numel()
-    hi = int(sel[-1])
+    into one result in the sorted-pair order of the whole set (the same arithmetic per pair)."""
+    n, hi = slot_ids.numel(), slots[-1]
     ids_all, perm = torch.sort(torch.where(slot_ids <= hi, slot_ids, hi + 1))
     out = torch.zeros(n, hidden_states.shape[-1], dtype=hidden_states.dtype, device=hidden_states.device)
-    valid = ids_all <= hi
     where = torch.empty_like(perm)
     where[perm] = torch.arange(n, device=perm.device)  # position of each pair in the sorted order
-    for c in range(0, sel.numel(), MAX_GROUPS):
-        chunk = sel[c:c + MAX_GROUPS]
-        lo_c, hi_c = int(chunk[0]), int(chunk[-1])
-        in_chunk = (slot_ids >= lo_c) & (slot_ids <= hi_c)
-        ids_c = torch.where(in_chunk, slot_ids, hi_c + 1)
-        o, p, v = slot_pair_outputs(module, rows, hidden_states, ids_c, pair_weights, num_top_k, lo_c, hi_c)
-        out[where[p[v]]] = o[v].to(out.dtype)
-    return out, perm, valid
+    for c in range(0, len(slots), MAX_GROUPS):
+        chunk = slots[c:c + MAX_GROUPS]
+        in_chunk = (slot_ids >= chunk[0]) & (slot_ids <= chunk[-1])
+        o, p, v = slot_pair_outputs(module, rows, hidden_states, torch.where(in_chunk, slot_ids, chunk[-1] + 1),
+                                    pair_weights, num_top_k, chunk)
+        out.index_copy_(0, where[p], torch.where(v.unsqueeze(-1), o.to(out.dtype), out[where[p]]))
+    return out, perm, ids_all <= hi
 
 
 def offloaded_experts_forward(

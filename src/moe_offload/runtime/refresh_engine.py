@@ -23,12 +23,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..core.refresh import RefreshPlanner, Transfer
 from ..errors import MoeOffloadError
 from .engine import EngineStats
-from .experts import register, slot_pair_outputs, IMPLEMENTATION_NAME
+from .experts import IMPLEMENTATION_NAME, device_index, register, slot_pair_outputs
 from .formats import ExpertRows
 from .pool import SlotPool
 from .store import HostStore
@@ -82,6 +83,7 @@ class RefreshEngine:
         self.table = None
         self.stats = RefreshStats()
         self._slot_of: dict[int, int] = {}   # global eid -> slot (landed or being copied)
+        self._landed: dict[int, int] = {}    # global eid -> slot of landed experts (host mirror of pool.lookup)
         self._free = [list(range((l + 1) * self.budget - 1, l * self.budget - 1, -1)) for l in range(self.L)]
         self._step_t0: float | None = None
         self._block = (-1, -1)
@@ -133,13 +135,23 @@ class RefreshEngine:
                 self._apply(tr)
 
     def close(self) -> None:
-        """Stop the copy worker."""
+        """Stop the copy worker (which otherwise keeps the store and the pool alive) and unpin the host store."""
         self.transfer.close()
+        self.store.close()
 
     # ---- copies -------------------------------------------------------------------------------------------------
 
     def _gid(self, layer: int, e: int) -> int:
         return layer * self.num_experts + int(e)
+
+    def _set_lookup(self, g: int, slot: int) -> None:
+        """Expert ``g`` is in ``slot`` (-1: nowhere) in the device lookup table and its host mirror ``_landed``
+        (which the hot path reads instead of the device table: no synchronisation)."""
+        self.pool.lookup[g] = slot
+        if slot < 0:
+            self._landed.pop(g, None)
+        else:
+            self._landed[g] = slot
 
     def _release(self, layer: int, e: int) -> None:
         g = self._gid(layer, e)
@@ -148,7 +160,7 @@ class RefreshEngine:
             return
         if self.transfer.pending(g) and not self.transfer.cancel(g):
             self.transfer.wait(g)  # a copy in progress always completes: never reuse its slot before that
-        self.pool.lookup[g] = -1
+        self._set_lookup(g, -1)
         self._free[layer].append(slot)
 
     def _take(self, layer: int, e: int) -> int:
@@ -168,7 +180,7 @@ class RefreshEngine:
             got = self.transfer.wait(g)
             if got is None or not got.ok:
                 raise RuntimeError(f"copy of expert {g} failed: {got and got.error}")
-            self.pool.lookup[g] = got.slot
+            self._set_lookup(g, got.slot)
 
     def _apply(self, tr: Transfer) -> None:
         for e in tr.evict:
@@ -194,7 +206,7 @@ class RefreshEngine:
         for ld in self.transfer.poll():
             if not ld.ok or self._slot_of.get(ld.eid) != ld.slot:
                 continue  # cancelled, or the expert was evicted again meanwhile
-            self.pool.lookup[ld.eid] = ld.slot
+            self._set_lookup(ld.eid, ld.slot)
             by_layer.setdefault(ld.eid // self.num_experts, []).append(ld.eid % self.num_experts)
         for layer, es in by_layer.items():
             self.planner.land(layer, es)
@@ -228,35 +240,40 @@ class RefreshEngine:
                 if rnd.load or rnd.evict:
                     self._apply(Transfer(layer=moe_layer, load=rnd.load, evict=rnd.evict, blocking=True))
                 if rnd.compute:
-                    mask = torch.isin(flat, torch.tensor(rnd.compute, device=flat.device))
+                    mask = torch.isin(flat, device_index(rnd.compute, flat.device))
+                    slots = sorted(self._landed[self._gid(moe_layer, e)] for e in rnd.compute)
                     self._accumulate(pairs, module, self.pool.rows, hidden_states, self.pool.lookup[gid], mask,
-                                     weights, k)
+                                     weights, k, slots)
             if dec.host:
                 self._host_pairs(pairs, module, hidden_states, gid, weights,
-                                 torch.isin(flat, torch.tensor(dec.host, device=flat.device)), dec)
+                                 torch.isin(flat, device_index(dec.host, flat.device)), dec,
+                                 [self._gid(moe_layer, e) for e in dec.host])
             return pairs.view(num_tokens, k, -1).sum(dim=1).to(hidden_states.dtype)
         if dec.transfer is not None:
             self._apply(dec.transfer)
         st.rounds += 1
         slot_ids = self.pool.lookup[gid]
         on_device = slot_ids >= 0
-        if bool(on_device.any()):
-            self._accumulate(pairs, module, self.pool.rows, hidden_states, slot_ids, on_device, weights, k)
-        if not bool(on_device.all()):
-            self._host_pairs(pairs, module, hidden_states, gid, weights, ~on_device, dec)
+        used = [self._gid(moe_layer, e) for e in np.flatnonzero(counts)]
+        dev_slots = sorted(self._landed[g] for g in used if g in self._landed)
+        if dev_slots:
+            self._accumulate(pairs, module, self.pool.rows, hidden_states, slot_ids, on_device, weights, k, dev_slots)
+        if len(dev_slots) < len(used):
+            self._host_pairs(pairs, module, hidden_states, gid, weights, ~on_device, dec,
+                             [g for g in used if g not in self._landed])
         return pairs.view(num_tokens, k, -1).sum(dim=1).to(hidden_states.dtype)
 
-    def _host_pairs(self, pairs, module, hidden_states, gid, weights, mask, dec) -> None:
-        """Host fallback: add the pairs selected by ``mask [T * k]`` bool, computed from the host store where the
-        weights are (only activations move), to ``pairs [T * k, H]``; the call lasts at least the emulated host
-        cost of ``dec``'s host experts and tokens."""
+    def _host_pairs(self, pairs, module, hidden_states, gid, weights, mask, dec, eids: list[int]) -> None:
+        """Host fallback: add the pairs selected by ``mask [T * k]`` bool (those of the global experts ``eids``),
+        computed from the host store where the weights are (only activations move), to ``pairs [T * k, H]``; the
+        call lasts at least the emulated host cost of ``dec``'s host experts and tokens."""
         t0 = time.perf_counter()
         dev = torch.device("cpu")
         k = pairs.shape[0] // hidden_states.shape[0]
         hs, g, w, m = hidden_states.to(dev), gid.to(dev), weights.to(dev), mask.to(dev)
-        host_rows, g = host_expert_rows(self.store, self.pool.format, g, m)
+        host_rows, g, rows = host_expert_rows(self.store, self.pool.format, g, m, sorted(eids))
         host_pairs = torch.zeros(pairs.shape, dtype=hidden_states.dtype, device=dev)
-        self._accumulate(host_pairs, module, host_rows, hs, g, m, w, k)
+        self._accumulate(host_pairs, module, host_rows, hs, g, m, w, k, rows)
         pairs += host_pairs.to(pairs.device)
         _sleep_until(t0 + dec.host_tokens * self.host_token_s + len(dec.host) * self.host_expert_s)
         self.stats.fallback_s += time.perf_counter() - t0
@@ -287,40 +304,39 @@ class RefreshEngine:
                 t0 = time.perf_counter()
                 for ld in rnd.loads:
                     if ld.evicted >= 0:
-                        self.pool.lookup[self._gid(layer, ld.evicted)] = -1
+                        self._set_lookup(self._gid(layer, ld.evicted), -1)
                     self.transfer.submit(self._gid(layer, ld.eid), base + ld.slot)
                 for ld in rnd.loads:
                     g = self._gid(layer, ld.eid)
                     got = self.transfer.wait(g)
                     if got is None or not got.ok:
                         raise RuntimeError(f"on-demand copy of expert {g} failed: {got and got.error}")
-                    self.pool.lookup[g] = base + ld.slot
+                    self._set_lookup(g, base + ld.slot)
                 self.stats.load_time_s += time.perf_counter() - t0
                 self.stats.blocking_loads += len(rnd.loads)
                 self.stats.bytes_loaded += len(rnd.loads) * self.store.layout.expert_bytes
-            in_round = torch.isin(top_k_index.reshape(-1), torch.tensor(rnd.eids, device=gid.device))
+            in_round = torch.isin(top_k_index.reshape(-1), device_index(rnd.eids, gid.device))
             self._accumulate(pairs, module, self.pool.rows, hidden_states, self.pool.lookup[gid], in_round, weights,
-                             k)
+                             k, sorted(base + s for s in rnd.slots))
         return pairs.view(num_tokens, k, -1).sum(dim=1).to(hidden_states.dtype)
 
     @staticmethod
-    def _accumulate(pairs, module, source, hidden_states, rows, mask, weights, k) -> None:
-        """Compute the pairs selected by ``mask`` (``rows``: their row in ``source``, an ``ExpertRows``) into
-        ``pairs`` [T * k, H]."""
-        sel = rows[mask]
-        lo, hi = int(sel.min()), int(sel.max())
-        ids = rows.masked_fill(~mask, hi + 1)
-        out, perm, valid = slot_pair_outputs(module, source, hidden_states, ids, weights, k, lo, hi)
-        pairs[perm[valid]] = out[valid].to(pairs.dtype)
+    def _accumulate(pairs, module, source, hidden_states, rows, mask, weights, k, slots: list[int]) -> None:
+        """Compute the pairs selected by ``mask`` (``rows``: their row in ``source``, an ``ExpertRows``; ``slots``:
+        the sorted distinct rows they use, a host list) into ``pairs`` [T * k, H], without synchronising."""
+        ids = rows.masked_fill(~mask, slots[-1] + 1)
+        out, perm, valid = slot_pair_outputs(module, source, hidden_states, ids, weights, k, slots)
+        pairs.index_copy_(0, perm, torch.where(valid.unsqueeze(-1), out.to(pairs.dtype), pairs[perm]))
 
 
-def host_expert_rows(store, fmt, gid: torch.Tensor, mask: torch.Tensor):
-    """Host rows to compute the experts ``gid[mask]`` from (host fallback): ``(ExpertRows, row ids [T * k])``. A
-    private store is used in place (row = global expert id); an mmap store gathers the needed experts' rows."""
-    buf, rows = store.gather(sorted(set(gid[mask].tolist())) if store.mode == "mmap" else [])
-    if rows is not None:
-        gid = torch.where(mask, rows[gid], gid)
-    return ExpertRows(fmt, buf), gid
+def host_expert_rows(store, fmt, gid: torch.Tensor, mask: torch.Tensor, eids: list[int]):
+    """Host rows to compute the experts ``eids`` (sorted; the pairs ``mask`` of ``gid [T * k]``) from, for host
+    fallback: ``(ExpertRows, row ids [T * k], the sorted rows used)``. A private store is used in place (row =
+    global expert id); an mmap store gathers the needed experts' rows."""
+    buf, rows = store.gather(eids if store.mode == "mmap" else [])
+    if rows is None:
+        return ExpertRows(fmt, buf), gid, eids
+    return ExpertRows(fmt, buf), torch.where(mask, rows[gid], gid), list(range(len(eids)))
 
 
 def _median_seconds(fn, repeats: int = 5) -> float:
@@ -361,8 +377,8 @@ def calibrate_costs(module: torch.nn.Module, store: HostStore, pool: SlotPool, t
         swap_s = max(_median_seconds(copy, 3), 1e-9)
     hidden = int(getattr(module.config, "hidden_size"))
     dtype = pool.format.compute_dtype
-    host_rows, _ = host_expert_rows(store, pool.format, torch.zeros(1, dtype=torch.long),
-                                    torch.ones(1, dtype=torch.bool))
+    host_rows, _, _ = host_expert_rows(store, pool.format, torch.zeros(1, dtype=torch.long),
+                                       torch.ones(1, dtype=torch.bool), [0])
 
     def per_call(source, n, device):
         x = torch.randn(n, hidden, dtype=dtype, device=device)
@@ -370,7 +386,7 @@ def calibrate_costs(module: torch.nn.Module, store: HostStore, pool: SlotPool, t
         w = torch.ones(n, dtype=dtype, device=device)
 
         def run():
-            slot_pair_outputs(module, source, x, rows, w, 1, 0, 0)
+            slot_pair_outputs(module, source, x, rows, w, 1, [0])
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
         run()

@@ -212,6 +212,7 @@ class TransferEngine:
         self._done: list[Landing] = []       # landings not yet reported
         self._paused = False
         self._closed = False                 # no more submissions
+        self.fatal: str | None = None        # why the worker died (then every copy lands failed)
         self._stop = False                   # worker exits once the queue is empty
         self.stats = TransferStats()
         self._thread = threading.Thread(target=self._run, name="moe-offload-transfer", daemon=True)
@@ -239,6 +240,8 @@ class TransferEngine:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(self.device))
         with self._cond:
+            if self.fatal is not None:
+                raise MoeOffloadError(f"the transfer worker died: {self.fatal}")
             if self._closed:
                 raise MoeOffloadError("the transfer engine is closed")
             if eid in self._active:
@@ -462,6 +465,21 @@ class TransferEngine:
             self._cond.wait()
 
     def _run(self) -> None:
+        """The worker thread: any exception outside a single copy (device set-up, bookkeeping) ends it cleanly —
+        every queued or running copy lands with ``ok=False`` and the error's message, later ``submit`` calls raise —
+        so no ``wait`` ever blocks on a dead worker."""
+        try:
+            self._serve()
+        except BaseException as e:  # noqa: BLE001 - reported to every waiter, never swallowed
+            with self._cond:
+                self.fatal = f"{type(e).__name__}: {e}"
+                self._closed = self._stop = True
+                for job in list(self._active.values()):
+                    self._finish(job, False, f"transfer worker died: {self.fatal}")
+                self._queue.clear()
+                self._cond.notify_all()
+
+    def _serve(self) -> None:
         if self._cuda:
             torch.cuda.set_device(self.device)
         while True:

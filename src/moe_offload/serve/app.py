@@ -59,7 +59,7 @@ class ServeState:
         lm = self.lm
         out = {"plan": self.plan.as_dict() if self.plan is not None else None}
         if lm.device.type == "cuda":
-            peak, method = torch.cuda.max_memory_allocated(lm.device), "torch.cuda.max_memory_allocated"
+            peak, method = torch.cuda.max_memory_reserved(lm.device), "torch.cuda.max_memory_reserved"
             static, dynamic = None, None
         elif self.tracker is not None:
             static, dynamic = static_device_bytes(lm), self.tracker.peak_bytes

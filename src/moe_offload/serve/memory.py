@@ -18,7 +18,10 @@ exists: a layer that needs more distinct experts than the pool holds runs in rou
 a single round's. Its KV cache (the cache object's tensor bytes at ``max_context``) is reported separately from
 the activations (peak minus KV cache). Batch is 1: the server runs one request at a time.
 
-Measurement: on CUDA, ``torch.cuda.max_memory_allocated`` (everything torch allocated on the device). On the CPU,
+Measurement: on CUDA, the caching allocator's *reserved* bytes (``torch.cuda.max_memory_reserved``: what the
+allocator holds, fragmentation included, not only what tensors use) plus a measured workspace margin: device memory
+the request took outside the allocator (cuBLAS / cuDNN workspaces, kernel images), from ``cudaMemGetInfo`` before
+and after (``request_peak_bytes``). On the CPU,
 where device and host tier share the same memory, ``DeviceTierTracker`` follows every tensor storage that an
 operator allocates while generation runs (a ``TorchDispatchMode`` on the worker thread: an output whose storage is
 none of the operator's inputs' is a new allocation; it stays counted until the storage is freed, checked through
@@ -235,6 +238,15 @@ class RequestProfile:
         return max(0, self.peak_bytes - self.kv_cache_bytes)
 
 
+def request_peak_bytes(reserved_before: int, reserved_peak: int, reserved_after: int, free_before: int,
+                       free_after: int) -> int:
+    """A request's CUDA device-memory peak (bytes): the caching allocator's reserved peak above what it held
+    before, plus the workspace margin — memory the device lost outside the allocator meanwhile, ``(free_before -
+    free_after) - (reserved_after - reserved_before)``, at least 0 (cuBLAS workspaces, lazily loaded kernels)."""
+    outside = (free_before - free_after) - (reserved_after - reserved_before)
+    return max(0, reserved_peak - reserved_before) + max(0, outside)
+
+
 def profile_request(lm, max_context: int, block_length: int | None = None) -> RequestProfile:
     """Run the worst-shape request the server admits (module docstring) and measure its device-tier peak.
 
@@ -254,12 +266,13 @@ def profile_request(lm, max_context: int, block_length: int | None = None) -> Re
     try:
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
-            base = torch.cuda.memory_allocated(dev)
+            base, free_before = torch.cuda.memory_reserved(dev), torch.cuda.mem_get_info(dev)[0]
             torch.cuda.reset_peak_memory_stats(dev)
             kv = (_profile_diffusion(lm, max_context, block_length) if block_length
                   else _profile_autoregressive(lm, max_context))
             torch.cuda.synchronize(dev)
-            peak = torch.cuda.max_memory_allocated(dev) - base
+            peak = request_peak_bytes(base, torch.cuda.max_memory_reserved(dev), torch.cuda.memory_reserved(dev),
+                                      free_before, torch.cuda.mem_get_info(dev)[0])
         else:
             tracker = DeviceTierTracker(dev)
             with tracker:

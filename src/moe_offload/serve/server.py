@@ -127,6 +127,7 @@ def load_for_serving(cfg: ServeConfig, log=_log):
         prof = profile_request(lm, max_context, block)
         slots = slots_for_budget(budget, base + prof.peak_bytes, lm.expert_bytes, n_total, top_k,
                                  layers if is_refresh_policy(cfg.policy) else None)
+        lm.close()  # its copy worker would keep the first store and pool alive outside the plan
         del lm
         gc.collect()
         if dev.type == "cuda":
