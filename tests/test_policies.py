@@ -2,7 +2,7 @@
 
 import pytest
 
-from moe_offload.core.policies import LFU, LRU, make_policy
+from moe_offload.core.policies import LFRU, LFU, LRU, make_policy
 from moe_offload.core.slots import SlotTable
 from moe_offload.errors import MoeOffloadError
 
@@ -70,3 +70,29 @@ def test_current_layer_experts_are_never_evicted():
 def test_unknown_policy_is_a_clear_error():
     with pytest.raises(MoeOffloadError, match="unknown policy 'fifo'"):
         make_policy("fifo")
+
+
+def test_lfru_hand_worked_between_lru_and_lfu():
+    # SEQ at ticks 1..9, half-life 4 ticks, CRF(t) = sum 2^(-(t - t_i)/4):
+    # t5: 3 evicts 1 (CRF 0.59 < 2: 0.71 < 0: 1.34); t6: 1 evicts 2 (0.59 < 3: 0.84 < 0: 1.13);
+    # t7: 4 evicts 3 (3: 0.71 < 0: 0.95 < 1: 2^-1.25 + 2^-0.25 = 1.26) where LRU evicts 0; t8 0 hit, t9 1 hit
+    hits, misses, evicted, _ = replay(make_policy("lfru-4"))
+    assert (hits, misses, evicted) == (3, 6, [1, 2, 3])
+    assert replay(LRU())[:3] == (2, 7, [1, 2, 0, 3])
+    # an old frequency decays (2 slots, half-life 1 tick): at t6 expert 0 (4 accesses at t1-t4, CRF 0.47) leaves
+    # rather than 1 (one access at t5, CRF 0.5), so 1 is a hit at t7; LFU keeps 0 and misses 1 twice
+    seq = [0, 0, 0, 0, 1, 2, 1]
+    assert replay(make_policy("lfru-1"), seq, slots=2)[:3] == (4, 3, [0])
+    assert replay(LFU(), seq, slots=2)[:3] == (3, 4, [1, 2])
+
+
+def test_lfru_limits_are_lru_and_lfu():
+    import random
+
+    rng = random.Random(0)
+    seq = [min(int(rng.expovariate(0.3)), 15) for _ in range(400)]
+    assert replay(LFRU(1e-4), seq, slots=5, n=16)[:3] == replay(LRU(), seq, slots=5, n=16)[:3]
+    # h -> inf ranks by access count like LFU (equal counts then by total age, not by last access as LFU does)
+    assert replay(LFRU(1e12))[:3] == replay(LFU())[:3] == (3, 6, [1, 2, 3])
+    with pytest.raises(MoeOffloadError, match="half-life"):
+        LFRU(0)

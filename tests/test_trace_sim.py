@@ -22,7 +22,7 @@ def collect(model_dir, policy="lru", slots=10, probs=False, new_tokens=10):
         return lm, stats, rec.trace()
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu", "prefill-hot"])
+@pytest.mark.parametrize("policy", ["lru", "lfu", "lfru", "prefill-hot"])
 def test_runtime_hits_equal_simulator(tiny_dirs, tmp_path, policy):
     lm, stats, tr = collect(tiny_dirs["qwen3_moe"], policy)
     tr.save(tmp_path / "t.trace")

@@ -95,9 +95,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="checkpoint directory, or a built-in name: testbed (default), testbed-sparse")
     p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: the checkpoint's")
-    p.add_argument("--policy", default="lru",
-                   help="eviction policy: lru (default), lfu, prefill-hot; with --predictor: seqmoe-cacheonly "
-                   "(probabilistic Belady), seqmoe (+ JSD prefetching), seqmoe-infinity")
+    p.add_argument("--policy", default="auto",
+                   help="eviction policy: auto (default: the best of lru, lfu, lfru-H on a simulation of the first "
+                   "prompt's own routing), lru, lfu, lfru[-H] (frequency-recency, half-life H decode steps, 8), "
+                   "prefill-hot; with --predictor: seqmoe-cacheonly (probabilistic Belady), seqmoe (+ JSD "
+                   "prefetching), seqmoe-infinity; diffusion models: reactive, tide-fixed-T<n>, tide")
     p.add_argument("--max-new-tokens", type=_positive_int, default=64)
     p.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     p.add_argument("--prompts", metavar="FILE", help="file with one prompt per line")
@@ -162,7 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
     sm = sub.add_parser("simulate", help="replay traces through the decision core; hit rates and projected speed")
     sm.add_argument("--trace", required=True, action="append", help="trace file (repeatable)")
     sm.add_argument("--residency", default="0.15,0.25,0.35,0.45", help="comma-separated fractions in (0, 1]")
-    sm.add_argument("--policy", default="lru,lfu,prefill-hot,belady,belady-8", help="comma-separated policies")
+    sm.add_argument("--policy", default="lru,lfu,lfru,prefill-hot,belady,belady-8",
+                    help="comma-separated policies (default lru,lfu,lfru,prefill-hot,belady,belady-8)")
     sm.add_argument("--hardware", default="rtx4090", help="hardware profile (see docs/traces-and-simulator.md), or this-machine")
     sm.add_argument("--model-profile", default="qwen3-30b-a3b-fp8", help="model profile for the time model")
     sm.add_argument("--full-load-tok-s", type=_float, help="FullLoad decode tok/s when the profile has none")

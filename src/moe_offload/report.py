@@ -41,7 +41,8 @@ def stats_dict(lm: LoadedModel, s: RunStats) -> dict:
         "peak_slot_bytes": eng.pool.nbytes if eng else total * lm.expert_bytes,
         "host_store_bytes": eng.store.nbytes if eng else 0,
         "device_peak_bytes": torch.cuda.max_memory_reserved(lm.device) if lm.device.type == "cuda" else None,
-    } | ({"host_fallback_experts": o.host_experts, "host_fallback_tokens": o.host_tokens,
+    } | ({"auto_policy": {"choice": eng.auto_policy.choice, "simulated_hit_rates": eng.auto_policy.rates}}
+         if getattr(eng, "auto_policy", None) is not None else {}) | ({"host_fallback_experts": o.host_experts, "host_fallback_tokens": o.host_tokens,
           "fallback_s": o.fallback_s, "prefetches": o.prefetches, "diffusion_steps": o.steps}
          if hasattr(o, "host_experts") else {})
 
@@ -52,6 +53,13 @@ def _fmt_bytes(n: float) -> str:
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
         n /= 1024
     return str(n)
+
+
+def _auto_line(a: dict) -> str:
+    if a["choice"] is None:
+        return "no choice yet (it is made when the first decode step begins): LRU so far"
+    rates = ", ".join(f"{k} {v:.3f}" for k, v in a["simulated_hit_rates"].items())
+    return f"chose {a['choice']} (hit rates simulated on the first prompt's routing, token by token: {rates})"
 
 
 def stats_table(d: dict) -> str:
@@ -65,7 +73,9 @@ def stats_table(d: dict) -> str:
         ("host fallback", f"{d['host_fallback_experts']} expert calls, {d['host_fallback_tokens']} token-experts in "
                           f"{d['fallback_s']:.3f} s; {d['prefetches']} expert{'' if d['prefetches'] == 1 else 's'} "
                           "prefetched"),
-    ] if "host_fallback_experts" in d else []) + [
+    ] if "host_fallback_experts" in d else []) + ([
+        ("policy auto", _auto_line(d["auto_policy"])),
+    ] if "auto_policy" in d else []) + [
         ("TTFT (mean)", f"{d['ttft_s']:.3f} s"),
         ("decode", f"{d['decode_tokens_per_s']:.2f} tok/s ({d['decode_tokens']} tokens)"),
         ("peak slot bytes", _fmt_bytes(d["peak_slot_bytes"])),

@@ -133,6 +133,50 @@ class LFU(EvictionPolicy):
         self._seq = 0
 
 
+class LFRU(EvictionPolicy):
+    """Frequency-recency hybrid (LRFU, Lee et al. 2001; the family of vLLM's expert-cache LFRU): each expert's
+    combined recency-frequency score is ``CRF(t) = sum_i 2^(-(t - t_i) / h)`` over its accesses ``t_i`` (ticks);
+    evict the resident expert with the smallest score now. ``h -> 0`` is LRU; ``h -> inf`` ranks by access count
+    like LFU (equal counts then by the total age of the accesses).
+
+    Args:
+        half_life_ticks: ``h`` in ticks (one tick per MoE layer execution; ``make_policy`` sets it from decode steps
+            x MoE layers), > 0.
+
+    Scores are kept in log space, ``key = log2(CRF(t_last)) + t_last / h``: the decay from ``t_last`` to now is the
+    same factor for every expert, so comparing keys compares scores now; history persists across evictions. Ties:
+    least recent access, then the smaller expert id.
+    """
+
+    name = "lfru"
+
+    def __init__(self, half_life_ticks: float):
+        super().__init__()
+        if not half_life_ticks > 0:
+            raise MoeOffloadError(f"LFRU half-life must be > 0 ticks, got {half_life_ticks}")
+        self.h = float(half_life_ticks)
+        self._key: dict[int, float] = {}
+        self._last: dict[int, int] = {}
+        self._seq = 0
+
+    def on_access(self, eid: int, tick: int, tokens: int = 1) -> None:
+        now = tick / self.h
+        old = self._key.get(eid)  # log2(CRF(t_last)) + t_last/h  ->  log2(CRF(t) + 1) + t/h
+        self._key[eid] = now if old is None else now + math.log2(1.0 + 2.0 ** (old - now))
+        self._seq += 1
+        self._last[eid] = self._seq
+
+    def victim(self, pinned: set[int]) -> int:
+        return min((e for e in self.resident if e not in pinned),
+                   key=lambda e: (self._key.get(e, -math.inf), self._last.get(e, 0), e))
+
+    def reset(self) -> None:
+        super().reset()
+        self._key.clear()
+        self._last.clear()
+        self._seq = 0
+
+
 class PrefillHot(LRU):
     """KTransformers-style hot set: the experts most activated (by tokens) in a request's prefill are pinned for
     its decode; the remaining slots are managed by LRU.
@@ -278,16 +322,20 @@ class Belady(EvictionPolicy):
         self._order.clear()
 
 
-POLICIES = ("lru", "lfu", "prefill-hot", "belady", "belady-K")
+POLICIES = ("lru", "lfu", "lfru", "lfru-H", "prefill-hot", "belady", "belady-K")
+#: LFRU's default half-life in decode steps
+LFRU_HALF_LIFE_STEPS = 8
 
 
 def make_policy(name: str, *, num_slots: int | None = None, top_k: int | None = None,
                 future: list | None = None, num_moe_layers: int | None = None) -> EvictionPolicy:
-    """Build an eviction policy by name: ``lru``, ``lfu``, ``prefill-hot``, ``belady`` or ``belady-K`` (K decode
-    steps of future, e.g. ``belady-8``).
+    """Build an eviction policy by name: ``lru``, ``lfu``, ``lfru`` / ``lfru-H`` (half-life H decode steps, default
+    ``LFRU_HALF_LIFE_STEPS``), ``prefill-hot``, ``belady`` or ``belady-K`` (K decode steps of future, e.g.
+    ``belady-8``).
 
     Args:
         num_slots, top_k: pool size and top-k (``prefill-hot`` keeps ``num_slots - top_k`` hot experts).
+        num_moe_layers: MoE layers (ticks per decode step; ``lfru`` and ``belady-K`` need it, default 1).
         future, num_moe_layers: per-tick needed experts and layers per step (``belady*``, simulator only).
 
     Raises:
@@ -298,6 +346,11 @@ def make_policy(name: str, *, num_slots: int | None = None, top_k: int | None = 
         return LRU()
     if key == "lfu":
         return LFU()
+    m = re.fullmatch(r"lfru(?:-(\d+(?:\.\d+)?))?", key)
+    if m:
+        pol = LFRU(float(m.group(1) or LFRU_HALF_LIFE_STEPS) * (num_moe_layers or 1))
+        pol.name = key
+        return pol
     if key == "prefill-hot":
         if num_slots is None or top_k is None:
             raise ValueError("prefill-hot needs num_slots and top_k")

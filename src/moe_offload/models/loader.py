@@ -163,13 +163,13 @@ def _check_policy(policy: str, arch: Architecture, interval: int) -> bool:
 
         if policy.lower() != "tide":
             make_refresh_planner(policy, 1, 1, 1, interval=interval)
-    elif policy not in FORECAST_RUNTIME_POLICIES:
+    elif policy not in FORECAST_RUNTIME_POLICIES and policy != "auto":
         try:
             make_policy(policy, num_slots=1, top_k=1)
         except MoeOffloadError as e:
             if "only available in the simulator" in str(e):
                 raise
-            raise MoeOffloadError(f"unknown policy {policy!r}; choose one of: lru, lfu, prefill-hot, "
+            raise MoeOffloadError(f"unknown policy {policy!r}; choose one of: auto, lru, lfu, lfru[-H], prefill-hot, "
                                   f"{', '.join(FORECAST_RUNTIME_POLICIES)} (with a predictor); diffusion models: "
                                   "reactive, tide-fixed-T<n>, tide") from None
     return refresh
@@ -287,6 +287,8 @@ def load_offloaded(model_dir: str | Path, *, device: str | None = None, dtype: s
     quant = quantization(json.loads((path / "config.json").read_text()))
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, config)
+    if policy == "auto" and arch.diffusion:  # the chooser simulates autoregressive decode steps
+        policy = "lru"
     refresh = _check_policy(policy, arch, interval)
     ckpt = Checkpoint(path)
     model, mods, shapes = _build_meta(config, dt)
@@ -348,11 +350,18 @@ def _make_engine(policy: str, refresh: bool, store, pool: SlotPool, mods: list, 
 
         policy_obj = ProbabilisticBelady(num_experts, horizon=8, lam=0.5)
         policy_obj.name = policy
-    else:
-        policy_obj = make_policy(policy, num_slots=num_slots, top_k=top_k)
+    else:  # "auto" starts as LRU; its chooser swaps in the best history policy after the first prefill
+        policy_obj = make_policy("lru" if policy == "auto" else policy, num_slots=num_slots, top_k=top_k,
+                                 num_moe_layers=L)
+        policy_obj.name = policy
     scheduler = FORECAST_RUNTIME_POLICIES.get(policy)
     table = SlotTable(num_slots, n_total, policy_obj, experts_per_layer=num_experts if scheduler else None)
     engine = OffloadEngine(store, pool, table, num_experts)
+    if policy == "auto":
+        from ..sim.auto_policy import AutoPolicyChooser
+
+        engine.auto_policy = AutoPolicyChooser(table, L, num_experts, top_k)
+        engine.observers.append(engine.auto_policy)
     if scheduler:
         from ..core.prefetch import make_scheduler
         from ..runtime.prefetcher import Prefetcher

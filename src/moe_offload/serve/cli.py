@@ -13,7 +13,8 @@ def _add_common(p: argparse.ArgumentParser, positive_int, float_) -> None:
     p.add_argument("--served-model-name", help="the model name clients pass (default: --model as given)")
     p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: the checkpoint's")
-    p.add_argument("--policy", default="lru", help="eviction policy: lru (default), lfu, prefill-hot; diffusion "
+    p.add_argument("--policy", default="auto", help="eviction policy: auto (default: the best of lru, lfu, lfru-H "
+                   "simulated on the first request's own routing), lru, lfu, lfru[-H], prefill-hot; diffusion "
                    "models also reactive, tide-fixed[-T<n>], tide")
     size = p.add_mutually_exclusive_group()
     size.add_argument("--residency", type=float_, help="device slots as a fraction of all routed experts, (0, 1]")
@@ -109,7 +110,7 @@ def _command(args) -> str:
     for name in ("model", "policy", "residency", "slots", "memory_budget", "max_context", "clients", "max_tokens",
                  "max_prompt_chars", "device", "dtype", "block_length", "steps", "threshold"):
         v = getattr(args, name, None)
-        if v is not None and not (name == "policy" and v == "lru"):
+        if v is not None and not (name == "policy" and v == "auto"):
             parts.append(f"--{name.replace('_', '-')} {v}")
     if args.no_track_memory:
         parts.append("--no-track-memory")

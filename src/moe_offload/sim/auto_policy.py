@@ -1,0 +1,87 @@
+"""``--policy auto``: pick the history eviction policy for this model from a short simulation of routing it has
+already seen — the run's own first prefill, replayed token by token as if each prompt token were a decode step.
+
+The prompt's tokens route through the same router as the tokens to come, so which history policy keeps the most
+of one token's experts for the next is measured on the user's own routing, at the run's own pool size, by the
+same simulator (``sim.simulator.replay``) and policy objects the runtime uses. Ties go to the earlier candidate,
+LRU first, so the choice never does worse than LRU on the simulated routing.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+
+from ..core.policies import make_policy
+from .simulator import replay
+
+#: candidates in tie-break order (LRU first)
+CANDIDATES = ("lru", "lfu", "lfru-2", "lfru-8", "lfru-32")
+
+
+def token_needs(routing: list[np.ndarray], num_experts: int) -> list:
+    """``routing[l]``: ``[T, k]`` int expert ids of MoE layer ``l`` for ``T`` tokens -> the simulator's per-step needs
+    (``sim.simulator.layer_needs`` format), one decode step per token."""
+    T = routing[0].shape[0]
+    needs = []
+    for t in range(T):
+        needed = [sorted({int(e) + layer * num_experts for e in r[t]}) for layer, r in enumerate(routing)]
+        needs.append((0, t + 1, needed, [[1] * len(ids) for ids in needed]))
+    return needs
+
+
+def choose_policy(routing: list[np.ndarray], num_experts: int, top_k: int, num_slots: int,
+                  candidates: tuple[str, ...] = CANDIDATES) -> tuple[str, dict[str, float]]:
+    """The candidate with the highest simulated hit rate on ``routing`` (see the module docstring) and every
+    candidate's hit rate. ``routing[l]``: ``[T, k]`` expert ids per MoE layer, ``T >= 1``."""
+    geom = SimpleNamespace(num_moe_layers=len(routing), num_experts=num_experts, top_k=top_k)
+    needs = token_needs(routing, num_experts)
+    rates = {}
+    for name in candidates:
+        pol = make_policy(name, num_slots=num_slots, top_k=top_k, num_moe_layers=len(routing))
+        rates[name] = replay(geom, num_slots, pol, needs=needs).hit_rate
+    best = max(candidates, key=lambda n: (rates[n], -candidates.index(n)))
+    return best, rates
+
+
+class AutoPolicyChooser:
+    """Engine observer behind ``--policy auto``: records the first prefill's routing, and when the first decode
+    step begins, swaps the slot table's placeholder LRU for ``choose_policy``'s choice (its resident experts handed
+    over in recency order). ``choice`` and ``rates`` say what it chose (``None`` until then).
+
+    Args:
+        table: the engine's ``core.slots.SlotTable`` (its policy is an ``LRU`` until the choice).
+        num_moe_layers, num_experts, top_k: the model's geometry.
+    """
+
+    def __init__(self, table, num_moe_layers: int, num_experts: int, top_k: int):
+        self.table, self.L, self.E, self.k = table, num_moe_layers, num_experts, top_k
+        self.routing: list[np.ndarray] = []
+        self.recording = False
+        self.choice: str | None = None
+        self.rates: dict[str, float] = {}
+
+    def begin_step(self, request: int, step: int) -> None:
+        if self.choice is not None:
+            return
+        if step == 0 and not self.routing:
+            self.recording = True
+        elif self.recording and len(self.routing) == self.L:
+            self.recording = False
+            self._switch(*choose_policy(self.routing, self.E, self.k, self.table.num_slots))
+
+    def __call__(self, moe_layer: int, top_k_index, top_k_weights) -> None:
+        if self.recording and moe_layer == len(self.routing):
+            self.routing.append(top_k_index.detach().cpu().numpy())
+
+    def _switch(self, name: str, rates: dict[str, float]) -> None:
+        old = self.table.policy
+        new = make_policy(name, num_slots=self.table.num_slots, top_k=self.k, num_moe_layers=self.L)
+        tick = self.table.tick
+        for eid in list(getattr(old, "_order", old.resident)):  # least recently used first
+            new.on_insert(eid, tick)
+            new.on_access(eid, tick)
+        new.name = f"auto:{name}"
+        self.table.policy = new
+        self.choice, self.rates = name, rates
