@@ -203,3 +203,16 @@ def test_gpu_check_dry_run(tmp_path):
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     text = out.read_text()
     assert "dry run" in text and "| lossless" in text and "FAIL" not in text
+
+
+def test_decode_time_breakdown_sums_to_the_decode_time(tiny_dirs):
+    """The engine's lap timers split every decode second into one phase: they sum to the measured decode time."""
+    from moe_offload.generate import run
+    from moe_offload.runtime.breakdown import PHASES
+
+    lm = load_offloaded(tiny_dirs["qwen3_moe"], device="cpu", residency=0.3, progress=False)
+    _, stats = run(lm, [PROMPT, "second prompt"], 12)
+    b = lm.engine.breakdown
+    assert b.steps == stats.decode_tokens and set(b.seconds) == set(PHASES)
+    assert all(v >= 0 for v in b.seconds.values()) and b.seconds["expert_compute"] > 0 and b.seconds["stall"] > 0
+    assert abs(b.step_s - stats.decode_s) <= 0.05 * stats.decode_s

@@ -50,6 +50,7 @@ def bench_decode(path: Path, prompts: list[str], residencies: list[float], *, ma
     gc.collect()
     rows = [("FullLoad", "-", "all", ref.decode_tokens_per_s, 1.0, None, 0, sum(ref.ttft_s) / len(ref.ttft_s), True,
              total_bytes)]
+    breakdowns = []
     for pol in policies:
         for r in residencies:
             lm = load_offloaded(path, device=device, dtype=dtype, residency=r, policy=pol, progress=False,
@@ -59,8 +60,10 @@ def bench_decode(path: Path, prompts: list[str], residencies: list[float], *, ma
             if spe is not None and lm.engine.prefetcher is None:  # a prefetcher's TransferEngine paces its copies
                 _emulate_on_demand(lm, spe)
             outs, s = measure(lm)
+            label = lm.engine.policy_name if pol == "auto" else pol  # auto: its choice, e.g. auto:lfu
+            breakdowns.append((label, r, lm.engine.breakdown.as_dict()))
             same = [o.token_ids for o in outs] == ref_tokens
-            rows.append((pol, f"{r:.2f}", str(lm.engine.pool.num_slots), s.decode_tokens_per_s,
+            rows.append((label, f"{r:.2f}", str(lm.engine.pool.num_slots), s.decode_tokens_per_s,
                          s.decode_tokens_per_s / ref.decode_tokens_per_s, s.offload.hit_rate, s.offload.bytes_loaded,
                          sum(s.ttft_s) / len(s.ttft_s), same, lm.engine.pool.nbytes))
             if lm.engine.prefetcher is not None:
@@ -77,7 +80,21 @@ def bench_decode(path: Path, prompts: list[str], residencies: list[float], *, ma
               f"(FullLoad layer time {1e6 * t_layer:.0f} us)" if spe else "")
     lines.append(f"\n{len(prompts)} prompts x {max_new_tokens} new tokens, model {path}"
                  + (f", predictor {predictor}" if predictor else "") + regime)
-    return "\n".join(lines)
+    return "\n".join(lines + ["", *breakdown_table(breakdowns)])
+
+
+def breakdown_table(rows: list[tuple[str, float, dict]]) -> list[str]:
+    """Markdown lines: per (policy, residency) the decode step time split into the phases of
+    ``runtime.breakdown`` (ms per step, share in parentheses), measured by the engine's lap timers."""
+    from .runtime.breakdown import PHASES
+
+    out = ["| policy | residency | ms per decode step | " + " | ".join(p.replace("_", " ") for p in PHASES) + " |",
+           "|---|---|---|" + "---|" * len(PHASES)]
+    for pol, r, b in rows:
+        ms = b["ms_per_step"]
+        out.append(f"| {pol} | {r:.2f} | {sum(ms.values()):.2f} | "
+                   + " | ".join(f"{ms[p]:.2f} ({b['shares'][p]:.0%})" for p in PHASES) + " |")
+    return out
 
 
 def _attach_predictor(lm, predictor: str) -> None:

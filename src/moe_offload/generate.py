@@ -138,6 +138,8 @@ def generate_ids(lm: LoadedModel, prompt_ids: list[int], max_new_tokens: int, *,
         new.append(int(tok))
         stop = on_token is not None and bool(on_token(new[-1]))
     _sync(dev)
+    if engine is not None and hasattr(engine, "end_step"):
+        engine.end_step()
     return new, t1 - t0, time.perf_counter() - t1
 
 

@@ -41,7 +41,8 @@ def stats_dict(lm: LoadedModel, s: RunStats) -> dict:
         "peak_slot_bytes": eng.pool.nbytes if eng else total * lm.expert_bytes,
         "host_store_bytes": eng.store.nbytes if eng else 0,
         "device_peak_bytes": torch.cuda.max_memory_reserved(lm.device) if lm.device.type == "cuda" else None,
-    } | ({"auto_policy": {"choice": eng.auto_policy.choice, "simulated_hit_rates": eng.auto_policy.rates}}
+    } | ({"time_breakdown": eng.breakdown.as_dict()} if getattr(eng, "breakdown", None) is not None
+         and eng.breakdown.steps else {}) | ({"auto_policy": {"choice": eng.auto_policy.choice, "simulated_hit_rates": eng.auto_policy.rates}}
          if getattr(eng, "auto_policy", None) is not None else {}) | ({"host_fallback_experts": o.host_experts, "host_fallback_tokens": o.host_tokens,
           "fallback_s": o.fallback_s, "prefetches": o.prefetches, "diffusion_steps": o.steps}
          if hasattr(o, "host_experts") else {})
@@ -53,6 +54,12 @@ def _fmt_bytes(n: float) -> str:
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
         n /= 1024
     return str(n)
+
+
+def _breakdown_line(b: dict) -> str:
+    ms = b["ms_per_step"]
+    return f"{sum(ms.values()):.2f} ms: " + ", ".join(f"{k.replace('_', ' ')} {v:.2f} ({b['shares'][k]:.0%})"
+                                                      for k, v in ms.items())
 
 
 def _auto_line(a: dict) -> str:
@@ -76,6 +83,9 @@ def stats_table(d: dict) -> str:
     ] if "host_fallback_experts" in d else []) + ([
         ("policy auto", _auto_line(d["auto_policy"])),
     ] if "auto_policy" in d else []) + [
+    ] + ([
+        ("decode step time", _breakdown_line(d["time_breakdown"])),
+    ] if "time_breakdown" in d else []) + [
         ("TTFT (mean)", f"{d['ttft_s']:.3f} s"),
         ("decode", f"{d['decode_tokens_per_s']:.2f} tok/s ({d['decode_tokens']} tokens)"),
         ("peak slot bytes", _fmt_bytes(d["peak_slot_bytes"])),

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from ..core.slots import SlotTable
+from .breakdown import StepClock
 from .experts import IMPLEMENTATION_NAME, device_index, register, slot_pair_outputs
 from .pool import SlotPool
 from .store import HostStore
@@ -63,6 +64,7 @@ class OffloadEngine:
         self.table = table
         self.num_experts = num_experts
         self.stats = EngineStats()
+        self.clock = StepClock()   # decode-step time breakdown (runtime.breakdown)
         self.observers: list = []  # callables(moe_layer, top_k_index, top_k_weights), e.g. trace recorders
         self.prefetcher = None     # runtime.prefetcher.Prefetcher when prefetching (SeqMoE), else None
         self._cuda = pool.device.type == "cuda"
@@ -82,6 +84,7 @@ class OffloadEngine:
     def begin_step(self, request: int, step: int) -> None:
         """Before each forward pass (step 0 = a request's prefill, i = its i-th decode step): tell the slot table
         and every observer that has a ``begin_step(request, step)`` method (e.g. a predictor runner)."""
+        self.clock.begin_step(step >= 1)
         self.table.begin_step(request, step)
         if self.prefetcher is not None:
             self.prefetcher.begin_step(request, step)
@@ -89,9 +92,20 @@ class OffloadEngine:
             hook = getattr(obs, "begin_step", None)
             if hook is not None:
                 hook(request, step)
+        self.clock.lap("management")
+
+    def end_step(self) -> None:
+        """After the last forward pass of a request (closes the decode-step timers)."""
+        self.clock.end_step()
+
+    @property
+    def breakdown(self):
+        """``runtime.breakdown.TimeBreakdown`` of the decode steps since the last ``reset_stats``."""
+        return self.clock.result
 
     def reset_stats(self) -> None:
         self.stats = EngineStats()
+        self.clock.reset()
 
     def close(self) -> None:
         """Stop the prefetcher's copy worker (which otherwise keeps the store and the pool alive) and unpin the
@@ -117,8 +131,11 @@ class OffloadEngine:
         Host-device traffic on the hot path: one small device->host copy (the layer's ``T * k`` expert ids, which
         the slot table plans from); on-demand copies and index tensors go host->device without synchronising
         (stream order makes the copies land before the GEMM that reads them)."""
+        clock = self.clock
+        clock.lap("other_compute")
         for obs in self.observers:
             obs(moe_layer, top_k_index, top_k_weights)
+        clock.lap("predictor")
         num_tokens, k = top_k_index.shape
         gid = (top_k_index + moe_layer * self.num_experts).reshape(-1)
         uniq, counts = np.unique(gid.cpu().numpy(), return_counts=True)  # the one device->host transfer
@@ -136,16 +153,20 @@ class OffloadEngine:
         weights = top_k_weights.reshape(-1)
         pairs = None
         for rnd in plan.rounds:
+            clock.lap("management")
             if pf is not None:
                 t0 = time.perf_counter()
                 pf.fetch_waits(rnd.waits)
                 pf.load_on_demand(rnd.loads)
                 st.load_time_s += time.perf_counter() - t0
                 st.bytes_loaded += len(rnd.loads) * self.store.layout.expert_bytes
+                clock.lap("stall")
                 if len(plan.rounds) == 1:  # overlap the copies with this layer's compute
                     pf.issue(moe_layer)
+                    clock.lap("management")
             else:
                 self._load(rnd.loads)
+                clock.lap("stall")
             slot_ids = self.pool.lookup[gid]
             if len(plan.rounds) > 1:  # pairs of experts outside this round get a sentinel past every slot
                 in_round = torch.isin(gid, device_index(rnd.eids, gid.device))
@@ -158,8 +179,12 @@ class OffloadEngine:
                 if pairs is None:
                     pairs = torch.zeros_like(out)
                 pairs.index_copy_(0, perm, torch.where(valid.unsqueeze(-1), out, pairs[perm]))
+            clock.lap("expert_compute")
         if pf is not None:
             if len(plan.rounds) > 1:  # earlier rounds' slots are Used before they computed: issue only now
                 pf.issue(moe_layer)
             self.table.release(moe_layer)
-        return pairs.view(num_tokens, k, -1).sum(dim=1).to(hidden_states.dtype)
+            clock.lap("management")
+        result = pairs.view(num_tokens, k, -1).sum(dim=1).to(hidden_states.dtype)
+        clock.lap("expert_compute")
+        return result

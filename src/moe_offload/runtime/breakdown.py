@@ -1,0 +1,77 @@
+"""Where a decode step's time goes (SeqMoE fig. 9): timers around the phases of the offloaded runtime.
+
+Phases (seconds, summed over decode steps; prefills are not counted):
+
+* ``expert_compute``: the grouped GEMMs over the slot pool (dequantization included) and combining the pairs;
+* ``other_compute``: everything between MoE layers — attention, norms, routers, embeddings, head, sampling;
+* ``predictor``: the engine's observers — predictor inference and handing its forecasts to the policy and the
+  prefetcher (``predictor.runtime.ForecastFeed``), trace recorders when attached;
+* ``management``: planning (expert ids to the host, the slot table's hits / misses / victims), landing finished
+  prefetches, the prefetch scheduler (JSD) and dispatch, releasing slots, per-step bookkeeping;
+* ``stall``: on-demand copies and waits for in-flight prefetches of needed experts.
+
+Every second between the start of one decode step and the start of the next (or ``end_step``) is in exactly one
+phase (a lap timer), so the phases sum to the measured step time. On CUDA the timers see the host: kernels run
+asynchronously, and their time shows up where the host next waits for the device.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+PHASES = ("expert_compute", "other_compute", "predictor", "management", "stall")
+
+
+@dataclass
+class TimeBreakdown:
+    """Seconds per phase (``PHASES``) over ``steps`` decode steps, and their total ``step_s``."""
+
+    steps: int = 0
+    seconds: dict = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+
+    @property
+    def step_s(self) -> float:
+        return sum(self.seconds.values())
+
+    def shares(self) -> dict[str, float]:
+        """Each phase's fraction of the decode time (0 when nothing was timed)."""
+        total = self.step_s
+        return {p: (s / total if total else 0.0) for p, s in self.seconds.items()}
+
+    def as_dict(self) -> dict:
+        """For ``generate --json``: steps, seconds per phase, ms per step and shares."""
+        return {"decode_steps": self.steps, "seconds": dict(self.seconds), "ms_per_step": {
+            p: 1e3 * s / max(1, self.steps) for p, s in self.seconds.items()}, "shares": self.shares()}
+
+
+class StepClock:
+    """A lap timer over decode steps: ``lap(phase)`` charges the time since the previous lap to ``phase``."""
+
+    def __init__(self) -> None:
+        self.result = TimeBreakdown()
+        self._mark: float | None = None  # None: not inside a decode step
+
+    def begin_step(self, decode: bool) -> None:
+        """A forward pass begins (``decode``: a decode step, which is timed); closes the previous step."""
+        self.end_step()
+        if decode:
+            self._mark = time.perf_counter()
+            self.result.steps += 1
+
+    def end_step(self) -> None:
+        """The running step ended: its time since the last lap is other compute (the head, sampling)."""
+        if self._mark is not None:
+            self.lap("other_compute")
+            self._mark = None
+
+    def lap(self, phase: str) -> None:
+        if self._mark is None:
+            return
+        now = time.perf_counter()
+        self.result.seconds[phase] += now - self._mark
+        self._mark = now
+
+    def reset(self) -> None:
+        self.result = TimeBreakdown()
+        self._mark = None
