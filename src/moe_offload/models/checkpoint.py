@@ -33,10 +33,12 @@ def read_config(model_dir: str | Path):
     """Validate a checkpoint directory and return ``(path, config, architecture)``.
 
     Raises:
-        MoeOffloadError: missing directory, no config.json, no safetensors, unsupported architecture, or a
-            ``quantization_config`` the engine does not serve exactly (``quantization``).
+        MoeOffloadError: missing directory, no config.json, no safetensors, a model type the installed transformers
+            does not know (remote code is never run), one ``registry.REFUSED`` names, or a ``quantization_config``
+            the engine does not serve exactly (``quantization``). Whether the model's experts can be served is
+            decided when it is built (``models.capability``).
     """
-    from transformers import AutoConfig
+    from transformers import CONFIG_MAPPING, AutoConfig
 
     path = Path(model_dir)
     if not path.is_dir():
@@ -49,13 +51,26 @@ def read_config(model_dir: str | Path):
         raw = json.loads((path / "config.json").read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise MoeOffloadError(f"{path / 'config.json'} is not valid JSON: {e}") from None
-    arch = architecture_for(raw.get("model_type"))
+    model_type = raw.get("model_type")
+    if model_type and model_type not in CONFIG_MAPPING:
+        raise MoeOffloadError(_unknown_type(model_type, raw))
+    arch = architecture_for(model_type, CONFIG_MAPPING[model_type].__name__ if model_type else None)
     quantization(raw)
     try:
         config = AutoConfig.from_pretrained(path)
     except Exception as e:  # transformers raises many kinds for bad configs
         raise MoeOffloadError(f"cannot read {path / 'config.json'}: {e}") from None
     return path, config, arch
+
+
+def _unknown_type(model_type: str, raw: dict) -> str:
+    import transformers
+
+    if raw.get("auto_map"):
+        return (f"model_type {model_type!r} needs remote code (config.json auto_map), which moe-offload does not run;"
+                f" the installed transformers {transformers.__version__} has no {model_type} (see moe-offload models)")
+    return (f"model_type {model_type!r} is not known to the installed transformers {transformers.__version__} "
+            "(see moe-offload models for the model types it serves)")
 
 
 @dataclass(frozen=True)
