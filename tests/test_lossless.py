@@ -26,7 +26,7 @@ def references(tiny_dirs):
     return refs
 
 
-@pytest.mark.parametrize("arch", [a for a in CORE_ARCHS if a != "llada2_moe"])
+@pytest.mark.parametrize("arch", CORE_ARCHS)
 @pytest.mark.parametrize("size", [dict(residency=1.0), dict(residency=0.5), dict(slots="top_k")])
 def test_tokens_equal_full_load(tiny_dirs, references, arch, size):
     if size.get("slots") == "top_k":

@@ -7,7 +7,7 @@ the model built on the meta device has experts modules declared through ``Expert
 ``has_post_expert_norm``, ``_apply_gate``), (4) their routed-expert parameters are the layout the engine computes
 (``gate_up_proj`` or ``up_proj``, ``down_proj``, with ``*_bias`` when ``has_bias``), the same shapes in every MoE
 layer. The geometry (MoE layers, experts, top-k, which decoder layers are dense) is read from the built model and
-its config. Each failed condition is a one-line ``MoeOffloadError`` that says which.
+its config. Each failed condition is a one-line ``NotServedError`` (a ``MoeOffloadError``) that says which.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import MoeOffloadError
+from ..errors import MoeOffloadError, NotServedError
 
 #: config fields that name the router's top-k, in the order they are tried (text config first, then the top one)
 TOP_K_FIELDS = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "moe_k", "top_k_experts",
@@ -60,7 +60,7 @@ def generation_class(config):
     checkpoints, served for text-only prompts).
 
     Raises:
-        MoeOffloadError: no text-generation class for the model type.
+        NotServedError: no text-generation class for the model type.
     """
     import transformers
     from transformers.models.auto import modeling_auto as ma
@@ -74,7 +74,7 @@ def generation_class(config):
     tasks = [n.removeprefix("MODEL_FOR_").removesuffix("_MAPPING_NAMES").lower().replace("_", "-")
              for n in dir(ma) if n.startswith("MODEL_FOR_") and n.endswith("_MAPPING_NAMES")
              and mt in getattr(ma, n)]
-    raise MoeOffloadError(f"model_type {mt!r} has no text-generation class in transformers (causal LM or "
+    raise NotServedError(f"model_type {mt!r} has no text-generation class in transformers (causal LM or "
                           f"image-text-to-text); it has: {', '.join(tasks) or 'none'}")
 
 
@@ -82,7 +82,8 @@ def build_meta(config, dtype: torch.dtype | None = None) -> torch.nn.Module:
     """``config``'s text-generation model built on the meta device (no memory).
 
     Raises:
-        MoeOffloadError: no text-generation class, or transformers cannot build the model from the config (the
+        NotServedError: no text-generation class.
+        MoeOffloadError: transformers cannot build the model from the config (the
             message carries transformers' own reason).
     """
     auto, _ = generation_class(config)
@@ -117,31 +118,31 @@ def check_experts(model_type: str, mods: list) -> tuple[tuple[str, tuple[int, ..
     """Check that the experts modules are what the engine computes; return their ``(name, per-expert shape)``.
 
     Raises:
-        MoeOffloadError: no experts modules (a dense model, or experts not declared through ExpertsInterface), a
+        NotServedError: no experts modules (a dense model, or experts not declared through ExpertsInterface), a
             missing ExpertsInterface attribute, an expert parameter layout the engine does not know, or experts of
             different shapes across layers.
     """
     if not mods:
-        raise MoeOffloadError(f"{model_type} declares no experts through transformers' ExpertsInterface "
+        raise NotServedError(f"{model_type} declares no experts through transformers' ExpertsInterface "
                               "(@use_experts_implementation): a dense model, or an MoE whose experts transformers "
                               "implements another way")
     first = mods[0][1]
     missing = [a for a in REQUIRED_ATTRS if not hasattr(first, a)]
     if missing:
-        raise MoeOffloadError(f"{model_type}: experts module {type(first).__name__} lacks the ExpertsInterface "
+        raise NotServedError(f"{model_type}: experts module {type(first).__name__} lacks the ExpertsInterface "
                               f"attributes {', '.join(missing)}")
     if first.has_post_expert_norm and not isinstance(getattr(first, "post_expert_norm", None), torch.nn.Module):
-        raise MoeOffloadError(f"{model_type}: has_post_expert_norm but no post_expert_norm module")
+        raise NotServedError(f"{model_type}: has_post_expert_norm but no post_expert_norm module")
     shapes = tuple((n, tuple(p.shape[1:])) for n, p in expert_params(first))
     got, want = {n for n, _ in shapes}, _expected_params(first)
     if got != want:
-        raise MoeOffloadError(f"{model_type}: expert parameters {sorted(got)} of {type(first).__name__} are not a "
+        raise NotServedError(f"{model_type}: expert parameters {sorted(got)} of {type(first).__name__} are not a "
                               f"layout the engine knows (has_gate={first.has_gate}, has_bias={first.has_bias} "
                               f"means {sorted(want)})")
     for name, mod in mods:
         if tuple((n, tuple(p.shape[1:])) for n, p in expert_params(mod)) != shapes or \
                 mod.num_experts != first.num_experts:
-            raise MoeOffloadError(f"{model_type}: experts of different shapes in different MoE layers ({name} vs "
+            raise NotServedError(f"{model_type}: experts of different shapes in different MoE layers ({name} vs "
                                   f"{mods[0][0]}) are not supported: a slot holds one expert size")
     return shapes
 
@@ -150,14 +151,14 @@ def top_k(config) -> int:
     """Experts per token from the config (text config first; ``TOP_K_FIELDS``).
 
     Raises:
-        MoeOffloadError: no top-k field.
+        NotServedError: no top-k field.
     """
     for cfg in (text_config(config), config):
         for name in TOP_K_FIELDS:
             v = getattr(cfg, name, None)
             if isinstance(v, int) and not isinstance(v, bool) and v > 0:
                 return v
-    raise MoeOffloadError(f"{config.model_type}: config has no top-k field (one of {', '.join(TOP_K_FIELDS)})")
+    raise NotServedError(f"{config.model_type}: config has no top-k field (one of {', '.join(TOP_K_FIELDS)})")
 
 
 def text_config(config):
@@ -180,7 +181,8 @@ def inspect_model(config, dtype: torch.dtype | None = None):
         ``(model, mods, geometry)``: the meta model, its experts modules ``[(name, module)]`` and its ``Geometry``.
 
     Raises:
-        MoeOffloadError: any condition of the module docstring (one line, says which).
+        NotServedError: any condition of the module docstring (one line, says which).
+        MoeOffloadError: transformers cannot build the model from the config.
     """
     _, multimodal = generation_class(config)
     model = build_meta(config, dtype)
@@ -188,7 +190,7 @@ def inspect_model(config, dtype: torch.dtype | None = None):
     shapes = check_experts(config.model_type, mods)
     k = top_k(config)
     if k > mods[0][1].num_experts:
-        raise MoeOffloadError(f"{config.model_type}: top-k {k} exceeds the {mods[0][1].num_experts} experts")
+        raise NotServedError(f"{config.model_type}: top-k {k} exceeds the {mods[0][1].num_experts} experts")
     geo = Geometry(int(getattr(text_config(config), "num_hidden_layers", 0) or 0),
                    tuple(_layer_index(n) for n, _ in mods), mods[0][1].num_experts, k, shapes, multimodal)
     return model, mods, geo

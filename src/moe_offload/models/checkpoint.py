@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..errors import MoeOffloadError
+from ..errors import MoeOffloadError, NotServedError
 from .registry import architecture_for
 
 #: safetensors dtype names -> torch dtypes
@@ -53,7 +53,7 @@ def read_config(model_dir: str | Path):
         raise MoeOffloadError(f"{path / 'config.json'} is not valid JSON: {e}") from None
     model_type = raw.get("model_type")
     if model_type and model_type not in CONFIG_MAPPING:
-        raise MoeOffloadError(_unknown_type(model_type, raw))
+        raise NotServedError(_unknown_type(model_type, raw))
     arch = architecture_for(model_type, CONFIG_MAPPING[model_type].__name__ if model_type else None)
     quantization(raw)
     try:

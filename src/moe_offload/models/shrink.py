@@ -18,7 +18,7 @@ import re
 
 import torch
 
-from ..errors import MoeOffloadError
+from ..errors import MoeOffloadError, NotServedError
 from .capability import text_config as _text_config
 
 HIDDEN = 64           # text hidden size
@@ -320,7 +320,7 @@ def tiny_config(model_type: str, vocab_size: int, build_meta, **fixed):
     from transformers import CONFIG_MAPPING
 
     if model_type not in CONFIG_MAPPING:
-        raise MoeOffloadError(f"model_type {model_type!r} is not known to the installed transformers")
+        raise NotServedError(f"model_type {model_type!r} is not known to the installed transformers")
     try:
         default = CONFIG_MAPPING[model_type]()
     except Exception as e:

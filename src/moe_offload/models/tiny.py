@@ -71,6 +71,43 @@ def tiny_config(model_type: str):
     return tok, config
 
 
+@torch.no_grad()
+def _random_routing_buffers(model: torch.nn.Module, config) -> None:
+    """Routing state a checkpoint stores as buffers, which ``from_config`` leaves at zero, drawn at random as in a
+    trained checkpoint: a selection-only router bias (``*expert_bias``, LLaDA2) and token -> expert tables
+    (persistent integer buffers ``[..., top_k]``, DeepSeek-V4's hash routing: distinct experts per row)."""
+    from .capability import experts_modules, top_k
+
+    k, n = top_k(config), experts_modules(model)[0][1].num_experts
+    persistent = set(model.state_dict())
+    for name, buf in model.named_buffers():
+        if name.endswith("expert_bias"):
+            buf.normal_(0.0, 0.1)
+        elif name in persistent and not buf.is_floating_point() and buf.dim() >= 2 and buf.shape[-1] == k \
+                and not buf.any():
+            rows = torch.rand(buf.numel() // k, n).argsort(dim=-1)[:, :k]
+            buf.copy_(rows.reshape(buf.shape).to(buf.dtype))
+
+
+def _override(config, overrides: dict):
+    """``config`` (a text config) rebuilt with ``overrides``; per-layer lists of the old depth are dropped when the
+    depth changes (the config derives them again).
+
+    Raises:
+        MoeOffloadError: a composite config, or one the engine does not serve after the change.
+    """
+    from .capability import inspect_model, text_config
+
+    if text_config(config) is not config:
+        raise MoeOffloadError("config_overrides apply to text-only model types")
+    d = config.to_dict()
+    if "num_hidden_layers" in overrides:
+        d = {k: v for k, v in d.items() if not (isinstance(v, list) and len(v) == config.num_hidden_layers)}
+    config = type(config).from_dict({**d, **overrides})
+    inspect_model(config)
+    return config
+
+
 def _save_class(config):
     """The class a published checkpoint of ``config`` is saved from: its multimodal class when it has one (vision
     tower included), else its causal LM."""
@@ -86,13 +123,14 @@ def _save_class(config):
 
 
 def make_tiny(arch: str, out_dir: str | Path, *, seed: int = 0, dtype: torch.dtype = torch.float32,
-              overwrite: bool = False) -> Path:
+              overwrite: bool = False, config_overrides: dict | None = None) -> Path:
     """Write a tiny random checkpoint of ``arch`` (any ``model_type`` of the installed transformers, or
     ``llada2_moe``; ``tiny_config``) to ``out_dir``.
 
     Weights are drawn with ``initializer_range`` 0.2 (transformers' default 0.02 gives near-uniform router scores
     and a model that repeats one token): routing is then decisive and varies from token to token, and greedy text
-    varies, which makes the lossless comparisons meaningful.
+    varies, which makes the lossless comparisons meaningful. ``config_overrides`` are set on the text config after
+    the shrink (e.g. ``num_hidden_layers``, ``mlp_only_layers`` to mix dense and MoE layers).
 
     Raises:
         MoeOffloadError: an architecture without a tiny configuration (``tiny_config`` says why), or ``out_dir``
@@ -102,16 +140,15 @@ def make_tiny(arch: str, out_dir: str | Path, *, seed: int = 0, dtype: torch.dty
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise MoeOffloadError(f"{out} already exists and is not empty; choose another --out")
     tok, config = tiny_config(arch)
+    if config_overrides:
+        config = _override(config, config_overrides)
     torch.manual_seed(seed)
     try:
         model = _save_class(config).from_config(config, dtype=dtype)
     except Exception as e:
         raise MoeOffloadError(f"{arch}: transformers cannot build the tiny model: {type(e).__name__}: "
                               f"{str(e).strip()[:200]}") from None
-    with torch.no_grad():  # a selection-only router bias (LLaDA2, DeepSeek-V3): random, so that loading it is tested
-        for name, buf in model.named_buffers():
-            if name.endswith("expert_bias"):
-                buf.normal_(0.0, 0.1)
+    _random_routing_buffers(model, config)
     model.save_pretrained(out)
     tok.save_pretrained(out)
     return out

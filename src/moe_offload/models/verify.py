@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import glob
 import os
-import re
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
@@ -28,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import MoeOffloadError
+from ..errors import MoeOffloadError, NotServedError
 
 PROMPTS = ["Hello there, how are you today?",
            "The slot pool is shared by all MoE layers; a lookup table maps each expert to its slot. " * 2]
@@ -52,6 +51,8 @@ class TypeResult:
     experts: int = 0
     top_k: int = 0
     multimodal: bool = False
+    layer_kinds: list = field(default_factory=list)  # distinct layer_types (attention / linear attention / mamba...)
+    shared_experts: bool = False
     misses: int = 0
     transformers_generate: str = ""   # "equal" | "differs" | "error: ..." (FullLoad loop vs model.generate)
     seconds: float = 0.0
@@ -136,8 +137,10 @@ def verify(model_type: str, workdir: str | Path, *, family: str = "", keep: bool
             res.status, res.reason = "refused", REFUSED[model_type]
             return res
         _check_tiny(model_type, path, res)
-    except MoeOffloadError as e:
-        res.status, res.reason = res.status if res.status != "failed" else "refused", str(e)
+    except NotServedError as e:
+        res.status, res.reason = "refused", str(e)
+    except MoeOffloadError as e:  # untested (no tiny checkpoint), or failed (the loader could not serve it)
+        res.reason = str(e)
     except Exception as e:  # a bug: say where
         import traceback
 
@@ -155,25 +158,16 @@ def _check_tiny(model_type: str, path: Path, res: TypeResult) -> None:
     """Build the tiny checkpoint, compare offloaded with FullLoad tokens, record a trace; fills ``res``."""
     from ..generate import encode_prompt, generate_ids, run
     from ..trace.collect import TraceRecorder
-    from .capability import inspect_model
     from .checkpoint import read_config
     from .diffusion import is_diffusion
     from .loader import load_full, load_offloaded
     from .tiny import make_tiny, tiny_config
 
-    try:
-        _, config = tiny_config(model_type)
-        inspect_model(config)  # the loader's capability check: a refusal is not a tiny-building problem
-    except MoeOffloadError as e:
-        res.status = "refused" if _is_refusal(str(e)) else "untested"
-        raise MoeOffloadError(str(e)) from None
-    res.status = "untested"
+    res.status = "untested"  # until the tiny checkpoint is written (a refusal is a NotServedError: see verify)
     make_tiny(model_type, path, overwrite=True)
-    res.status = "failed"
+    res.status = "failed"  # from here every error is the loader's or the engine's
     _, config, _ = read_config(path)
-    _, mods, geo = inspect_model(config)
-    res.layers, res.moe_layers, res.experts, res.top_k = geo.num_layers, len(mods), geo.num_experts, geo.top_k
-    res.dense_layers, res.multimodal = list(geo.dense_layers), geo.multimodal
+    _describe(config, res)
     if is_diffusion(config):
         return _check_diffusion(path, res)
     full = load_full(path, device="cpu")
@@ -191,10 +185,23 @@ def _check_tiny(model_type: str, path: Path, res: TypeResult) -> None:
         res.reason = f"offloaded tokens {got} differ from FullLoad's {ref}"
         return
     rows = sum(len(i) + len(t) - 1 for i, t in zip(ids, ref))
-    if trace.expert_ids.shape != (rows, len(mods), geo.top_k):
-        res.reason = f"trace shape {trace.expert_ids.shape}, expected {(rows, len(mods), geo.top_k)}"
+    if trace.expert_ids.shape != (rows, res.moe_layers, res.top_k):
+        res.reason = f"trace shape {trace.expert_ids.shape}, expected {(rows, res.moe_layers, res.top_k)}"
         return
     res.status = "served"
+
+
+def _describe(config, res: TypeResult) -> None:
+    """Fill ``res``'s geometry from the model built from ``config`` (meta device)."""
+    from .capability import inspect_model, text_config
+
+    model, mods, geo = inspect_model(config)
+    res.layers, res.moe_layers, res.experts, res.top_k = geo.num_layers, len(mods), geo.num_experts, geo.top_k
+    res.dense_layers, res.multimodal = list(geo.dense_layers), geo.multimodal
+    text = text_config(config)
+    kinds = getattr(text, "layer_types", None) or getattr(text, "layers_block_type", None) or []
+    res.layer_kinds = sorted({k for k in kinds if isinstance(k, str)})
+    res.shared_experts = any("shared_expert" in n for n, _ in model.named_modules())
 
 
 def _check_diffusion(path: Path, res: TypeResult) -> None:
@@ -213,13 +220,3 @@ def _check_diffusion(path: Path, res: TypeResult) -> None:
         res.reason = f"offloaded tokens {got} differ from FullLoad's {ref}"
         return
     res.status = "served"
-
-
-#: loader messages that refuse a model type (as opposed to failing to build a tiny one)
-_REFUSAL = re.compile(r"no text-generation class|declares no experts|not a layout the engine knows|"
-                      r"different shapes in different MoE layers|lacks the ExpertsInterface|is not served|"
-                      r"has no top-k field")
-
-
-def _is_refusal(message: str) -> bool:
-    return bool(_REFUSAL.search(message))
