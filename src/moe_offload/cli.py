@@ -92,7 +92,9 @@ def load_prompts(args) -> list[str]:
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="checkpoint directory, or a built-in name: testbed (default), testbed-sparse")
+    p.add_argument("--model", help="checkpoint directory (any MoE model type of the installed transformers that "
+                   "`moe-offload models` lists as served; a multimodal checkpoint is served for text-only prompts), or "
+                   "a built-in name: testbed (default), testbed-sparse")
     p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: the checkpoint's")
     p.add_argument("--policy", default="lru",
