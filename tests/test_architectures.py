@@ -145,3 +145,32 @@ def test_research_commands_on_new_families(model_type, tmp_path, capsys):
     capsys.readouterr()
     state = load_for_serving(ServeConfig(d, memory_budget_gb=0.05, max_context=128), log=lambda m: None)
     assert state.plan.slots >= lm.top_k and state.lm.engine.pool.num_slots == state.plan.slots
+
+
+def test_models_command(capsys):
+    assert main(["models"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("# recorded sweep (transformers ")
+    assert "73 served, tested lossless" in out and "62 of 67 served" in out
+    row = next(ln for ln in out.splitlines() if ln.startswith("openai_privacy_filter "))
+    assert "refused" in row and "token-classification" in row
+    assert main(["models", "--type", "qwen3_moe", "--markdown"]) == 0
+    out = capsys.readouterr().out
+    assert "| `qwen3_moe` | qwen3_moe | served, tested lossless |" in out and "1 model types" in out
+    assert main(["models", "--record", "x.json"]) == 2
+    assert "--record needs --verify" in capsys.readouterr().err
+    assert main(["models", "--type", "no_such_type"]) == 2
+    assert "no model type of the sweep matches no_such_type" in capsys.readouterr().err
+
+
+def test_converted_experts_need_a_private_host_store(tmp_path):
+    """Qwen3-VL-MoE's fused experts are stored transposed: converted per expert into the pinned store; the mmap store
+    (the checkpoint's own bytes) cannot hold them and says so on one line."""
+    from moe_offload.errors import MoeOffloadError
+
+    d = make_tiny("qwen3_vl_moe", tmp_path / "vl")
+    with pytest.raises(MoeOffloadError, match="converted from the checkpoint's layout .*Transpose.* --host-store "
+                                              "pinned"):
+        load_offloaded(d, device="cpu", host_store="mmap", progress=False)
+    lm = _lossless(d)
+    assert lm.multimodal
