@@ -157,6 +157,9 @@ def test_models_command(capsys):
     assert main(["models", "--type", "qwen3_moe", "--markdown"]) == 0
     out = capsys.readouterr().out
     assert "| `qwen3_moe` | qwen3_moe | served, tested lossless |" in out and "1 model types" in out
+    assert main(["models", "--all"]) == 0
+    row = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("dbrx "))
+    assert "refused" in row and "declares no experts through ExpertsInterface" in row
     assert main(["models", "--record", "x.json"]) == 2
     assert "--record needs --verify" in capsys.readouterr().err
     assert main(["models", "--type", "no_such_type"]) == 2

@@ -58,6 +58,27 @@ def static_check(family: str, model_type: str) -> TypeResult:
     return res
 
 
+def other_types() -> list[TypeResult]:
+    """Every other model type of the installed transformers, refused without building anything: a sub-configuration
+    of an MoE family (an encoder, a text config without a generation class of its own), or a model whose modeling
+    code declares no experts through ExpertsInterface (dense, or an MoE transformers implements another way)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES, model_type_to_module_name
+
+    from .verify import families
+
+    swept, fams = {t for _, t in sweep_types()}, set(families())
+    out = []
+    for mt in sorted(CONFIG_MAPPING_NAMES):
+        if mt in swept:
+            continue
+        fam = model_type_to_module_name(mt)
+        reason = (f"a sub-configuration of the {fam} family without a text-generation class of its own" if fam in fams
+                  else "its transformers modeling code declares no experts through ExpertsInterface "
+                  "(@use_experts_implementation): a dense model, or an MoE transformers implements another way")
+        out.append(TypeResult(mt, fam, "refused", reason))
+    return out
+
+
 def current_table(verify_now: bool = False, only: list[str] | None = None, progress=None) -> tuple[list, str]:
     """``(results, source)`` for every sweep model type (or ``only`` these): verified now, recorded, or statically
     checked; ``source`` says which."""
@@ -89,12 +110,12 @@ def current_table(verify_now: bool = False, only: list[str] | None = None, progr
 def summary(results: list[TypeResult]) -> str:
     """One line of counts: model types by status, and transformers families (``@use_experts_implementation``
     modeling files) whose primary (first listed) model type is served."""
-    from .verify import OWN_TYPES
+    from .verify import families
 
     counts = {s: sum(r.status == s for r in results) for s in STATUS_TEXT}
-    fams, seen = [], set()
+    fams, seen, moe = [], set(), set(families())
     for r in results:
-        if r.family not in seen and r.model_type not in OWN_TYPES:
+        if r.family not in seen and r.family in moe:
             seen.add(r.family)
             fams.append(r)
     parts = [f"{counts[s]} {STATUS_TEXT[s]}" for s in STATUS_TEXT if counts[s]]
@@ -151,6 +172,8 @@ def add_parser(sub) -> None:
     p.add_argument("--type", action="append", metavar="MODEL_TYPE", help="only this model type or family "
                    "(repeatable)")
     p.add_argument("--markdown", action="store_true", help="print a markdown table")
+    p.add_argument("--all", action="store_true", help="also list every other model type of the installed "
+                   "transformers (dense models, MoEs without ExpertsInterface, sub-configurations), refused")
     p.add_argument("--record", metavar="FILE", help="with --verify: also write the results as a record (JSON)")
 
 
@@ -163,7 +186,8 @@ def run(args) -> int:
     show = (lambda r: print(f"{r.model_type}: {r.status} ({r.seconds} s)", file=sys.stderr, flush=True)) \
         if args.verify else None
     results, source = current_table(args.verify, args.type, show)
-    print(format_markdown(results, source) if args.markdown else format_text(results, source))
+    shown = results + (other_types() if args.all else [])
+    print(format_markdown(shown, source) if args.markdown else format_text(shown, source))
     if args.record:
         save_record(results, args.record, "moe-offload models --verify --record FILE")
     return 0

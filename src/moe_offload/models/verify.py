@@ -18,6 +18,7 @@ both and records a routing trace from the offloaded run, and reports:
 
 from __future__ import annotations
 
+import functools
 import glob
 import os
 import shutil
@@ -61,13 +62,14 @@ class TypeResult:
         return asdict(self)
 
 
-def families() -> list[str]:
+@functools.lru_cache(maxsize=1)
+def families() -> tuple[str, ...]:
     """Model families (``transformers/models/<family>``) whose modeling file uses ``@use_experts_implementation``."""
     import transformers
 
     root = Path(transformers.__file__).parent / "models"
-    return sorted(Path(f).parent.name for f in glob.glob(str(root / "*" / "modeling_*.py"))
-                  if "@use_experts_implementation" in Path(f).read_text(errors="ignore"))
+    return tuple(sorted(Path(f).parent.name for f in glob.glob(str(root / "*" / "modeling_*.py"))
+                        if "@use_experts_implementation" in Path(f).read_text(errors="ignore")))
 
 
 def _has_generation_class(config_class) -> bool:
