@@ -56,8 +56,9 @@ class Geometry:
 
 def generation_class(config):
     """``(auto_class, multimodal)``: the transformers Auto class that builds ``config``'s text-generation model —
-    ``AutoModelForCausalLM``, else ``AutoModelForImageTextToText`` / ``AutoModelForMultimodalLM`` (multimodal
-    checkpoints, served for text-only prompts).
+    ``AutoModelForCausalLM``, else ``AutoModelForImageTextToText`` / ``AutoModelForMultimodalLM`` — and whether the
+    checkpoint is multimodal (such a class, or a composite config with a text sub-config): served for text-only
+    prompts.
 
     Raises:
         NotServedError: no text-generation class for the model type.
@@ -69,7 +70,7 @@ def generation_class(config):
                              ("AutoModelForMultimodalLM", True)):
         auto = getattr(transformers, name, None)
         if auto is not None and type(config) in auto._model_mapping:
-            return auto, multimodal
+            return auto, multimodal or text_config(config) is not config
     mt = config.model_type
     tasks = [n.removeprefix("MODEL_FOR_").removesuffix("_MAPPING_NAMES").lower().replace("_", "-")
              for n in dir(ma) if n.startswith("MODEL_FOR_") and n.endswith("_MAPPING_NAMES")
