@@ -177,3 +177,22 @@ def test_converted_experts_need_a_private_host_store(tmp_path):
         load_offloaded(d, device="cpu", host_store="mmap", progress=False)
     lm = _lossless(d)
     assert lm.multimodal
+
+
+def test_models_config_checks_a_config_json_alone(tmp_path, capsys):
+    """Before downloading the weights: the real-size model is built on the meta device from config.json alone."""
+    cfg = transformers.CONFIG_MAPPING["qwen3_moe"](num_hidden_layers=4, hidden_size=256, moe_intermediate_size=64,
+                                                   num_local_experts=8, num_experts_per_tok=2, vocab_size=1000,
+                                                   mlp_only_layers=[0], dtype="bfloat16")
+    (tmp_path / "config.json").write_text(cfg.to_json_string())
+    assert main(["models", "--config", str(tmp_path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("qwen3_moe (Qwen3Moe): served, tested lossless")
+    assert out[1] == "  decoder layers 4: 3 MoE layers; dense layers: 0"
+    per_expert_mb = 3 * 64 * 256 * 2 / 1e6  # gate;up [2I, H] + down [H, I], bfloat16
+    assert f"8 per MoE layer, top-2; 24 in all, about {per_expert_mb:,.1f} MB each (bfloat16)" in out[2]
+    llama = transformers.CONFIG_MAPPING["llama"](num_hidden_layers=1)
+    (tmp_path / "llama.json").write_text(llama.to_json_string())
+    assert main(["models", "--config", str(tmp_path / "llama.json")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "llama declares no experts through transformers' ExpertsInterface" in err[0]

@@ -38,8 +38,6 @@ def read_config(model_dir: str | Path):
             the engine does not serve exactly (``quantization``). Whether the model's experts can be served is
             decided when it is built (``models.capability``).
     """
-    from transformers import CONFIG_MAPPING, AutoConfig
-
     path = Path(model_dir)
     if not path.is_dir():
         raise MoeOffloadError(f"model directory not found: {path}")
@@ -47,20 +45,38 @@ def read_config(model_dir: str | Path):
         raise MoeOffloadError(f"{path} has no config.json: not a Hugging Face checkpoint directory")
     if not sorted(path.glob("*.safetensors")):
         raise MoeOffloadError(f"{path} has no *.safetensors weights")
+    config, arch = read_config_json(path / "config.json")
+    return path, config, arch
+
+
+def read_config_json(file: str | Path):
+    """``(config, architecture)`` of a ``config.json`` alone (``read_config`` without the weights: what can be
+    checked before downloading them).
+
+    Raises:
+        MoeOffloadError: not valid JSON, a model type the installed transformers does not know (remote code is never
+            run), one ``registry.REFUSED`` names, or a ``quantization_config`` the engine does not serve exactly.
+    """
+    from transformers import CONFIG_MAPPING, AutoConfig
+
+    file = Path(file)
     try:
-        raw = json.loads((path / "config.json").read_text())
+        raw = json.loads(file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise MoeOffloadError(f"{path / 'config.json'} is not valid JSON: {e}") from None
+        raise MoeOffloadError(f"{file} is not valid JSON: {e}") from None
+    except OSError as e:
+        raise MoeOffloadError(f"cannot read {file}: {e.strerror}") from None
     model_type = raw.get("model_type")
     if model_type and model_type not in CONFIG_MAPPING:
         raise NotServedError(_unknown_type(model_type, raw))
     arch = architecture_for(model_type, CONFIG_MAPPING[model_type].__name__ if model_type else None)
     quantization(raw)
     try:
-        config = AutoConfig.from_pretrained(path)
+        config = AutoConfig.from_pretrained(file.parent) if file.name == "config.json" else \
+            CONFIG_MAPPING[model_type].from_dict(raw)
     except Exception as e:  # transformers raises many kinds for bad configs
-        raise MoeOffloadError(f"cannot read {path / 'config.json'}: {e}") from None
-    return path, config, arch
+        raise MoeOffloadError(f"cannot read {file}: {e}") from None
+    return config, arch
 
 
 def _unknown_type(model_type: str, raw: dict) -> str:

@@ -43,14 +43,14 @@ def static_check(family: str, model_type: str) -> TypeResult:
     reason, or ``untested`` (no tiny configuration builds)."""
     from .registry import REFUSED
     from .tiny import tiny_config
-    from .verify import _describe
+    from .verify import describe
 
     res = TypeResult(model_type, family, "builds")
     if model_type in REFUSED:
         res.status, res.reason = "refused", REFUSED[model_type]
         return res
     try:
-        _describe(tiny_config(model_type)[1], res)
+        describe(tiny_config(model_type)[1], res)
     except NotServedError as e:
         res.status, res.reason = "refused", str(e)
     except MoeOffloadError as e:
@@ -163,6 +163,55 @@ def format_markdown(results: list[TypeResult], source: str) -> str:
     return "\n".join(lines + ["", summary(results)])
 
 
+def describe_config(path: str | Path) -> str:
+    """What serving the checkpoint whose ``config.json`` is at ``path`` (a file, or a directory holding it) would
+    take, from the config alone (the model is built on the meta device at its real size): status, layers, experts,
+    bytes.
+
+    Raises:
+        MoeOffloadError: the config cannot be read, or its model type is not served (``NotServedError``: why).
+    """
+    import math
+
+    import transformers
+
+    from .capability import expert_params, inspect_model
+    from .checkpoint import quantization, read_config_json
+    from .loader import resolve_dtype
+
+    p = Path(path)
+    file = p / "config.json" if p.is_dir() else p
+    config, arch = read_config_json(file)
+    quant = quantization(json.loads(file.read_text()))
+    dt = resolve_dtype(None, config)
+    model, mods, geo = inspect_model(config, dt)
+    per_expert = sum(math.prod(s) for _, s in geo.expert_params)
+    routed = {id(p) for _, m in mods for _, p in expert_params(m)}
+    rest = sum(p.numel() for p in model.parameters() if id(p) not in routed)
+    size = torch_itemsize(dt)
+    stored = {"fp8": (1.0, "FP8"), "mxfp4": (0.5, "MXFP4")}.get(quant.method, (size, str(dt).replace("torch.", "")))
+    rec = {r.model_type: r for r in current_table()[0]}.get(config.model_type)
+    status = ("served, tested lossless on a tiny random checkpoint" if rec and rec.status == "served" else
+              "passes the capability check (not in the sweep of this transformers)")
+    n_all = len(mods) * geo.num_experts
+    return "\n".join([
+        f"{config.model_type} ({arch.name}): {status}; transformers {transformers.__version__}",
+        f"  decoder layers {geo.num_layers}: {len(mods)} MoE layers; dense layers: "
+        f"{', '.join(map(str, geo.dense_layers)) or 'none'}",
+        f"  routed experts: {geo.num_experts} per MoE layer, top-{geo.top_k}; {n_all:,} in all, about "
+        f"{per_expert * stored[0] / 1e6:,.1f} MB each ({stored[1]}), {n_all * per_expert * stored[0] / 1e9:,.1f} GB",
+        f"  non-expert weights (always on the device): about {rest * size / 1e9:,.2f} GB "
+        f"({str(dt).replace('torch.', '')})",
+    ] + (["  multimodal: served for text-only prompts"] if geo.multimodal else []))
+
+
+def torch_itemsize(dtype) -> int:
+    """Bytes per element of a torch dtype."""
+    import torch
+
+    return torch.empty(0, dtype=dtype).element_size()
+
+
 def add_parser(sub) -> None:
     """Register ``moe-offload models``."""
     p = sub.add_parser("models", help="every MoE model type of the installed transformers: served (tested "
@@ -175,6 +224,8 @@ def add_parser(sub) -> None:
     p.add_argument("--all", action="store_true", help="also list every other model type of the installed "
                    "transformers (dense models, MoEs without ExpertsInterface, sub-configurations), refused")
     p.add_argument("--record", metavar="FILE", help="with --verify: also write the results as a record (JSON)")
+    p.add_argument("--config", metavar="PATH", help="check one checkpoint's config.json (the file or its directory; "
+                   "no weights needed): served or why not, layers, experts, bytes")
 
 
 def run(args) -> int:
@@ -183,6 +234,9 @@ def run(args) -> int:
 
     if args.record and not args.verify:
         raise MoeOffloadError("--record needs --verify (a record holds verified results)")
+    if args.config:
+        print(describe_config(args.config))
+        return 0
     show = (lambda r: print(f"{r.model_type}: {r.status} ({r.seconds} s)", file=sys.stderr, flush=True)) \
         if args.verify else None
     results, source = current_table(args.verify, args.type, show)

@@ -169,7 +169,7 @@ def _check_tiny(model_type: str, path: Path, res: TypeResult) -> None:
     make_tiny(model_type, path, overwrite=True)
     res.status = "failed"  # from here every error is the loader's or the engine's
     _, config, _ = read_config(path)
-    _describe(config, res)
+    describe(config, res)
     if is_diffusion(config):
         return _check_diffusion(path, res)
     full = load_full(path, device="cpu")
@@ -193,7 +193,7 @@ def _check_tiny(model_type: str, path: Path, res: TypeResult) -> None:
     res.status = "served"
 
 
-def _describe(config, res: TypeResult) -> None:
+def describe(config, res: TypeResult) -> None:
     """Fill ``res``'s geometry from the model built from ``config`` (meta device)."""
     from .capability import inspect_model, text_config
 
