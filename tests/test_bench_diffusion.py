@@ -67,13 +67,11 @@ def test_regime_scales_profile_costs_to_measured_fullload(tiny_dirs):
 
 
 def test_balance_expert_bias_reduces_load_imbalance():
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    from moe_offload.models.registry import ARCHITECTURES
-    from moe_offload.models.tiny import balance_expert_bias
+    from moe_offload.models.tiny import balance_expert_bias, tiny_config
 
-    cfg = AutoConfig.for_model("llada2_moe", vocab_size=259, initializer_range=0.2, mask_token_id=258,
-                               pad_token_id=0, **ARCHITECTURES["llada2_moe"].tiny)
+    _, cfg = tiny_config("llada2_moe")
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg).eval()
     batches = [torch.randint(0, 256, (1, 48), generator=torch.Generator().manual_seed(i)) for i in range(4)]

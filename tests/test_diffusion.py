@@ -14,7 +14,7 @@ from moe_offload.errors import MoeOffloadError
 from moe_offload.models.diffusion import (block_causal_mask, commit_positions, diffusion_generate_ids,
                                           run_diffusion, transfer_schedule)
 from moe_offload.models.loader import LoadedModel, load_offloaded
-from moe_offload.models.registry import ARCHITECTURES
+from moe_offload.models.registry import architecture_for
 
 MASK, EOS, VOCAB = 50, 49, 64
 
@@ -54,7 +54,7 @@ class Engine:
 
 
 def fake_lm(tmp_path, target=lambda p: 10 + p % 7, conf=lambda p: 0.5, engine=None):
-    return LoadedModel(Scripted(target, conf), None, engine, ARCHITECTURES["llada2_moe"], torch.device("cpu"),
+    return LoadedModel(Scripted(target, conf), None, engine, architecture_for("llada2_moe"), torch.device("cpu"),
                        torch.float32, 0, 0, 0, 0, Path(tmp_path))
 
 

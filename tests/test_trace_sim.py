@@ -149,3 +149,19 @@ def test_runtime_hits_equal_simulator_on_testbed(sparse_testbed_2layers, policy)
     res = replay(tr, 16, policy)
     assert (res.hits, res.misses) == (stats.offload.hits, stats.offload.misses)
     assert res.hits > 0 and res.misses > 0
+
+
+def test_layer_needs_counts_a_repeated_expert_once():
+    """A token may pick one expert twice (a hash-routing table with a repeated entry): the replay needs it once, as
+    the runtime's plan does, and counts both picks as its tokens."""
+    from moe_offload.sim.simulator import layer_needs
+    from moe_offload.trace.format import Trace
+
+    ids = np.array([[[3, 3]], [[1, 2]]], np.int16)  # two one-token decode steps, 1 layer, top-2
+    header = {"num_moe_layers": 1, "num_experts": 4, "top_k": 2, "requests": [{"prompt_tokens": 0,
+                                                                                 "decode_steps": 2}]}
+    tr = Trace(header, ids, np.ones_like(ids, np.float16), np.zeros(2, np.int32), np.array([1, 2], np.int32),
+               np.zeros(0, np.int32))
+    (_, _, needed0, tokens0), (_, _, needed1, tokens1) = layer_needs(tr)
+    assert (needed0, tokens0) == ([[3]], [[2]])
+    assert (needed1, tokens1) == ([[1, 2]], [[1, 1]])

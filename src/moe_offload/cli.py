@@ -1,4 +1,4 @@
-"""moe-offload command line: generate, testbed, trace, simulate, predictor, bench.
+"""moe-offload command line: generate, models, testbed, trace, simulate, predictor, bench, serve.
 
 Every user error is one line on stderr and exit status 2 (no traceback); nothing is written except into the
 cache directory or an ``--out`` the user named, and an existing non-empty ``--out`` is never overwritten.
@@ -92,7 +92,9 @@ def load_prompts(args) -> list[str]:
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="checkpoint directory, or a built-in name: testbed (default), testbed-sparse")
+    p.add_argument("--model", help="checkpoint directory (any MoE model type of the installed transformers that "
+                   "`moe-offload models` lists as served; a multimodal checkpoint is served for text-only prompts), or "
+                   "a built-in name: testbed (default), testbed-sparse")
     p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: the checkpoint's")
     p.add_argument("--policy", default="auto",
@@ -145,7 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
     tb.add_argument("--out", help="directory to write (default: the user cache)")
     tb.add_argument("--quiet", action="store_true", help="no progress bars")
     tt = tsub.add_parser("tiny", help="write a tiny random checkpoint of an architecture")
-    tt.add_argument("--arch", required=True, help="model_type, e.g. qwen3_moe, mixtral, gpt_oss")
+    tt.add_argument("--arch", required=True, help="model_type: any MoE model type of the installed transformers "
+                    "(moe-offload models lists them), e.g. qwen3_moe, gpt_oss, deepseek_v4, or llada2_moe")
     tt.add_argument("--out", required=True)
     tt.add_argument("--seed", type=int, default=0)
 
@@ -252,6 +255,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .serve.cli import add_parsers as add_serve_parsers
 
     add_serve_parsers(sub, bsub, _positive_int, _nonneg_int, _float)
+    from .models.supported import add_parser as add_models_parser
+
+    add_models_parser(sub)
     return ap
 
 
@@ -742,6 +748,10 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_generate(args)
         if args.cmd == "testbed":
             return _cmd_testbed(args)
+        if args.cmd == "models":
+            from .models.supported import run as run_models
+
+            return run_models(args)
         if args.cmd == "trace":
             return _cmd_trace(args)
         if args.cmd == "simulate":

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..errors import MoeOffloadError
+from ..errors import MoeOffloadError, NotServedError
 from .registry import architecture_for
 
 #: safetensors dtype names -> torch dtypes
@@ -33,11 +33,11 @@ def read_config(model_dir: str | Path):
     """Validate a checkpoint directory and return ``(path, config, architecture)``.
 
     Raises:
-        MoeOffloadError: missing directory, no config.json, no safetensors, unsupported architecture, or a
-            ``quantization_config`` the engine does not serve exactly (``quantization``).
+        MoeOffloadError: missing directory, no config.json, no safetensors, a model type the installed transformers
+            does not know (remote code is never run), one ``registry.REFUSED`` names, or a ``quantization_config``
+            the engine does not serve exactly (``quantization``). Whether the model's experts can be served is
+            decided when it is built (``models.capability``).
     """
-    from transformers import AutoConfig
-
     path = Path(model_dir)
     if not path.is_dir():
         raise MoeOffloadError(f"model directory not found: {path}")
@@ -45,17 +45,48 @@ def read_config(model_dir: str | Path):
         raise MoeOffloadError(f"{path} has no config.json: not a Hugging Face checkpoint directory")
     if not sorted(path.glob("*.safetensors")):
         raise MoeOffloadError(f"{path} has no *.safetensors weights")
+    config, arch = read_config_json(path / "config.json")
+    return path, config, arch
+
+
+def read_config_json(file: str | Path):
+    """``(config, architecture)`` of a ``config.json`` alone (``read_config`` without the weights: what can be
+    checked before downloading them).
+
+    Raises:
+        MoeOffloadError: not valid JSON, a model type the installed transformers does not know (remote code is never
+            run), one ``registry.REFUSED`` names, or a ``quantization_config`` the engine does not serve exactly.
+    """
+    from transformers import CONFIG_MAPPING, AutoConfig
+
+    file = Path(file)
     try:
-        raw = json.loads((path / "config.json").read_text())
+        raw = json.loads(file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise MoeOffloadError(f"{path / 'config.json'} is not valid JSON: {e}") from None
-    arch = architecture_for(raw.get("model_type"))
+        raise MoeOffloadError(f"{file} is not valid JSON: {e}") from None
+    except OSError as e:
+        raise MoeOffloadError(f"cannot read {file}: {e.strerror}") from None
+    model_type = raw.get("model_type")
+    if model_type and model_type not in CONFIG_MAPPING:
+        raise NotServedError(_unknown_type(model_type, raw))
+    arch = architecture_for(model_type, CONFIG_MAPPING[model_type].__name__ if model_type else None)
     quantization(raw)
     try:
-        config = AutoConfig.from_pretrained(path)
+        config = AutoConfig.from_pretrained(file.parent) if file.name == "config.json" else \
+            CONFIG_MAPPING[model_type].from_dict(raw)
     except Exception as e:  # transformers raises many kinds for bad configs
-        raise MoeOffloadError(f"cannot read {path / 'config.json'}: {e}") from None
-    return path, config, arch
+        raise MoeOffloadError(f"cannot read {file}: {e}") from None
+    return config, arch
+
+
+def _unknown_type(model_type: str, raw: dict) -> str:
+    import transformers
+
+    if raw.get("auto_map"):
+        return (f"model_type {model_type!r} needs remote code (config.json auto_map), which moe-offload does not run;"
+                f" the installed transformers {transformers.__version__} has no {model_type} (see moe-offload models)")
+    return (f"model_type {model_type!r} is not known to the installed transformers {transformers.__version__} "
+            "(see moe-offload models for the model types it serves)")
 
 
 @dataclass(frozen=True)

@@ -37,13 +37,12 @@ from .loader import LoadedModel
 def is_diffusion(lm_or_config) -> bool:
     """Whether a ``LoadedModel`` or a transformers config is a block-diffusion LM (an ``Architecture`` flagged
     ``diffusion``, e.g. ``llada2_moe``)."""
-    from .registry import ARCHITECTURES
+    from .registry import DIFFUSION
 
     arch = getattr(lm_or_config, "arch", None)
     if arch is not None:
         return bool(arch.diffusion)
-    entry = ARCHITECTURES.get(getattr(lm_or_config, "model_type", None) or "")
-    return bool(entry and entry.diffusion)
+    return (getattr(lm_or_config, "model_type", None) or "") in DIFFUSION
 
 
 def check_params(max_new_tokens: int, block_length: int, steps: int, threshold: float) -> None:

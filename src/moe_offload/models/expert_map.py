@@ -33,14 +33,22 @@ class CheckpointMap:
     """The checkpoint mapped onto a model built on the meta device.
 
     Attributes:
-        non_expert: ``{parameter or buffer name: (key, scale_key or None)}``.
+        non_expert: ``{first target parameter: [(checkpoint key, converter source pattern or None), ...]}``: the
+            keys transformers' loader would convert into that parameter (and, for a one-to-many converter, its
+            siblings), loaded by ``models.weights.load_non_expert``.
+        scales: ``{checkpoint key of an FP8 weight: key of its weight_scale_inv}``.
         pieces: ``{(moe_layer, expert, param): {part position: {role: ExpertPiece}}}``.
         concat_dim: ``{param: per-expert dim its parts concatenate along}``.
+        converted: ``{param: transformers WeightConverter}`` for expert parameters whose checkpoint layout the
+            converter changes by more than merging and concatenating (transpose, interleave...): they are converted
+            per expert when the host store is filled (``fill_store``), with transformers' own operations.
     """
 
     non_expert: dict = field(default_factory=dict)
+    scales: dict = field(default_factory=dict)
     pieces: dict = field(default_factory=dict)
     concat_dim: dict = field(default_factory=dict)
+    converted: dict = field(default_factory=dict)
 
 
 def _companion(key: str, quant: Quantization) -> tuple[str, str]:
@@ -61,6 +69,27 @@ def _companion(key: str, quant: Quantization) -> tuple[str, str]:
     return key, "weight"
 
 
+def _conversions(model: torch.nn.Module):
+    """``(renamings, converters, {source pattern: converter})`` of transformers' conversion mapping for ``model``."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming
+
+    conversions = get_model_conversion_mapping(model)
+    renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
+    converters = [c for c in conversions if isinstance(c, WeightConverter)]
+    return renamings, converters, {pat: c for c in converters for pat in c.source_patterns}
+
+
+def _rename(key: str, model, renamings, converters, meta_sd) -> tuple[str, str | None]:
+    """transformers' key renaming (``rename_source_key``), with its loader's fallback to the key itself."""
+    from transformers.core_model_loading import rename_source_key
+
+    target, pattern = rename_source_key(key, renamings, converters, model.base_model_prefix, meta_sd)
+    if target not in meta_sd and key in meta_sd:
+        target, pattern = rename_source_key(key, [], [], model.base_model_prefix, meta_sd)
+    return target, pattern
+
+
 def map_checkpoint(model: torch.nn.Module, mods: list, ckpt: Checkpoint, quant: Quantization,
                    expert_names: set[str]) -> CheckpointMap:
     """Map every checkpoint key onto ``model`` (built on the meta device; ``mods`` its experts modules in MoE-layer
@@ -68,52 +97,59 @@ def map_checkpoint(model: torch.nn.Module, mods: list, ckpt: Checkpoint, quant: 
 
     Raises:
         MoeOffloadError: a key mapping to an expert parameter the module does not have, an expert index that
-            cannot be found, or an expert conversion other than merge (+ concatenate).
+            cannot be found, or quantized experts whose conversion is more than merge (+ concatenate).
     """
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
-
-    conversions = get_model_conversion_mapping(model)
-    renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
-    converters = [c for c in conversions if isinstance(c, WeightConverter)]
-    by_pattern = {pat: c for c in converters for pat in c.source_patterns}
+    renamings, converters, by_pattern = _conversions(model)
     meta_sd = model.state_dict()
     layer_of = {name: i for i, (name, _) in enumerate(mods)}
-    num_experts = mods[0][1].num_experts
     cmap = CheckpointMap()
-    scales: dict[str, str] = {}
     for key in ckpt.keys():
         base, role = _companion(key, quant)
-        target, pattern = rename_source_key(base, renamings, converters, model.base_model_prefix, meta_sd)
+        target, pattern = _rename(base, model, renamings, converters, meta_sd)
         mod_name, _, pname = target.rpartition(".")
         if mod_name not in layer_of:
             if role == "weight":
-                cmap.non_expert.setdefault(target, (key, None))
+                cmap.non_expert.setdefault(target, []).append((key, pattern))
             else:
-                scales[target] = key
+                cmap.scales[base] = key
             continue
-        layer = layer_of[mod_name]
         if pname not in expert_names:
             if quant.method != "mxfp4" and re.search(r"_(blocks|scales)$", pname):
                 raise MoeOffloadError(f"checkpoint key {key} looks like MXFP4 (*_blocks / *_scales) but config.json "
                                       "has no mxfp4 quantization_config")
             raise MoeOffloadError(f"checkpoint key {key} maps to unknown expert parameter {target}")
-        if pattern is None:  # fused [E, ...] tensor in the checkpoint, already in the module's layout
-            for e in range(num_experts):
-                cmap.pieces.setdefault((layer, e, pname), {}).setdefault(0, {})[role] = ExpertPiece(key, e)
-            continue
-        conv = by_pattern[pattern]
-        cmap.concat_dim[pname] = _concat_dim(conv, key)
-        m = re.search(re.escape(pattern).replace(r"\*", r"(\d+)"), base)
-        if m is None:
-            raise MoeOffloadError(f"cannot find the expert index in checkpoint key {key}")
-        position = conv.source_patterns.index(pattern)
-        cmap.pieces.setdefault((layer, int(m.group(1)), pname), {}).setdefault(position, {})[role] = \
-            ExpertPiece(key, None)
-    for target, skey in scales.items():
-        if target in cmap.non_expert:
-            cmap.non_expert[target] = (cmap.non_expert[target][0], skey)
+        _map_expert_key(cmap, key, base, role, layer_of[mod_name], pname, by_pattern.get(pattern) if pattern else
+                        None, pattern, mods[0][1].num_experts)
     return cmap
+
+
+def _map_expert_key(cmap: CheckpointMap, key: str, base: str, role: str, layer: int, pname: str, conv,
+                    pattern: str | None, num_experts: int) -> None:
+    """Record one routed-expert checkpoint key: per-expert (``experts.{e}.*``) or fused (``[E, ...]``), as parts of
+    a merge (+ concatenate) or as the input of a converter applied per expert."""
+    if conv is not None and not _is_merge(conv):
+        if role != "weight":
+            raise MoeOffloadError(f"checkpoint key {key}: quantized experts converted by "
+                                  f"{[type(o).__name__ for o in conv.operations]} are not supported for offloading")
+        cmap.converted[pname] = conv
+    elif conv is not None:
+        cmap.concat_dim[pname] = _concat_dim(conv, key)
+    position = conv.source_patterns.index(pattern) if conv is not None else 0
+    if pattern is None or "*" not in pattern:  # a fused [E, ...] tensor: one row per expert
+        for e in range(num_experts):
+            cmap.pieces.setdefault((layer, e, pname), {}).setdefault(position, {})[role] = ExpertPiece(key, e)
+        return
+    m = re.search(pattern.replace("*.", r"(\d+)\."), base)
+    if m is None:
+        raise MoeOffloadError(f"cannot find the expert index in checkpoint key {key}")
+    cmap.pieces.setdefault((layer, int(m.group(1)), pname), {}).setdefault(position, {})[role] = \
+        ExpertPiece(key, None)
+
+
+def _is_merge(conv) -> bool:
+    """A converter that only stacks per-expert tensors (+ concatenates them): stored as parts (native precision)."""
+    ops = [type(o).__name__ for o in conv.operations]
+    return ops in (["MergeModulelist"], ["MergeModulelist", "Concatenate"])
 
 
 def _concat_dim(conv, key: str) -> int:
@@ -186,6 +222,11 @@ def build_format(mods: list, cmap: CheckpointMap, ckpt: Checkpoint, quant: Quant
         parts = cmap.pieces.get((0, 0, pname))
         if not parts:
             raise MoeOffloadError(f"checkpoint lacks expert weights, e.g. MoE layer 0 expert 0 {pname}")
+        if pname in cmap.converted:
+            specs.append(_converted_spec(pname, tuple(shape), parts, ckpt, cmap, compute_dtype, keep_file_dtype))
+            reference[pname] = {pos: {r: _piece_shape(ckpt, p) for r, p in roles.items()}
+                                for pos, roles in parts.items()}
+            continue
         dim = cmap.concat_dim.get(pname, 0)
         built = [_part_spec(ckpt, parts[pos], pname, quant, storage) for pos in sorted(parts)]
         total = list(built[0][1])
@@ -212,6 +253,63 @@ def build_format(mods: list, cmap: CheckpointMap, ckpt: Checkpoint, quant: Quant
     return ExpertFormat(specs, compute_dtype)
 
 
+def _converted_spec(pname: str, shape: tuple, parts: dict, ckpt: Checkpoint, cmap: CheckpointMap,
+                    compute_dtype: torch.dtype, keep_file_dtype: bool) -> tuple:
+    """The format spec of a converted expert parameter: one plain field in the module's per-expert layout.
+
+    Raises:
+        MoeOffloadError: ``--host-store mmap`` (it maps the checkpoint's bytes, which this parameter's are not), or
+            pieces that are not float tensors.
+    """
+    ops = [type(o).__name__ for o in cmap.converted[pname].operations]
+    if keep_file_dtype:
+        raise MoeOffloadError(f"expert parameter {pname} is converted from the checkpoint's layout ({', '.join(ops)}):"
+                              " --host-store mmap serves experts stored in the module's layout; use --host-store "
+                              "pinned")
+    for roles in parts.values():
+        for piece in roles.values():
+            if not _piece_shape(ckpt, piece)[1].is_floating_point or _piece_shape(ckpt, piece)[1] in FLOAT8:
+                raise MoeOffloadError(f"{piece.key}: converted expert weights ({', '.join(ops)}) must be float")
+    return pname, shape, 0, [(PLAIN, shape, {"weight": (shape, compute_dtype)})]
+
+
+class _SliceModel:
+    """What a conversion op may ask of the model (``get_parameter`` for ``Transpose(check_dims=True)``), for a
+    one-expert slice: the parameter's shape with one expert."""
+
+    def __init__(self, shape: tuple[int, ...]):
+        self.shape = shape
+
+    def get_parameter(self, name: str) -> torch.Tensor:
+        return torch.empty((1, *self.shape), device="meta")
+
+
+def convert_expert(conv, parts: dict, ckpt: Checkpoint, shape: tuple[int, ...], name: str) -> torch.Tensor:
+    """One expert's parameter from its checkpoint pieces through transformers' own conversion operations, run on a
+    one-expert slice (a per-expert tensor, or one row of a fused ``[E, ...]`` tensor, as a list of one).
+
+    Returns:
+        ``shape`` tensor in the checkpoint's dtype.
+
+    Raises:
+        MoeOffloadError: the conversion does not give the module's per-expert shape.
+    """
+    inputs = {}
+    for pos in sorted(parts):
+        piece = parts[pos]["weight"]
+        t = ckpt.tensor(piece.key, piece.fused_index)
+        inputs[conv.source_patterns[pos]] = [t] if piece.fused_index is None else t.unsqueeze(0)
+    for op in conv.operations:
+        inputs = op.convert(inputs, source_patterns=conv.source_patterns, target_patterns=conv.target_patterns,
+                            full_layer_name=name, model=_SliceModel(shape), config=None)
+    (out,) = inputs.values()
+    out = out[0] if isinstance(out, list) else out
+    if tuple(out.shape) != (1, *shape):
+        raise MoeOffloadError(f"{name}: converting the checkpoint's pieces gives {tuple(out.shape[1:])}, the module "
+                              f"expects {shape}")
+    return out[0]
+
+
 def _targets(fmt: ExpertFormat, pname: str, position: int, role: str):
     """``(field, byte offset inside the row, storage dtype)`` where part ``position``'s ``role`` goes."""
     pf = fmt.params[pname]
@@ -226,11 +324,14 @@ def fill_store(store, fmt: ExpertFormat, cmap: CheckpointMap, ckpt: Checkpoint, 
     """Put every routed expert's pieces into ``store``: positioned reads straight into the private rows
     (``HostStore``; plain parts in another dtype than the file's are read and cast), or byte-range segments of the
     files (``MmapHostStore``), in file order. Parts are identified by their sorted position."""
-    jobs = []
+    jobs, converted = [], []
     for (layer, e, pname), parts in cmap.pieces.items():
         if layer >= num_layers:
             continue
         eid = layer * num_experts + e
+        if pname in cmap.converted:
+            converted.append((eid, pname, parts))
+            continue
         for i, pos in enumerate(sorted(parts)):
             for role, piece in parts[pos].items():
                 info = ckpt.info(piece.key)
@@ -252,3 +353,7 @@ def fill_store(store, fmt: ExpertFormat, cmap: CheckpointMap, ckpt: Checkpoint, 
             store.row(eid)[off:off + t.numel() * t.element_size()] = t.view(torch.uint8).numpy()
         bar.update(1)
     bar.close()
+    for eid, pname, parts in converted:  # transformers' conversion ops, one expert at a time
+        f, off = _targets(fmt, pname, 0, "weight")
+        t = convert_expert(cmap.converted[pname], parts, ckpt, fmt.params[pname].shape, pname).to(f.dtype)
+        store.row(eid)[off:off + t.numel() * t.element_size()] = t.reshape(-1).view(torch.uint8).numpy()

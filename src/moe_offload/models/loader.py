@@ -23,9 +23,12 @@ from ..runtime.engine import OffloadEngine
 from ..runtime.formats import ExpertFormat
 from ..runtime.pool import SlotPool
 from ..runtime.store import HostStore, MmapHostStore
-from .checkpoint import FLOAT8, Checkpoint, quantization, read_config
-from .expert_map import CheckpointMap, build_format, fill_store, map_checkpoint
+from .capability import (Geometry, expert_params, experts_modules, generation_class, inspect_model,  # noqa: F401
+                         top_k as _top_k)
+from .checkpoint import Checkpoint, quantization, read_config
+from .expert_map import build_format, fill_store, map_checkpoint
 from .registry import Architecture
+from .weights import load_non_expert
 
 #: host store modes (``--host-store``)
 HOST_STORES = ("pinned", "mmap")
@@ -60,18 +63,6 @@ def resolve_dtype(name: str | None, config) -> torch.dtype:
         raise MoeOffloadError(f"unknown dtype {name!r}; use one of {', '.join(sorted(set(_DTYPES)))}") from None
 
 
-def experts_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """``[(qualified_name, module)]`` of every experts module declared with ``@use_experts_implementation``, in
-    model order (one per MoE layer)."""
-    return [(n, m) for n, m in model.named_modules()
-            if hasattr(m, "is_transposed") and hasattr(m, "has_gate") and hasattr(m, "_apply_gate")]
-
-
-def _expert_params(mod: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
-    n = mod.num_experts
-    return [(name, p) for name, p in mod.named_parameters(recurse=False) if p.dim() >= 2 and p.shape[0] == n]
-
-
 @dataclass
 class LoadedModel:
     """A model ready to generate: ``model`` (transformers), ``tokenizer`` (or None), ``engine`` (None for FullLoad),
@@ -91,6 +82,7 @@ class LoadedModel:
     path: Path
     host_store: str | None = None           # "pinned" | "mmap" (None: FullLoad)
     expert_dtypes: tuple[str, ...] = ()     # stored dtypes of the experts, e.g. ("bfloat16", "float8_e4m3fn")
+    multimodal: bool = False                # a multimodal checkpoint served for text-only prompts
 
     def close(self) -> None:
         """Release the engine's copy worker and host store (no-op for FullLoad); the model must not run after."""
@@ -114,13 +106,6 @@ def _load_tokenizer(path: Path):
         return AutoTokenizer.from_pretrained(path)
     except Exception as e:
         raise MoeOffloadError(f"cannot load the tokenizer in {path}: {e}") from None
-
-
-def _top_k(config) -> int:
-    for name in ("num_experts_per_tok", "moe_topk", "top_k"):
-        if getattr(config, name, None):
-            return int(getattr(config, name))
-    raise MoeOffloadError("config has no num_experts_per_tok")
 
 
 def num_slots_for(num_experts_total: int, top_k: int, residency: float | None, slots: int | None) -> int:
@@ -175,67 +160,22 @@ def _check_policy(policy: str, arch: Architecture, interval: int) -> bool:
     return refresh
 
 
-def _load_non_expert(model: torch.nn.Module, cmap: CheckpointMap, ckpt: Checkpoint, layer_of: dict) -> None:
-    """Read every non-expert weight onto the model's device; FP8 ones (weight + ``weight_scale_inv``) are
-    dequantized to the parameter's dtype with transformers' own ``Fp8Dequantize`` arithmetic.
-
-    Raises:
-        MoeOffloadError: a weight the checkpoint lacks, a shape mismatch, or FP8 codes without their scales.
-    """
-    from ..runtime.formats import _dequantize_fp8
-
-    persistent = set(model.state_dict())
-    tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
-    missing = [k for k in persistent if k not in cmap.non_expert and k.rpartition(".")[0] not in layer_of
-               and k not in tied]
-    if missing:
-        raise MoeOffloadError(f"checkpoint lacks {len(missing)} weights, e.g. {missing[0]}")
-    params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
-    with torch.no_grad():
-        for target, (key, scale_key) in cmap.non_expert.items():
-            dst = params.get(target, buffers.get(target))
-            if dst is None:
-                continue  # checkpoint extras (an MTP layer past num_hidden_layers, a tied lm_head written twice)
-            src = ckpt.tensor(key)
-            if src.dtype in FLOAT8:
-                if scale_key is None:
-                    raise MoeOffloadError(f"{key} is {str(src.dtype).replace('torch.', '')} without its "
-                                          "weight_scale_inv: its values are unknown")
-                src = _dequantize_fp8(src.unsqueeze(0), ckpt.tensor(scale_key).unsqueeze(0), dst.dtype)[0]
-            elif scale_key is not None:
-                raise MoeOffloadError(f"{scale_key}: a scale for {key}, which is stored as {src.dtype}, not FP8")
-            if tuple(src.shape) != tuple(dst.shape):
-                raise MoeOffloadError(f"{key}: shape {tuple(src.shape)} does not match the model's {tuple(dst.shape)}")
-            dst.copy_(src.to(dst.dtype))
-        model.tie_weights()
-
-
 def _build_meta(config, dt: torch.dtype):
-    """The model on the meta device and its experts modules ``[(name, module)]`` (one per MoE layer).
+    """The model on the meta device, its experts modules ``[(name, module)]`` (one per MoE layer) and the experts'
+    ``[(param, per-expert shape)]``.
 
     Raises:
-        MoeOffloadError: no experts modules, or experts of different shapes across layers.
+        MoeOffloadError: the model cannot be served (``models.capability.inspect_model`` says why).
     """
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dt)
-    mods = experts_modules(model)
-    if not mods:
-        raise MoeOffloadError(f"{config.model_type} model built without experts modules: unsupported transformers "
-                              "version")
-    shapes = [(n, tuple(p.shape[1:])) for n, p in _expert_params(mods[0][1])]
-    for name, mod in mods:
-        if [(n, tuple(p.shape[1:])) for n, p in _expert_params(mod)] != shapes:
-            raise MoeOffloadError(f"{name}: experts of different shapes across layers are not supported")
-    return model, mods, shapes
+    model, mods, geo = inspect_model(config, dt)
+    return model, mods, list(geo.expert_params)
 
 
 def _materialise(model: torch.nn.Module, mods: list, dev: torch.device, dt: torch.dtype) -> None:
     """Drop the routed experts' fused parameters (they never exist on the device), allocate everything else on
     ``dev`` and initialise non-persistent buffers (rotary ``inv_freq``)."""
     for _, mod in mods:
-        for pname, _p in _expert_params(mod):
+        for pname, _p in expert_params(mod):
             setattr(mod, pname, torch.nn.Parameter(torch.empty(0, device="meta", dtype=dt), requires_grad=False))
     model.to_empty(device=dev)
     persistent = set(model.state_dict())
@@ -303,7 +243,7 @@ def load_offloaded(model_dir: str | Path, *, device: str | None = None, dtype: s
     cmap = map_checkpoint(model, mods, ckpt, quant, {n for n, _ in shapes})
     fmt = build_format(mods, cmap, ckpt, quant, dt, shapes, keep_file_dtype=host_store == "mmap")
     _materialise(model, mods, dev, dt)
-    _load_non_expert(model, cmap, ckpt, layer_of)
+    load_non_expert(model, cmap, ckpt, layer_of)
     if host_store == "mmap":
         store = MmapHostStore(fmt.layout, n_total)
     else:
@@ -322,7 +262,8 @@ def load_offloaded(model_dir: str | Path, *, device: str | None = None, dtype: s
                           host_seconds_per_expert=host_seconds_per_expert))
     engine.attach([m for _, m in mods])
     return LoadedModel(model, _load_tokenizer(path), engine, arch, dev, dt, len(mods), num_experts, top_k,
-                       fmt.layout.expert_bytes, path, host_store, tuple(fmt.stored_dtypes))
+                       fmt.layout.expert_bytes, path, host_store, tuple(fmt.stored_dtypes),
+                       generation_class(config)[1])
 
 
 def _make_engine(policy: str, refresh: bool, store, pool: SlotPool, mods: list, num_slots: int, top_k: int,
@@ -378,19 +319,20 @@ def _make_engine(policy: str, refresh: bool, store, pool: SlotPool, mods: list, 
 def load_full(model_dir: str | Path, *, device: str | None = None, dtype: str | None = None) -> LoadedModel:
     """FullLoad reference: the same checkpoint with every weight on the device and transformers' own experts
     implementation (the correctness reference and the speed limit)."""
-    from transformers import AutoModelForCausalLM
-
     path, config, arch = read_config(model_dir)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, config)
     Checkpoint(path)  # same validation as the offloaded path
+    inspect_model(config, dt)  # the same capability check
+    auto, multimodal = generation_class(config)
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dt).to(dev)
+        model = auto.from_pretrained(path, dtype=dt).to(dev)
     except Exception as e:
-        raise MoeOffloadError(f"cannot load {path}: {e}") from None
+        raise MoeOffloadError(f"cannot load {path}: {type(e).__name__}: {str(e).strip().splitlines()[0][:300]}") \
+            from None
     model.eval()
     mods = experts_modules(model)
     n_exp = mods[0][1].num_experts
-    fmt = ExpertFormat.plain([(n, tuple(p.shape[1:])) for n, p in _expert_params(mods[0][1])], dt)
+    fmt = ExpertFormat.plain([(n, tuple(p.shape[1:])) for n, p in expert_params(mods[0][1])], dt)
     return LoadedModel(model, _load_tokenizer(path), None, arch, dev, dt, len(mods), n_exp, _top_k(config),
-                       fmt.layout.expert_bytes, path, None, tuple(fmt.stored_dtypes))
+                       fmt.layout.expert_bytes, path, None, tuple(fmt.stored_dtypes), multimodal)

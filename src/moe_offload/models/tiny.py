@@ -1,7 +1,10 @@
-"""Tiny random checkpoints of every supported architecture, for tests and for trying an architecture in seconds.
+"""Tiny random checkpoints of any model type, for tests and for trying an architecture in seconds.
 
-Each is written with transformers' ``save_pretrained`` (so it has the architecture's published checkpoint key
-layout, per-expert keys included) plus a 258-token byte-level tokenizer, so ``--prompt`` works on it.
+The configuration is the model type's default configuration shrunk generically (``models.shrink``: no
+per-architecture sizes). Each checkpoint is written with transformers' ``save_pretrained`` of the model type's
+richest text-generation class (a multimodal checkpoint keeps its vision tower, as published ones do), so it has the
+architecture's published checkpoint key layout, per-expert keys included, plus a 258-token byte-level tokenizer,
+so ``--prompt`` works on it.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from pathlib import Path
 import torch
 
 from ..errors import MoeOffloadError
-from .registry import ARCHITECTURES, supported_names
+from .registry import DIFFUSION
 
 
 def tiny_tokenizer(mask_token: bool = False):
@@ -34,45 +37,118 @@ def tiny_tokenizer(mask_token: bool = False):
     return PreTrainedTokenizerFast(tokenizer_object=tok, **special)
 
 
+def _token_ids(tok, diffusion: bool) -> dict:
+    extra = {"mask_token_id": tok.mask_token_id} if diffusion else {}
+    return dict(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                pad_token_id=tok.eos_token_id, tie_word_embeddings=False, initializer_range=0.2, **extra)
+
+
 def _tokenizer_and_config(arch: str, sizes: dict):
     """The byte-level tokenizer (with a mask token for diffusion models) and a random-checkpoint config of ``arch``
-    with ``sizes`` (initializer_range 0.2, untied head; see ``make_tiny``)."""
+    with explicit ``sizes`` (initializer_range 0.2, untied head; see ``make_tiny``)."""
     from transformers import AutoConfig
 
-    diffusion = ARCHITECTURES[arch].diffusion
-    tok = tiny_tokenizer(mask_token=diffusion)
-    extra = {"mask_token_id": tok.mask_token_id} if diffusion else {}
-    config = AutoConfig.for_model(arch, vocab_size=len(tok), bos_token_id=tok.bos_token_id,
-                                  eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id,
-                                  tie_word_embeddings=False, initializer_range=0.2, **extra, **sizes)
+    tok = tiny_tokenizer(mask_token=arch in DIFFUSION)
+    return tok, AutoConfig.for_model(arch, **_token_ids(tok, arch in DIFFUSION), **sizes)
+
+
+def tiny_config(model_type: str):
+    """The byte-level tokenizer and the tiny configuration of ``model_type`` (its default configuration shrunk by
+    ``models.shrink.tiny_config``; token ids from the tokenizer, initializer_range 0.2, untied head).
+
+    Raises:
+        MoeOffloadError: the model type is unknown, has no text-generation class, its shrunk configuration does
+            not build, or its model is not one the engine serves (``capability.inspect_model``; the message says
+            why).
+    """
+    from .capability import build_meta, inspect_model
+    from .shrink import tiny_config as shrink
+
+    tok = tiny_tokenizer(mask_token=model_type in DIFFUSION)
+    ids = _token_ids(tok, model_type in DIFFUSION)
+    config = shrink(model_type, ids.pop("vocab_size"), build_meta, **ids)
+    inspect_model(config)
     return tok, config
 
 
+@torch.no_grad()
+def _random_routing_buffers(model: torch.nn.Module, config) -> None:
+    """Routing state a checkpoint stores as buffers, which ``from_config`` leaves at zero, drawn at random as in a
+    trained checkpoint: a selection-only router bias (``*expert_bias``, LLaDA2) and token -> expert tables
+    (persistent integer buffers ``[..., top_k]``, DeepSeek-V4's hash routing: distinct experts per row)."""
+    from .capability import experts_modules, top_k
+
+    k, n = top_k(config), experts_modules(model)[0][1].num_experts
+    persistent = set(model.state_dict())
+    for name, buf in model.named_buffers():
+        if name.endswith("expert_bias"):
+            buf.normal_(0.0, 0.1)
+        elif name in persistent and not buf.is_floating_point() and buf.dim() >= 2 and buf.shape[-1] == k \
+                and not buf.any():
+            rows = torch.rand(buf.numel() // k, n).argsort(dim=-1)[:, :k]
+            buf.copy_(rows.reshape(buf.shape).to(buf.dtype))
+
+
+def _override(config, overrides: dict):
+    """``config`` (a text config) rebuilt with ``overrides``; per-layer lists of the old depth are dropped when the
+    depth changes (the config derives them again).
+
+    Raises:
+        MoeOffloadError: a composite config, or one the engine does not serve after the change.
+    """
+    from .capability import inspect_model, text_config
+
+    if text_config(config) is not config:
+        raise MoeOffloadError("config_overrides apply to text-only model types")
+    d = config.to_dict()
+    if "num_hidden_layers" in overrides:
+        d = {k: v for k, v in d.items() if not (isinstance(v, list) and len(v) == config.num_hidden_layers)}
+    config = type(config).from_dict({**d, **overrides})
+    inspect_model(config)
+    return config
+
+
+def _save_class(config):
+    """The class a published checkpoint of ``config`` is saved from: its multimodal class when it has one (vision
+    tower included), else its causal LM."""
+    import transformers
+
+    for name in ("AutoModelForImageTextToText", "AutoModelForMultimodalLM"):
+        auto = getattr(transformers, name, None)
+        if auto is not None and type(config) in auto._model_mapping:
+            return auto
+    from .capability import generation_class
+
+    return generation_class(config)[0]
+
+
 def make_tiny(arch: str, out_dir: str | Path, *, seed: int = 0, dtype: torch.dtype = torch.float32,
-              overwrite: bool = False) -> Path:
-    """Write a tiny random checkpoint of ``arch`` (a supported ``model_type``) to ``out_dir``.
+              overwrite: bool = False, config_overrides: dict | None = None) -> Path:
+    """Write a tiny random checkpoint of ``arch`` (any ``model_type`` of the installed transformers, or
+    ``llada2_moe``; ``tiny_config``) to ``out_dir``.
 
     Weights are drawn with ``initializer_range`` 0.2 (transformers' default 0.02 gives near-uniform router scores
     and a model that repeats one token): routing is then decisive and varies from token to token, and greedy text
-    varies, which makes the lossless comparisons meaningful.
+    varies, which makes the lossless comparisons meaningful. ``config_overrides`` are set on the text config after
+    the shrink (e.g. ``num_hidden_layers``, ``mlp_only_layers`` to mix dense and MoE layers).
 
     Raises:
-        MoeOffloadError: unknown architecture, or ``out_dir`` exists and is not empty (unless ``overwrite``).
+        MoeOffloadError: an architecture without a tiny configuration (``tiny_config`` says why), or ``out_dir``
+            exists and is not empty (unless ``overwrite``).
     """
-    from transformers import AutoModelForCausalLM
-
-    if arch not in ARCHITECTURES:
-        raise MoeOffloadError(f"unknown architecture {arch!r}; supported: {supported_names()}")
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise MoeOffloadError(f"{out} already exists and is not empty; choose another --out")
-    tok, config = _tokenizer_and_config(arch, ARCHITECTURES[arch].tiny)
+    tok, config = tiny_config(arch)
+    if config_overrides:
+        config = _override(config, config_overrides)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    with torch.no_grad():  # LLaDA2's selection-only router bias: random, so that loading it is tested
-        for name, buf in model.named_buffers():
-            if name.endswith("expert_bias"):
-                buf.normal_(0.0, 0.1)
+    try:
+        model = _save_class(config).from_config(config, dtype=dtype)
+    except Exception as e:
+        raise MoeOffloadError(f"{arch}: transformers cannot build the tiny model: {type(e).__name__}: "
+                              f"{str(e).strip()[:200]}") from None
+    _random_routing_buffers(model, config)
     model.save_pretrained(out)
     tok.save_pretrained(out)
     return out
@@ -146,13 +222,13 @@ def make_llada2_medium(out_dir: str | Path, texts: list[str], *, seed: int = 0, 
     Raises:
         MoeOffloadError: ``out_dir`` exists and is not empty (unless ``overwrite``), or no text.
     """
-    from transformers import AutoModelForCausalLM
-
     if not texts:
         raise MoeOffloadError("make_llada2_medium needs texts to balance the routers on")
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise MoeOffloadError(f"{out} already exists and is not empty; choose another --out")
+    from transformers import AutoModelForCausalLM
+
     tok, config = _tokenizer_and_config("llada2_moe", LLADA2_MEDIUM)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()

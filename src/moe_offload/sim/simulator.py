@@ -62,10 +62,11 @@ def layer_needs(trace: Trace) -> list[tuple[int, int, list[list[int]], list[list
     out = []
     offs = (np.arange(L, dtype=np.int64) * E)[None, :, None]
     gids = trace.expert_ids.astype(np.int64) + offs  # [N, L, k]
-    sorted_rows = np.sort(gids, axis=-1)  # a one-token step's experts are distinct: sorting is its np.unique
+    sorted_rows = np.sort(gids, axis=-1)  # a one-token step's distinct experts: sorting is its np.unique
+    repeats = (sorted_rows[..., 1:] == sorted_rows[..., :-1]).any(axis=(1, 2))  # [N]: a token chose one expert twice
     ones = [1] * trace.top_k
     for req, step, a, b in trace.steps():
-        if b - a == 1:
+        if b - a == 1 and not repeats[a]:
             needed = sorted_rows[a].tolist()
             tokens = [ones] * L
         else:
