@@ -4,7 +4,9 @@
 Streaming responses are server-sent events (``data: {chunk}`` ... ``data: [DONE]``); a client that disconnects
 mid-stream cancels its request (Starlette cancels the response stream; the stream's ``finally`` cancels the job).
 Every request error is an OpenAI-style JSON body with a 4xx status; an unexpected failure inside the engine is a
-500 for that request only (the worker and the server stay up).
+500 for that request only (the worker and the server stay up); a request that the shutdown (Ctrl-C / SIGTERM) ends
+gets a 503 JSON error (code ``server_shutting_down``), or, when streamed, that error as its final event before
+``[DONE]``.
 """
 
 from __future__ import annotations
@@ -322,7 +324,7 @@ async def _respond(state: ServeState, request: Request, body, ids: list[int], pa
         if not isinstance(ev, (Done, Failed)):  # the client went away (or the handler was cancelled)
             state.worker.cancel(job)
     if isinstance(ev, Failed):
-        return JSONResponse(error_body(ev.message, type="server_error"), status_code=500)
+        return JSONResponse(error_body(ev.message, type="server_error", code=ev.code), status_code=ev.status)
     choice = {"index": 0, "finish_reason": ev.finish_reason, "logprobs": None}
     if chat:
         choice["message"] = {"role": "assistant", "content": ev.text}
@@ -375,8 +377,8 @@ async def _stream(state: ServeState, job: Job, rid: str, created: int, chat: boo
                     yield _sse(dict(head, choices=[], usage=_usage(ev)))
                 yield format_sse_event(data_str="[DONE]")
                 return
-            else:  # Failed
-                yield _sse(error_body(ev.message, type="server_error"))
+            else:  # Failed (an engine error, or the server shut down before the request finished)
+                yield _sse(error_body(ev.message, type="server_error", code=ev.code))
                 yield format_sse_event(data_str="[DONE]")
                 return
     finally:
