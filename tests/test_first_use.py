@@ -146,6 +146,13 @@ def test_every_long_phase_gets_a_line_and_a_bar(capsys):
     assert capsys.readouterr().err == ""
 
 
+def test_more_threads_only_when_clearly_faster():
+    assert threads.choose_threads({1: [1.0, 1.0, 1.0], 2: [0.9, 0.85, 0.95]}) == 1  # within the margin: 1
+    assert threads.choose_threads({1: [1.0, 1.1, 0.9], 2: [0.5, 0.6, 3.0]}) == 2  # median 0.6 < 0.8
+    assert threads.choose_threads({1: [0.04] * 3, 2: [0.16] * 3}) == 1  # the busy-core case measured here
+    assert threads.choose_threads({1: [1.0], 2: [0.7], 4: [0.6]}) == 2  # 0.6 is not below 0.8 * 0.7
+
+
 def test_best_thread_count_is_a_candidate_and_restores_the_setting():
     before = torch.get_num_threads()
     n = threads.best_num_threads([1, max(1, before)], rounds=1)

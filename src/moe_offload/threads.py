@@ -4,7 +4,8 @@ torch runs each operation on ``torch.get_num_threads()`` OpenMP threads, one per
 some of those cores busy, every parallel operation waits at its barrier for a descheduled thread: measured on a
 2-core machine with one core taken by another job, one thread built the testbed's layers 2x faster and balanced
 llada2-medium's routers ~40x faster than two. ``build_threads`` times a small probe shaped like the builds' work
-(one large matrix product and many small ones) with 1 thread and with the default count, and uses the faster.
+(one large matrix product and many small ones) with 1 thread and with the default count, and uses more threads
+only when they are clearly faster (``MARGIN``).
 The thread count can change the last float bits of a GEMM, so a build may differ slightly with it (as it may
 between machines).
 """
@@ -27,9 +28,25 @@ def _probe_seconds(threads: int, data) -> float:
     return time.perf_counter() - t0
 
 
-def best_num_threads(candidates: list[int] | None = None, rounds: int = 3) -> int:
-    """The candidate thread count (default: 1 and ``torch.get_num_threads()``) whose probe ran fastest (median of
-    ``rounds`` interleaved runs, ~0.1-0.5 s in all); restores the current count."""
+#: more threads are used only when their probe runs at most this fraction of the time of fewer threads: under
+#: contention a momentary idle core can make the probe favour them by a little, and then the build by a lot
+MARGIN = 0.8
+
+
+def choose_threads(times: dict[int, list[float]]) -> int:
+    """The thread count to use given probe ``times`` (seconds per run, by thread count): the smallest count, unless
+    a larger one's median time is below ``MARGIN`` times the chosen one's."""
+    med = {n: sorted(t)[len(t) // 2] for n, t in times.items()}
+    best = min(med)
+    for n in sorted(med)[1:]:
+        if med[n] < MARGIN * med[best]:
+            best = n
+    return best
+
+
+def best_num_threads(candidates: list[int] | None = None, rounds: int = 5) -> int:
+    """The thread count for a build (default candidates: 1 and ``torch.get_num_threads()``) chosen by
+    ``choose_threads`` from ``rounds`` interleaved probe runs (~0.2-0.5 s in all); restores the current count."""
     import torch
 
     current = torch.get_num_threads()
@@ -46,7 +63,7 @@ def best_num_threads(candidates: list[int] | None = None, rounds: int = 3) -> in
                 times[n].append(_probe_seconds(n, data))
     finally:
         torch.set_num_threads(current)
-    return min(cands, key=lambda n: sorted(times[n])[len(times[n]) // 2])
+    return choose_threads(times)
 
 
 @contextmanager
