@@ -185,13 +185,26 @@ def test_cli_generate_diffusion(capsys, tiny_dirs):
     code, out, err = _cli(capsys, "generate", "--model", d, "--prompt", "hi", "--max-new-tokens", "16",
                           "--block-length", "8", "--steps", "4", "--residency", "0.5", "--quiet")
     assert code == 0, err
-    assert "### output" in out and "hit rate" in out and "diffusion: 3 blocks of 8" in out
+    assert "### output" in out and "hit rate" in out
+    # a diffusion run reports its own throughput and policy, not an autoregressive decode rate
+    row = next(ln for ln in out.splitlines() if ln.startswith("diffusion "))
+    assert "tok/s" in row and "steps/s" in row and "3 blocks of 8" in row
+    assert not any(ln.startswith(("decode ", "TTFT")) for ln in out.splitlines())
+    assert any(ln.startswith("first block (mean)") for ln in out.splitlines())
+    assert "mode                    offload, policy lru (evicts the least recently used expert" in out
+    code, out, err = _cli(capsys, "generate", "--model", d, "--prompt", "hi", "--max-new-tokens", "16",
+                          "--block-length", "8", "--steps", "4", "--residency", "0.5", "--policy", "tide", "--quiet")
+    assert code == 0, err
+    assert "offload, policy tide (TIDE: per-layer budgets refreshed at I/O-aware intervals" in out
     code, out, err = _cli(capsys, "generate", "--model", d, "--prompt", "hi", "--max-new-tokens", "8",
                           "--block-length", "8", "--steps", "4", "--threshold", "1.0", "--json", "--quiet")
     assert code == 0, err
     info = json.loads(out)
     # "hi" is 2 tokens: block 0 holds 6 mask tokens (3 steps of 2), block 1 eight (4 steps of 2)
-    assert info["stats"]["diffusion"]["tokens_per_step_each"] == [[2] * 7]
+    g = info["stats"]["diffusion"]
+    assert g["tokens_per_step_each"] == [[2] * 7]
+    assert g["steps_per_s"] == pytest.approx(g["diffusion_steps"] / g["seconds"])
+    assert g["output_tokens_per_s"] == pytest.approx(8 / g["seconds"]) and g["blocks"] == 2
     assert len(info["outputs"][0]["token_ids"]) == 8
 
 

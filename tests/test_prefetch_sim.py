@@ -31,7 +31,7 @@ def oracle_forecasts(tr):
 
 
 def test_no_prefetch_equals_plain_replay_and_link_fraction():
-    from moe_offload.cli import _link_fraction
+    from moe_offload.sim.cli import _link_fraction
 
     tr = planted_trace(requests=6, length=30, L=3, E=16, k=2)
     needs = layer_needs(tr)

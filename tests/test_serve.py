@@ -165,6 +165,14 @@ def test_stats_move_after_requests(qwen):
     ({"model": "tiny-qwen", "messages": [{"role": "user", "content": "hi"}], "top_p": 0}, 400, "top_p"),
     ({"model": "tiny-qwen", "messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n"),
     ({"messages": [{"role": "user", "content": "hi"}]}, 400, "model"),
+    # integers outside their ranges: refused before the request is queued (issue 15)
+    ({"model": "tiny-qwen", "messages": [{"role": "user", "content": "hi"}], "seed": 2**64}, 400, "seed"),
+    ({"model": "tiny-qwen", "messages": [{"role": "user", "content": "hi"}], "seed": -1}, 400, "seed"),
+    ({"model": "tiny-qwen", "messages": [{"role": "user", "content": "hi"}], "seed": 2**32}, 400, "seed"),
+    ({"model": "tiny-qwen", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2**64}, 400, "max_tokens"),
+    ({"model": "tiny-qwen", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -(2**70)}, 400,
+     "max_completion_tokens"),
+    ({"model": "tiny-qwen", "messages": [{"role": "user", "content": "hi"}], "n": 2**64}, 400, "n"),
 ])
 def test_bad_requests_get_openai_errors(qwen, body, status, param):
     state, srv, client, _ = qwen
@@ -174,6 +182,36 @@ def test_bad_requests_get_openai_errors(qwen, body, status, param):
     assert err["error"]["type"] == "invalid_request_error"
     if param:
         assert err["error"]["param"] == param
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"prompt": [1, 2**64]}, "prompt"),
+    ({"prompt": [-1]}, "prompt"),
+    ({"prompt": "hi", "seed": 18446744073709551616}, "seed"),
+    ({"prompt": "hi", "max_tokens": 2**63}, "max_tokens"),
+    ({"prompt": "hi", "best_of": 2**64}, "best_of"),
+])
+def test_out_of_range_integers_in_completions_are_400_and_never_queued(qwen, body, param):
+    state, srv, client, _ = qwen
+    before = _wait_idle(srv)
+    code, err = _post_raw(srv, "/v1/completions", json.dumps(dict(body, model="tiny-qwen")).encode())
+    assert code == 400 and err["error"]["type"] == "invalid_request_error" and err["error"]["param"] == param
+    after = _get(srv, "/v1/stats")
+    assert (after["requests_served"], after["requests_failed"]) == (before["requests_served"],
+                                                                   before["requests_failed"])
+
+
+def test_seed_mapping_edges(qwen):
+    """The largest seed works; distinct seeds give distinct sampled sequences, equal seeds equal ones."""
+    state, srv, client, ref = qwen
+    kw = dict(max_tokens=12, temperature=1.0)
+    top = _chat(client, seed=2**32 - 1, **kw).choices[0].token_ids
+    assert top == _chat(client, seed=2**32 - 1, **kw).choices[0].token_ids
+    assert top == generate_ids(ref, encode_prompt(ref.tokenizer, PROMPT), 12, temperature=1.0, seed=2**32 - 1)[0]
+    assert _chat(client, seed=0, **kw).choices[0].token_ids != _chat(client, seed=1, **kw).choices[0].token_ids
+    code, err = _post_raw(srv, "/v1/chat/completions", json.dumps(
+        {"model": "tiny-qwen", "messages": [{"role": "user", "content": "hi"}], "seed": 2**32}).encode())
+    assert code == 400 and err["error"]["message"] == "seed must be an integer in [0, 4294967295], got 4294967296"
 
 
 def test_bad_requests_through_the_client_and_the_server_survives(qwen):

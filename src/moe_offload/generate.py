@@ -15,6 +15,7 @@ import torch
 
 from .models.loader import LoadedModel
 from .runtime.engine import EngineStats
+from .seeds import make_generator
 
 
 @dataclass
@@ -103,6 +104,7 @@ def generate_ids(lm: LoadedModel, prompt_ids: list[int], max_new_tokens: int, *,
     request number ``request``); after it, ``on_step(step)`` is called (e.g. by a trace recorder).
     ``on_token(token_id)`` is called with every new token as soon as it is chosen (e.g. to stream it); when it
     returns True, generation stops after that token (a stop sequence matched, the client went away).
+    ``seed``: see ``moe_offload.seeds`` (an integer in [0, 2**32 - 1]; None: unseeded).
 
     Returns:
         ``(new_ids, ttft_s, decode_s)``: generated ids, seconds from start to the first token (prefill), seconds
@@ -110,7 +112,7 @@ def generate_ids(lm: LoadedModel, prompt_ids: list[int], max_new_tokens: int, *,
     """
     dev = lm.device
     cache_kw = "cache" if "cache" in inspect.signature(lm.model.forward).parameters else "past_key_values"
-    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    gen = make_generator(seed)
     eos = _eos_ids(lm)
     engine = lm.engine
 

@@ -1,4 +1,5 @@
-"""Stats of a generation run as a dict (for ``--json``) and as a short text table."""
+"""Stats of a generation run as a dict (for ``--json``), as a short text table, and the notes that say what the
+offloading numbers mean (and when a policy thrashes)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,20 @@ import torch
 
 from .generate import RunStats
 from .models.loader import LoadedModel
+
+#: what each runtime policy does, for the report's mode line
+POLICY_WORDS = {
+    "lru": "evicts the least recently used expert from one slot pool shared by all layers",
+    "lfu": "evicts the least frequently used expert from one slot pool shared by all layers",
+    "prefill-hot": "keeps the experts the prefill used most; the rest share the remaining slots",
+    "seqmoe-cacheonly": "evicts by the predictor's forecast (SeqMoE's probabilistic Belady)",
+    "seqmoe": "evicts by the predictor's forecast and prefetches over an asynchronous copy engine (SeqMoE)",
+    "seqmoe-infinity": "SeqMoE with MoE-Infinity's prefetch order",
+    "reactive": "per-layer budgets, on-demand loads at each diffusion step",
+    "tide": "TIDE: per-layer budgets refreshed at I/O-aware intervals; a miss is computed on the host or swapped in",
+}
+#: below this hit rate an offloading run with LRU is reported as thrashing
+THRASH_HIT_RATE = 0.05
 
 
 def stats_dict(lm: LoadedModel, s: RunStats) -> dict:
@@ -35,6 +50,8 @@ def stats_dict(lm: LoadedModel, s: RunStats) -> dict:
         "slots": slots,
         "routed_experts": total,
         "residency": slots / total,
+        "num_moe_layers": lm.num_moe_layers,
+        "top_k": lm.top_k,
         "expert_bytes": lm.expert_bytes,
         "expert_dtypes": list(lm.expert_dtypes),
         "host_store": lm.host_store,
@@ -69,10 +86,30 @@ def _auto_line(a: dict) -> str:
     return f"chose {a['choice']} (hit rates simulated on the first prompt's routing, token by token: {rates})"
 
 
+def _mode(d: dict) -> str:
+    if not d["policy"]:
+        return d["mode"]
+    base = "tide-fixed" if d["policy"].startswith("tide-fixed") else d["policy"]
+    words = POLICY_WORDS.get(base)
+    if base == "tide-fixed":
+        words = "per-layer budgets refreshed every fixed number of diffusion steps, misses computed on the host"
+    return f"{d['mode']}, policy {d['policy']}" + (f" ({words})" if words else "")
+
+
+def _diffusion_row(g: dict) -> str:
+    return (f"{g['output_tokens_per_s']:.2f} tok/s, {g['steps_per_s']:.2f} steps/s; {g['blocks']} "
+            f"block{'' if g['blocks'] == 1 else 's'} of {g['block_length']}, {g['diffusion_steps']} steps "
+            f"(<= {g['steps']} per block, mean {g['steps_per_block']:.2f}), {g['tokens_per_step']:.2f} tokens/step "
+            f"(threshold {g['threshold']})")
+
+
 def stats_table(d: dict) -> str:
-    """A short two-column text table of ``stats_dict`` output."""
+    """A short two-column text table of ``stats_dict`` output. A diffusion run (``d["diffusion"]``, from
+    ``models.diffusion.diffusion_summary``) reports its own throughput (tokens/s, steps/s, blocks) instead of the
+    autoregressive decode rate."""
+    diff = d.get("diffusion")
     rows = [
-        ("mode", f"{d['mode']}" + (f" ({d['policy']})" if d["policy"] else "")),
+        ("mode", _mode(d)),
         ("slots / routed experts", f"{d['slots']} / {d['routed_experts']} (residency {d['residency']:.2f})"),
         ("hit rate", f"{d['hit_rate']:.4f} ({d['hits']} hits, {d['misses']} misses)"),
         ("bytes loaded", f"{_fmt_bytes(d['bytes_loaded'])} in {d['load_time_s']:.3f} s"),
@@ -82,12 +119,15 @@ def stats_table(d: dict) -> str:
                           "prefetched"),
     ] if "host_fallback_experts" in d else []) + ([
         ("policy auto", _auto_line(d["auto_policy"])),
-    ] if "auto_policy" in d else []) + [
-    ] + ([
+    ] if "auto_policy" in d else []) + ([
         ("decode step time", _breakdown_line(d["time_breakdown"])),
-    ] if "time_breakdown" in d else []) + [
+    ] if "time_breakdown" in d else []) + ([
+        ("first block (mean)", f"{d['ttft_s']:.3f} s"),
+        ("diffusion", _diffusion_row(diff)),
+    ] if diff else [
         ("TTFT (mean)", f"{d['ttft_s']:.3f} s"),
         ("decode", f"{d['decode_tokens_per_s']:.2f} tok/s ({d['decode_tokens']} tokens)"),
+    ]) + [
         ("peak slot bytes", _fmt_bytes(d["peak_slot_bytes"])),
         ("experts", f"{_fmt_bytes(d['expert_bytes'])} each, stored as {' + '.join(d['expert_dtypes'])}"
                     + (f"; host store {d['host_store']} ({_fmt_bytes(d['host_store_bytes'])} private)"
@@ -95,6 +135,24 @@ def stats_table(d: dict) -> str:
     ]
     w = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)
+
+
+def offload_notes(d: dict) -> list[str]:
+    """One line saying what the hit rate of an offloading run (residency < 1) means, and one more when LRU
+    thrashes: its hit rate is below ``THRASH_HIT_RATE`` while one decode step needs more experts than the pool
+    holds, so the layers' experts cycle through the pool and each is evicted before its next use."""
+    lookups = d["hits"] + d["misses"]
+    if d["mode"] != "offload" or d["residency"] >= 1 or not lookups:
+        return []
+    notes = [f"hit rate {d['hit_rate']:.1%}: {d['hits']} of the {lookups} times a layer needed an expert, it was "
+             f"already in the {d['slots']} device slots; the {d['misses']} misses were copied from the host store "
+             f"({_fmt_bytes(d['bytes_loaded'])})"]
+    per_step = d["num_moe_layers"] * d["top_k"]
+    if d["policy"] == "lru" and d["hit_rate"] < THRASH_HIT_RATE and d["slots"] < per_step:
+        notes.append(f"LRU evicts every expert before its reuse at this residency (a step needs up to {per_step} "
+                     f"experts, {d['num_moe_layers']} layers x top-{d['top_k']}, and they cycle through "
+                     f"{d['slots']} slots): try --policy lfu")
+    return notes
 
 
 def format_table(head: list[str], rows: list[list[str]]) -> str:

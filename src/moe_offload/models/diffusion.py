@@ -243,12 +243,13 @@ def diffusion_generate_ids(lm: LoadedModel, prompt_ids: list[int], max_new_token
     if not prompt_ids:
         raise MoeOffloadError("the prompt encodes to no token")
     from ..generate import _eos_ids, _sync
+    from ..seeds import make_generator
 
     mask_id = _mask_token_id(lm)
     eos = _eos_ids(lm)
     dev = lm.device
     engine = lm.engine
-    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    gen = make_generator(seed)
     prompt_len = len(prompt_ids)
     num_blocks = -(-(prompt_len + max_new_tokens) // block_length)
     total = num_blocks * block_length
@@ -357,7 +358,8 @@ def run_diffusion(lm: LoadedModel, prompts: list[str], max_new_tokens: int, *, b
 
 def diffusion_summary(results: list[DiffusionResult], block_length: int, steps: int, threshold: float) -> dict:
     """Totals over requests for ``--json`` and the text report: blocks, diffusion steps, tokens, tokens per step,
-    mean steps per block, seconds, tokens per second, and the loop's parameters."""
+    mean steps per block, seconds, output tokens per second, diffusion steps per second, and the loop's
+    parameters."""
     n_steps = sum(r.steps for r in results)
     committed = sum(sum(r.tokens_per_step) for r in results)
     blocks = sum(len(r.blocks) for r in results)
@@ -368,12 +370,6 @@ def diffusion_summary(results: list[DiffusionResult], block_length: int, steps: 
             "tokens_per_step": committed / n_steps if n_steps else 0.0,
             "steps_per_block": n_steps / blocks if blocks else 0.0,
             "seconds": seconds, "output_tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
+            "steps_per_s": n_steps / seconds if seconds > 0 else 0.0,
             "tokens_per_step_each": [r.tokens_per_step for r in results],
             "steps_per_block_each": [r.steps_per_block for r in results]}
-
-
-def format_summary(d: dict) -> str:
-    """One line of ``diffusion_summary`` for the text report."""
-    return (f"diffusion: {d['blocks']} blocks of {d['block_length']}, {d['diffusion_steps']} steps "
-            f"(<= {d['steps']} per block, mean {d['steps_per_block']:.2f}), {d['tokens_per_step']:.2f} tokens/step "
-            f"(threshold {d['threshold']}), {d['output_tokens_per_s']:.2f} output tok/s")

@@ -219,13 +219,14 @@ def add_parser(sub) -> None:
     p.add_argument("--verify", action="store_true", help="run the architecture sweep now (tiny random checkpoint "
                    "per model type: offloaded at residency 0.3 vs FullLoad, one thread; about a minute)")
     p.add_argument("--type", action="append", metavar="MODEL_TYPE", help="only this model type or family "
-                   "(repeatable)")
+                   "(repeatable; default: every one)")
     p.add_argument("--markdown", action="store_true", help="print a markdown table")
     p.add_argument("--all", action="store_true", help="also list every other model type of the installed "
                    "transformers (dense models, MoEs without ExpertsInterface, sub-configurations), refused")
-    p.add_argument("--record", metavar="FILE", help="with --verify: also write the results as a record (JSON)")
+    p.add_argument("--record", metavar="FILE", help="with --verify: also write the results as a record (JSON; "
+                   "default: none)")
     p.add_argument("--config", metavar="PATH", help="check one checkpoint's config.json (the file or its directory; "
-                   "no weights needed): served or why not, layers, experts, bytes")
+                   "no weights needed): served or why not, layers, experts, bytes (default: none)")
 
 
 def run(args) -> int:

@@ -165,7 +165,7 @@ LLADA2_MEDIUM = dict(hidden_size=128, num_hidden_layers=5, num_attention_heads=4
 
 @torch.no_grad()
 def balance_expert_bias(model: torch.nn.Module, batches: list[torch.Tensor], iters: int = 40,
-                        rate: float = 0.01) -> list[float]:
+                        rate: float = 0.01, on_pass=None) -> list[float]:
     """Auxiliary-loss-free load balancing of a router's selection bias, as LLaDA2 / DeepSeek-V3 train it: after each
     pass over ``batches`` every router's ``expert_bias [E]`` (float32) moves by ``rate`` towards balance,
     ``bias_e += rate * sign(mean_load - load_e)``, where ``load_e`` counts the tokens routed to expert ``e``.
@@ -177,6 +177,7 @@ def balance_expert_bias(model: torch.nn.Module, batches: list[torch.Tensor], ite
         model: a model whose routers have an ``expert_bias`` buffer and return ``(logits, weights, indices)``.
         batches: ``input_ids [1, S]`` int64 tensors.
         iters: passes; rate: bias step (scores are sigmoids in (0, 1)).
+        on_pass: called with 1 after every pass (a progress bar).
 
     Returns:
         The max/mean load ratio of each pass (1.0 = perfectly balanced), pooled over routers.
@@ -205,16 +206,25 @@ def balance_expert_bias(model: torch.nn.Module, batches: list[torch.Tensor], ite
             history.append(float(torch.stack([ld.max() / ld.mean() for ld in loads]).mean()))
             for g, ld in zip(gates, loads):
                 g.expert_bias += rate * torch.sign(ld.mean() - ld).to(g.expert_bias.device)
+            if on_pass is not None:
+                on_pass(1)
     finally:
         for h in handles:
             h.remove()
     return history
 
 
+#: router balancing passes of llada2-medium
+BALANCE_PASSES = 40
+#: seconds to build llada2-medium on the reference machine (``progress.REFERENCE_PROBE_S``)
+LLADA2_MEDIUM_REFERENCE_S = 30.0
+
+
 def make_llada2_medium(out_dir: str | Path, texts: list[str], *, seed: int = 0, block_length: int = 32,
-                       overwrite: bool = False) -> tuple[Path, list[float]]:
+                       overwrite: bool = False, on_pass=None) -> tuple[Path, list[float]]:
     """Write the medium random LLaDA2-MoE (``LLADA2_MEDIUM``) with its routers load-balanced on ``texts``
-    (``balance_expert_bias`` over ``text + block_length`` mask tokens, as the diffusion loop's forwards see them).
+    (``balance_expert_bias`` over ``text + block_length`` mask tokens, as the diffusion loop's forwards see them;
+    ``on_pass(1)`` after each of its passes).
 
     Returns:
         ``(path, balance_history)``.
@@ -235,45 +245,45 @@ def make_llada2_medium(out_dir: str | Path, texts: list[str], *, seed: int = 0, 
     masks = [tok.mask_token_id] * block_length
     batches = [torch.tensor([tok(t)["input_ids"][:config.max_position_embeddings - block_length] + masks])
                for t in texts]
-    history = balance_expert_bias(model, batches)
+    history = balance_expert_bias(model, batches, iters=BALANCE_PASSES, on_pass=on_pass)
     model.save_pretrained(out)
     tok.save_pretrained(out)
     return out, history
 
 
+def _llada2_medium_built(path: Path) -> bool:
+    return (path / "config.json").is_file() and (path / "balance.json").is_file()
+
+
 def ensure_llada2_medium(progress: bool = True) -> Path:
     """The built-in ``llada2-medium`` checkpoint (``make_llada2_medium``, routers balanced on 32 ShareGPT human turns
-    disjoint from the default prompts), built on first use into the cache (``testbed.build.default_cache_dir``) in a
-    temporary directory renamed into place, so an interrupted build leaves nothing half-written. About 40 s on 2
-    cores.
+    disjoint from the default prompts), built on first use into the cache by ``cache.build_once`` (under a lock, in
+    a temporary directory renamed into place). A first use prints one line saying what it builds and about how long
+    it takes on this machine (even when ``progress`` is off), then a bar over the balancing passes (``progress``).
+    About 30 s on 2 idle cores (``LLADA2_MEDIUM_REFERENCE_S``).
 
     Raises:
         MoeOffloadError: the ShareGPT data set is not installed.
     """
-    import shutil
-    import tempfile
-
-    from ..testbed.build import default_cache_dir
+    from ..cache import build_once, default_cache_dir
+    from ..progress import Phases, fmt_duration, say, slowdown
     from ..testbed.sharegpt import human_turns
+    from ..threads import build_threads
 
-    cache = default_cache_dir()
-    target = cache / "llada2-medium"
-    if (target / "config.json").is_file() and (target / "balance.json").is_file():
-        return target
-    cache.mkdir(parents=True, exist_ok=True)
-    if progress:
-        print("building llada2-medium (random LLaDA2-MoE with LLaDA2.0-mini's routing geometry, routers balanced "
-              "on ShareGPT text; about 40 s)...", flush=True)
-    texts = [t[:400] for t in human_turns(32, offset=200)]
-    tmp = Path(tempfile.mkdtemp(prefix=".llada2-medium.", suffix=".tmp", dir=cache))
-    try:
-        _, history = make_llada2_medium(tmp, texts, overwrite=True)
+    def announce():
+        say("first use of llada2-medium: building a random LLaDA2-MoE with LLaDA2.0-mini's routing geometry (routers "
+            f"balanced on ShareGPT text) into {default_cache_dir() / 'llada2-medium'}; about "
+            f"{fmt_duration(LLADA2_MEDIUM_REFERENCE_S * slowdown())} on this machine, once")
+
+    def build(tmp: Path) -> None:
+        texts = [t[:400] for t in human_turns(32, offset=200)]
+        with build_threads():
+            phases = Phases(1, enabled=progress)
+            with phases.phase("balancing the routers", LLADA2_MEDIUM_REFERENCE_S * slowdown(), total=BALANCE_PASSES,
+                              unit="pass") as update:
+                _, history = make_llada2_medium(tmp, texts, overwrite=True, on_pass=update)
         (tmp / "balance.json").write_text(json.dumps({"max_over_mean_load_per_pass": history,
                                                       "texts": "ShareGPT human turns 200..231, first 400 chars"}))
-        if target.exists():
-            shutil.rmtree(target)
-        tmp.rename(target)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return target
+
+    return build_once("llada2-medium", _llada2_medium_built, build, what="the llada2-medium checkpoint",
+                      announce=announce)

@@ -6,6 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
+from ..cliargs import seed
 from ..errors import MoeOffloadError
 
 
@@ -25,10 +26,10 @@ def add_parser(sub, positive_int, nonneg_int, fl) -> None:
     t.add_argument("--ss-epochs", type=nonneg_int, default=3, help="scheduled-sampling epochs after them (default 3)")
     t.add_argument("--ss-max-prob", type=fl, default=0.5,
                    help="final scheduled-sampling replacement probability (default 0.5)")
-    t.add_argument("--lr", type=fl, default=3e-3)
+    t.add_argument("--lr", type=fl, default=3e-3, help="AdamW learning rate")
     t.add_argument("--max-len", type=positive_int, default=256, help="positions kept per request (its last ones)")
     t.add_argument("--test-fraction", type=fl, default=0.1, help="requests held out for eval (default 0.1)")
-    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--seed", type=seed, default=0, help="seed of the request split and the shuffles")
     t.add_argument("--shuffle-steps", action="store_true",
                    help="train the step-shuffled control (SeqMoE §3.1): every request's positions permuted")
     t.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -36,15 +37,16 @@ def add_parser(sub, positive_int, nonneg_int, fl) -> None:
     e.add_argument("--predictor", required=True, help="predictor directory")
     e.add_argument("--traces", nargs="+", required=True, metavar="FILE",
                    help="the training traces (their held-out requests are used) or other traces (all requests)")
-    e.add_argument("--control", help="a predictor trained with --shuffle-steps on the same traces")
+    e.add_argument("--control", help="a predictor trained with --shuffle-steps on the same traces (default: none)")
     e.add_argument("--horizon", type=positive_int, default=8, help="h of the Seq-h row (default 8)")
     e.add_argument("--long-threshold", type=positive_int, default=256, help="positions for Seq-L1 (default 256)")
-    e.add_argument("--model", help="also measure the predictor's time per decode step on this model")
-    e.add_argument("--overhead-prompts", type=positive_int, default=4)
-    e.add_argument("--max-new-tokens", type=positive_int, default=32)
+    e.add_argument("--model", help="also measure the predictor's time per decode step on this model (default: "
+                   "no overhead run)")
+    e.add_argument("--overhead-prompts", type=positive_int, default=4, help="prompts of the overhead run")
+    e.add_argument("--max-new-tokens", type=positive_int, default=32, help="tokens per prompt in the overhead run")
     e.add_argument("--rollout", type=nonneg_int, default=8, help="recursive steps in the overhead run (default 8)")
-    e.add_argument("--json", action="store_true")
-    e.add_argument("--quiet", action="store_true")
+    e.add_argument("--json", action="store_true", help="one JSON object instead of tables")
+    e.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
 def _load_traces(paths: list[str]):

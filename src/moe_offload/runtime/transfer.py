@@ -48,7 +48,6 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from ..errors import MoeOffloadError

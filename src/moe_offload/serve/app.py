@@ -4,7 +4,9 @@
 Streaming responses are server-sent events (``data: {chunk}`` ... ``data: [DONE]``); a client that disconnects
 mid-stream cancels its request (Starlette cancels the response stream; the stream's ``finally`` cancels the job).
 Every request error is an OpenAI-style JSON body with a 4xx status; an unexpected failure inside the engine is a
-500 for that request only (the worker and the server stay up).
+500 for that request only (the worker and the server stay up); a request that the shutdown (Ctrl-C / SIGTERM) ends
+gets a 503 JSON error (code ``server_shutting_down``), or, when streamed, that error as its final event before
+``[DONE]``.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from fastapi.sse import EventSourceResponse, format_sse_event
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..generate import encode_prompt
+from ..seeds import seed_problem
 from .protocol import ChatCompletionRequest, CompletionRequest, OpenAIError, error_body
 from .worker import SCHEDULING, Delta, Done, Failed, Job, Params, Worker, percentile
 
@@ -129,14 +132,19 @@ class ServeState:
             raise OpenAIError(404, f"The model `{name}` does not exist; this server serves `{self.model_name}`.",
                               param="model", code="model_not_found")
 
-    def params(self, req, prompt_tokens: int, max_tokens: int | None) -> Params:
-        """Validate the sampling settings and the token budget of a request.
+    def params(self, req, prompt_tokens: int, max_tokens: int | None, max_tokens_param: str = "max_tokens") -> Params:
+        """Validate the sampling settings and the token budget of a request (before it is queued): every integer
+        field is range-checked here (``n``, ``seed`` by ``moe_offload.seeds``, ``max_tokens``) or where the prompt is
+        encoded (token ids), so the worker never sees a value it cannot use.
 
         Raises:
             OpenAIError: 400 for an unsupported or out-of-range setting, or a prompt + max_tokens above the context.
         """
         if req.n not in (None, 1):
             raise OpenAIError(400, "only n = 1 is supported", param="n")
+        seed_bad = None if req.seed is None else seed_problem(req.seed)
+        if seed_bad:
+            raise OpenAIError(400, seed_bad, param="seed")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(req, name) not in (None, 0, 0.0):
                 raise OpenAIError(400, f"{name} is not supported", param=name)
@@ -160,11 +168,11 @@ class ServeState:
                                   f"has {prompt_tokens}.", param="messages", code="context_length_exceeded")
             max_tokens = room
         if max_tokens <= 0:
-            raise OpenAIError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+            raise OpenAIError(400, f"{max_tokens_param} must be at least 1, got {max_tokens}", param=max_tokens_param)
         if max_tokens > room:
             raise OpenAIError(400, f"This model's maximum context length is {self.max_context} tokens. However, you "
                               f"requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the prompt, "
-                              f"{max_tokens} for the completion).", param="max_tokens",
+                              f"{max_tokens} for the completion).", param=max_tokens_param,
                               code="context_length_exceeded")
         return Params(max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p), seed=req.seed,
                       stop=stop)
@@ -272,8 +280,8 @@ def create_app(state: ServeState) -> FastAPI:
         if body.tools:
             raise OpenAIError(400, "tools are not supported", param="tools")
         ids = state.chat_prompt(body)
-        limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        params = state.params(body, len(ids), limit)
+        which = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        params = state.params(body, len(ids), getattr(body, which), which)
         return await _respond(state, request, body, ids, params, chat=True)
 
     @app.post("/v1/completions")
@@ -316,7 +324,7 @@ async def _respond(state: ServeState, request: Request, body, ids: list[int], pa
         if not isinstance(ev, (Done, Failed)):  # the client went away (or the handler was cancelled)
             state.worker.cancel(job)
     if isinstance(ev, Failed):
-        return JSONResponse(error_body(ev.message, type="server_error"), status_code=500)
+        return JSONResponse(error_body(ev.message, type="server_error", code=ev.code), status_code=ev.status)
     choice = {"index": 0, "finish_reason": ev.finish_reason, "logprobs": None}
     if chat:
         choice["message"] = {"role": "assistant", "content": ev.text}
@@ -369,8 +377,8 @@ async def _stream(state: ServeState, job: Job, rid: str, created: int, chat: boo
                     yield _sse(dict(head, choices=[], usage=_usage(ev)))
                 yield format_sse_event(data_str="[DONE]")
                 return
-            else:  # Failed
-                yield _sse(error_body(ev.message, type="server_error"))
+            else:  # Failed (an engine error, or the server shut down before the request finished)
+                yield _sse(error_body(ev.message, type="server_error", code=ev.code))
                 yield format_sse_event(data_str="[DONE]")
                 return
     finally:

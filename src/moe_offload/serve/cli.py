@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from ..cliargs import MODEL_HELP
 from ..errors import MoeOffloadError
 
 
 def _add_common(p: argparse.ArgumentParser, positive_int, float_) -> None:
-    p.add_argument("--model", help="checkpoint directory, or a built-in name: testbed (default), testbed-sparse")
+    p.add_argument("--model", help=MODEL_HELP)
     p.add_argument("--served-model-name", help="the model name clients pass (default: --model as given)")
     p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: the checkpoint's")
@@ -17,8 +18,10 @@ def _add_common(p: argparse.ArgumentParser, positive_int, float_) -> None:
                    "simulated on the first request's own routing), lru, lfu, lfru[-H], prefill-hot; diffusion "
                    "models also reactive, tide-fixed[-T<n>], tide")
     size = p.add_mutually_exclusive_group()
-    size.add_argument("--residency", type=float_, help="device slots as a fraction of all routed experts, (0, 1]")
-    size.add_argument("--slots", type=int, help="number of device slots (>= top-k)")
+    size.add_argument("--residency", type=float_, help="device slots as a fraction of all routed experts, (0, 1] "
+                      "(default: see --memory-budget)")
+    size.add_argument("--slots", type=positive_int, help="number of device slots, >= top-k (default: see "
+                      "--memory-budget)")
     size.add_argument("--memory-budget", type=float_, metavar="GB",
                       help="device-tier budget in GB (10^9 bytes): the slot pool gets what the non-expert weights, "
                       "the KV cache at --max-context and the measured activation peak leave (default on CUDA: 90%% "
@@ -52,11 +55,11 @@ def add_parsers(sub, bench_sub, positive_int, nonneg_int, float_) -> None:
                    help="prompts: the first --clients ShareGPT human turns at most this long (default 300)")
     b.add_argument("--no-track-memory", action="store_true",
                    help="skip the pass with the CPU device-tier tracker (on CUDA memory is always measured)")
-    b.add_argument("--out", help="also write the report (markdown) to this new file")
+    b.add_argument("--out", help="also write the report (markdown) to this new file (default: stdout only)")
 
 
 def _config(args):
-    from ..cli import resolve_model
+    from ..models.resolve import resolve_model
     from .server import ServeConfig
 
     path = resolve_model(args.model, progress=not args.quiet)

@@ -4,6 +4,10 @@ Only what the engine can honour is accepted: one choice (``n`` = 1), no log-prob
 tools. A parameter with a wrong JSON type is a 400 (strict validation: ``"5"`` is not an integer, ``true`` is not a
 number); unknown extra fields are ignored, as OpenAI-compatible servers commonly do.
 
+Integer fields are range-checked before a request is queued (``ServeState.params``; a 400 naming the field):
+``seed`` must be in [0, 2**32 - 1] (``moe_offload.seeds``: one seed mapping shared with ``generate --seed``), ``n``
+1, ``max_tokens`` / ``max_completion_tokens`` at least 1 and within the context, token ids within the vocabulary.
+
 Defaults that differ from OpenAI's: ``temperature`` defaults to 0 (greedy), as ``moe-offload generate`` does, so
 that a request without sampling settings gives ``generate``'s tokens; ``max_tokens`` defaults to the rest of the
 context (``--max-context`` minus the prompt).

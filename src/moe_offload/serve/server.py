@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import uvicorn
 
 from ..errors import MoeOffloadError
 from .memory import (GB, DeviceTierTracker, MemoryPlan, lookup_bytes, non_expert_bytes, profile_request,
@@ -58,11 +59,67 @@ class ServeConfig:
     host_store: str = "pinned"
 
 
-SHUTDOWN_GRACE_S = 2  # seconds running streams get to finish after Ctrl-C / SIGTERM
+SHUTDOWN_GRACE_S = 2  # seconds a running request gets to finish after Ctrl-C / SIGTERM
+LOG_PREFIX = "moe-offload serve: "
 
 
 def _log(msg: str) -> None:
-    print(f"moe-offload serve: {msg}", file=sys.stderr, flush=True)
+    print(f"{LOG_PREFIX}{msg}", file=sys.stderr, flush=True)
+
+
+def log_config() -> dict:
+    """uvicorn's logging configuration with every logger (server messages and the access log) on stderr, in the
+    same ``moe-offload serve:`` format as the start-up log: the server has one log stream (uvicorn's default puts
+    the access log on stdout)."""
+    import copy
+
+    from uvicorn.config import LOGGING_CONFIG
+
+    cfg = copy.deepcopy(LOGGING_CONFIG)
+    for handler in cfg["handlers"].values():
+        handler["stream"] = "ext://sys.stderr"
+    for fmt in cfg["formatters"].values():
+        fmt["fmt"] = LOG_PREFIX + fmt["fmt"].replace("%(levelprefix)s ", "%(levelname)s: ")
+        fmt["use_colors"] = False
+    return cfg
+
+
+class GracefulServer(uvicorn.Server):
+    """``uvicorn.Server`` that tells the worker first when it is asked to exit (Ctrl-C / SIGTERM): waiting requests
+    get a 503 JSON error at once and the running one ``grace_s`` seconds to finish before it ends with that error
+    (``Worker.begin_shutdown``), so uvicorn's graceful wait (``grace_s`` + 2 s) never has to cut a request with its
+    plain-text 500."""
+
+    def __init__(self, config: "uvicorn.Config", worker, grace_s: float = SHUTDOWN_GRACE_S, on_started=None):
+        config.timeout_graceful_shutdown = grace_s + 2
+        super().__init__(config)
+        self.worker = worker
+        self.grace_s = grace_s
+        self.on_started = on_started
+        self._shutdown_begun = False
+
+    async def startup(self, sockets=None) -> None:
+        """uvicorn's start-up, then ``on_started()`` (if given) once the sockets accept connections."""
+        await super().startup(sockets)
+        if self.started and self.on_started is not None:
+            self.on_started()
+
+    def _shutdown_worker(self) -> None:
+        # on its own thread: safe from a signal handler, and the grace period does not block the event loop
+        if not self._shutdown_begun:
+            self._shutdown_begun = True
+            threading.Thread(target=self.worker.begin_shutdown, args=(self.grace_s,), daemon=True,
+                             name="moe-offload-shutdown").start()
+
+    def begin_shutdown(self) -> None:
+        """Shut down as on Ctrl-C: start the worker's shutdown and ask uvicorn to exit."""
+        self._shutdown_worker()
+        self.should_exit = True
+
+    def handle_exit(self, sig, frame) -> None:
+        """uvicorn's signal handler: begin the worker's shutdown, then uvicorn's own (a second Ctrl-C forces it)."""
+        self._shutdown_worker()
+        super().handle_exit(sig, frame)
 
 
 def _diffusion_params(cfg: ServeConfig, arch) -> dict | None:
@@ -171,36 +228,32 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 def serve_forever(state, sock: socket.socket) -> None:
-    """Run the app on uvicorn in the foreground on ``sock`` (from ``bind_socket``) until interrupted (Ctrl-C)."""
-    import uvicorn
-
+    """Run the app on uvicorn in the foreground on ``sock`` (from ``bind_socket``) until interrupted (Ctrl-C /
+    SIGTERM: see ``GracefulServer``); every log line goes to stderr."""
     from .app import create_app
 
     host, port = sock.getsockname()[:2]
-    _log(f"listening on http://{host}:{port} (OpenAI API under /v1)")
-    # Ctrl-C: streams still running get SHUTDOWN_GRACE_S to finish, then are cut (their jobs are cancelled)
-    uvicorn.Server(uvicorn.Config(create_app(state), log_level="info",
-                                  timeout_graceful_shutdown=SHUTDOWN_GRACE_S)).run(sockets=[sock])
+    config = uvicorn.Config(create_app(state), log_level="info", log_config=log_config())
+    GracefulServer(config, state.worker, on_started=lambda: _log(
+        f"listening on http://{host}:{port} (OpenAI API under /v1; Ctrl-C to stop)")).run(sockets=[sock])
 
 
 class ServerThread:
     """The app on uvicorn in a background thread, on a loopback socket with a free port (tests, load test).
 
-    Use as a context manager; ``base_url`` is ``http://127.0.0.1:PORT``. Leaving stops uvicorn (its lifespan
-    stops the worker) and joins the thread.
+    Use as a context manager; ``base_url`` is ``http://127.0.0.1:PORT``. Leaving shuts the server down as Ctrl-C
+    does (``GracefulServer.begin_shutdown``; its lifespan then stops the worker) and joins the thread.
 
     Raises:
         MoeOffloadError: the server did not start within ``timeout`` seconds.
     """
 
     def __init__(self, state, host: str = "127.0.0.1", timeout: float = 30.0):
-        import uvicorn
-
         from .app import create_app
 
         self.sock = bind_socket(host, 0)
         self.host, self.port = host, self.sock.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(create_app(state), log_level="warning"))
+        self.server = GracefulServer(uvicorn.Config(create_app(state), log_level="warning"), state.worker)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
         self.timeout = timeout
 
@@ -218,6 +271,6 @@ class ServerThread:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
+        self.server.begin_shutdown()
         self.thread.join(self.timeout)
         self.sock.close()

@@ -6,6 +6,11 @@ or ``models.diffusion.diffusion_generate_ids`` for block-diffusion models) with 
 so its tokens are those ``generate`` gives. Tokens are handed to the request's event queue as they are chosen
 (autoregressive) or block by block (diffusion); a cancelled request (its client went away) stops after the
 current token / block and its state is dropped; a cancelled request still waiting never runs.
+
+Shutdown (``Worker.begin_shutdown``, on Ctrl-C / SIGTERM): waiting requests, and any that arrive later, end at once
+with a ``Failed`` event of status 503; the running one gets a grace period to finish and is then stopped after its
+current token / block with the same 503 event (its stream's final event), so no request is left to the HTTP
+server's hard cancellation.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ import torch
 from ..generate import _eos_ids, generate_ids
 
 SCHEDULING = "queued: one worker runs requests one at a time in arrival (FIFO) order, batch 1"
+SHUTDOWN_MESSAGE = "the server is shutting down; retry the request when it is back"
+SHUTDOWN_CODE = "server_shutting_down"
 
 
 class Detokenizer:
@@ -109,9 +116,16 @@ class Done:
 
 @dataclass
 class Failed:
-    """The request failed inside the engine (never expected; the server stays up)."""
+    """The request ended without a result: ``status`` 500 when it failed inside the engine (never expected; the
+    server stays up), 503 (``code`` ``server_shutting_down``) when the server shut down before it could finish."""
 
     message: str
+    status: int = 500
+    code: str | None = None
+
+
+def _shutdown_event() -> Failed:
+    return Failed(SHUTDOWN_MESSAGE, 503, SHUTDOWN_CODE)
 
 
 class Job:
@@ -123,7 +137,8 @@ class Job:
         loop: the event loop of the HTTP handler waiting on ``events``.
     Attributes:
         events: ``asyncio.Queue`` of ``Delta`` ... then one ``Done`` or ``Failed``.
-        cancelled: set when the client went away.
+        cancelled: set when the client went away (or the server stopped it at shutdown).
+        shutdown: set when the server stopped it at shutdown (it then ends with a 503 ``Failed`` event).
     """
 
     def __init__(self, prompt_ids: list[int], params: Params, loop: asyncio.AbstractEventLoop):
@@ -132,6 +147,7 @@ class Job:
         self.loop = loop
         self.events: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
+        self.shutdown = False
         self.created = time.perf_counter()
         self.first_token_at: float | None = None
         self.finished = False
@@ -192,6 +208,7 @@ class Worker:
         self._queue: collections.deque[Job] = collections.deque()
         self._cv = threading.Condition()
         self._stopping = False
+        self._closing = False
         self._thread: threading.Thread | None = None
         self._request = 0
         self.active: Job | None = None
@@ -205,24 +222,44 @@ class Worker:
             self._thread.start()
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Cancel the waiting and running jobs and join the thread (seconds)."""
+        """End the waiting and running jobs with a 503 ``Failed`` event (``begin_shutdown`` without grace) and join
+        the thread (seconds)."""
+        self.begin_shutdown(0.0)
         with self._cv:
             self._stopping = True
-            for job in self._queue:
-                job.cancelled.set()
-            self._queue.clear()
-            if self.active is not None:
-                self.active.cancelled.set()
             self._cv.notify_all()
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
 
-    def submit(self, job: Job) -> None:
-        """Append a job to the FIFO queue."""
+    def begin_shutdown(self, grace_s: float) -> None:
+        """Stop taking work: waiting jobs (and any submitted from now on) end at once with a 503 ``Failed`` event;
+        the running job gets ``grace_s`` seconds to finish, then stops after its current token / block with the same
+        event. Returns when no job runs any more or the grace period is over (idempotent)."""
         with self._cv:
-            self._queue.append(job)
-            self._cv.notify()
+            self._closing = True
+            queued = list(self._queue)
+            self._queue.clear()
+            self.stats.requests_cancelled += len(queued)
+        for job in queued:
+            job.cancelled.set()
+            job.push(_shutdown_event())
+        deadline = time.monotonic() + grace_s
+        with self._cv:
+            while self.active is not None and deadline - time.monotonic() > 0:
+                self._cv.wait(deadline - time.monotonic())
+            if self.active is not None:
+                self.active.shutdown = True
+                self.active.cancelled.set()
+
+    def submit(self, job: Job) -> None:
+        """Append a job to the FIFO queue (during shutdown: end it at once with a 503 ``Failed`` event)."""
+        with self._cv:
+            if not self._closing:
+                self._queue.append(job)
+                self._cv.notify()
+                return
+        job.push(_shutdown_event())
 
     def cancel(self, job: Job) -> None:
         """The client of ``job`` went away: drop it from the queue, or stop it after the current token / block."""
@@ -260,7 +297,9 @@ class Worker:
                 job.push(Failed(f"{e.__class__.__name__}: {e}"))
             finally:
                 job.finished = True
-                self.active = None
+                with self._cv:
+                    self.active = None
+                    self._cv.notify_all()
 
     # -- one request -------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -294,6 +333,8 @@ class Worker:
         st = self.stats
         if job.cancelled.is_set():
             st.requests_cancelled += 1
+            if job.shutdown:
+                job.push(_shutdown_event())
             return
         tail = detok.finish()
         if tail:

@@ -117,8 +117,9 @@ class ModelProfile:
 
 def cache_dir() -> Path:
     """The user cache: ``$MOE_OFFLOAD_CACHE`` if set, else ``~/.cache/moe-offload``."""
-    env = os.environ.get("MOE_OFFLOAD_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "moe-offload"
+    from ..cache import default_cache_dir
+
+    return default_cache_dir()
 
 
 def this_machine_path() -> Path:
@@ -214,6 +215,32 @@ def load_model_profile(name: str) -> ModelProfile:
     for k in ("num_moe_layers", "num_experts", "top_k", "expert_bytes"):
         kw[k] = int(kw[k])
     return ModelProfile(**kw)
+
+
+def model_profile_for(num_moe_layers: int, num_experts: int, top_k: int, model_type: str | None = None) -> str | None:
+    """The shipped model profile with this routing geometry (and, when given, this ``model_type``), or None when
+    there is not exactly one."""
+    found = []
+    for name in list_models():
+        mp = load_model_profile(name)
+        if (mp.num_moe_layers, mp.num_experts, mp.top_k) != (num_moe_layers, num_experts, top_k):
+            continue
+        if model_type and mp.model_type and mp.model_type != model_type:
+            continue
+        found.append(name)
+    return found[0] if len(found) == 1 else None
+
+
+def default_hardware(model: ModelProfile) -> tuple[str, str]:
+    """The hardware profile to use with ``model`` when none is named, and why: a platform the model profile has a
+    measured FullLoad speed on (rtx4090 first), else the measured ``this-machine`` profile if ``bench link`` wrote
+    one, else rtx4090."""
+    if model.full_load_tok_s:
+        name = "rtx4090" if "rtx4090" in model.full_load_tok_s else sorted(model.full_load_tok_s)[0]
+        return name, f"{model.name} has a measured FullLoad speed on it"
+    if this_machine_path().is_file():
+        return THIS_MACHINE, f"{model.name} runs on this machine; measured by `moe-offload bench link`"
+    return "rtx4090", "default; `moe-offload bench link` would measure this machine"
 
 
 # ------------------------------------------------------------------------------------------------ measuring

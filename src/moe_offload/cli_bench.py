@@ -1,0 +1,147 @@
+"""Command line of ``moe-offload bench decode | link | diffusion | formats | replay`` (registered by ``moe_offload.cli``;
+``bench serve`` is in ``serve/cli.py``)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from .cliargs import (add_model_args, add_prompt_args, float_, int_in, load_prompts, parse_intervals,
+                      positive_int, split_floats)
+from .errors import MoeOffloadError
+from .models.resolve import resolve_model
+
+# --link-regime: experts whose transfer one layer's FullLoad compute overlaps (SeqMoE §2.2)
+LINK_REGIMES = {"rtx4090": 1.39}
+
+
+def add_parsers(sub):
+    """Add ``bench`` and its benchmarks to the top-level subparsers; returns ``bench``'s subparsers (``serve``
+    adds ``bench serve`` to them)."""
+    b = sub.add_parser("bench", help="benchmarks")
+    bsub = b.add_subparsers(dest="bench_cmd", required=True)
+    bd = bsub.add_parser("decode", help="decode tokens/s vs FullLoad across residencies")
+    add_model_args(bd)
+    bd.add_argument("--residencies", default="1.0,0.45,0.25,0.15",
+                    help="comma-separated residencies; --policy may list several too")
+    bd.add_argument("--out", help="also write the table (markdown) to this new file (default: stdout only)")
+    bd.add_argument("--predictor", help="a trained predictor, run with the seqmoe* policies (which need it; default: "
+                    "none)")
+    bd.add_argument("--link-regime", choices=["rtx4090"],
+                    help="emulate the papers' link regime on this machine: one layer's FullLoad compute overlaps the "
+                    "transfer of 1.39 experts (SeqMoE §2.2, Qwen3-30B-A3B-FP8 on an RTX 4090; default: no emulation)")
+    bl = bsub.add_parser("link", help="measure host->device copy bandwidth; saves the this-machine profile")
+    bl.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
+    bl.add_argument("--size-mb", type=int_in(1, 16384), default=256, help="MiB per timed copy, in [1, 16384]")
+    bf = bsub.add_parser("diffusion", help="TIDE: diffusion tokens/s of FullLoad, reactive, tide-fixed-T<n> and tide "
+                         "per budget under an emulated link and host-fallback regime")
+    bf.add_argument("--model", default="llada2-medium",
+                    help="a diffusion checkpoint directory; default llada2-medium (built-in, built on first use)")
+    bf.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
+    bf.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: the checkpoint's")
+    bf.add_argument("--budgets", default="0.25,0.5", help="experts per layer on the device, comma-separated "
+                    "fractions in (0, 1] (default 0.25,0.5)")
+    bf.add_argument("--intervals", default="1-8", help="tide-fixed intervals T: 'A-B' or comma-separated (default 1-8)")
+    bf.add_argument("--hardware", default="rtx4090", help="hardware profile whose cost ratios are emulated")
+    bf.add_argument("--model-profile", default="llada2.0-mini", help="model profile of the emulated costs")
+    bf.add_argument("--max-new-tokens", type=positive_int, default=64, help="tokens to generate per prompt at most")
+    bf.add_argument("--block-length", type=positive_int, default=32, help="positions per diffusion block")
+    bf.add_argument("--steps", type=positive_int, help="diffusion steps per block (default: --block-length)")
+    bf.add_argument("--threshold", type=float_, default=0.95, help="commit confidence in (0, 1]")
+    add_prompt_args(bf)
+    bf.add_argument("--repeats", type=positive_int, default=1,
+                    help="timed runs per row; the row reports their median (default 1)")
+    bf.add_argument("--out", help="also write the table (markdown) to this new file (default: stdout only)")
+    bf.add_argument("--quiet", action="store_true", help="no progress bars")
+    bq = bsub.add_parser("formats", help="bf16 / FP8 / MXFP4 experts: bytes per expert and decode speed vs FullLoad "
+                         "under one emulated link; host memory of --host-store pinned vs mmap on a 2.4 GB checkpoint")
+    bq.add_argument("--residency", type=float_, default=0.25, help="residency of the speed rows (default 0.25)")
+    bq.add_argument("--max-new-tokens", type=positive_int, default=32, help="tokens per prompt (default 32)")
+    bq.add_argument("--sharegpt", type=positive_int, default=3, metavar="N",
+                    help="prompts: the first N short ShareGPT human turns (default 3)")
+    bq.add_argument("--no-memory", action="store_true",
+                    help="skip the host memory table (it writes a 2.4 GB checkpoint)")
+    bq.add_argument("--work", help="directory for the generated checkpoints (default: a temporary one, removed)")
+    bq.add_argument("--out", help="also write the tables (markdown) to this new file (default: none)")
+    br = bsub.add_parser("replay", help="simulator speed in expert accesses per second (synthetic 48x128x8)")
+    br.add_argument("--seconds", type=float_, default=5.0, help="how long to replay")
+    return bsub
+
+
+def _link(args) -> int:
+    from .sim.profiles import measure_link, this_machine_path
+
+    res = measure_link(device=args.device, size_mb=args.size_mb)
+    print(json.dumps(res, indent=1))
+    print(f"moe-offload: wrote the this-machine hardware profile to {this_machine_path()} (use it with --hardware "
+          "this-machine)", file=sys.stderr)
+    return 0
+
+
+def _diffusion(args) -> int:
+    from .bench import bench_diffusion
+
+    budgets = split_floats(args.budgets, "--budgets")
+    intervals = parse_intervals(args.intervals)
+    prompts = load_prompts(args)
+    path = resolve_model(args.model, progress=not args.quiet)
+    return _table(args, bench_diffusion(path, prompts, budgets, intervals, max_new_tokens=args.max_new_tokens,
+                                        block_length=args.block_length, steps=args.steps, threshold=args.threshold,
+                                        hardware=args.hardware, model_profile=args.model_profile, device=args.device,
+                                        dtype=args.dtype, progress=not args.quiet, repeats=args.repeats))
+
+
+def _decode(args) -> int:
+    from .bench import bench_decode
+
+    residencies = split_floats(args.residencies, "--residencies")
+    if any(not (0 < r <= 1) for r in residencies):
+        raise MoeOffloadError(f"--residencies values must be in (0, 1], got {args.residencies}")
+    prompts = load_prompts(args)
+    path = resolve_model(args.model, progress=not args.quiet)
+    return _table(args, bench_decode(path, prompts, residencies, max_new_tokens=args.max_new_tokens,
+                                     device=args.device, dtype=args.dtype, policy=args.policy,
+                                     progress=not args.quiet, predictor=args.predictor,
+                                     link_epl=LINK_REGIMES.get(args.link_regime)))
+
+
+def _table(args, table: str) -> int:
+    print(table)
+    if args.out:
+        Path(args.out).write_text(table + "\n")
+    return 0
+
+
+def run(args) -> int:
+    """``moe-offload bench decode | link | diffusion | replay``. Returns the exit status."""
+    if args.bench_cmd == "link":
+        return _link(args)
+    if args.bench_cmd == "replay":
+        from .sim.speed import bench_replay_speed
+
+        print(json.dumps(bench_replay_speed(seconds=args.seconds), indent=1))
+        return 0
+    if args.out and Path(args.out).exists():
+        raise MoeOffloadError(f"{args.out} already exists; choose a new --out")
+    if args.bench_cmd == "formats":
+        return _formats(args)
+    return _diffusion(args) if args.bench_cmd == "diffusion" else _decode(args)
+
+
+def _formats(args) -> int:
+    import tempfile
+
+    from .bench_formats import bench_formats
+    from .testbed.sharegpt import human_turns
+
+    if not (0 < args.residency <= 1):
+        raise MoeOffloadError(f"--residency must be in (0, 1], got {args.residency}")
+    prompts = [t for t in human_turns(50) if len(t) <= 300][:args.sharegpt]
+    with tempfile.TemporaryDirectory(dir=args.work) as work:
+        table = bench_formats(Path(work), prompts, residency=args.residency, max_new_tokens=args.max_new_tokens,
+                              memory=not args.no_memory)
+    print(table)
+    if args.out:
+        Path(args.out).write_text(table + "\n")
+    return 0

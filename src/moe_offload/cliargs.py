@@ -1,0 +1,178 @@
+"""Command-line building blocks shared by every ``moe-offload`` command: the parser class (one-line errors, every
+option's default in ``--help``), argument types with their ranges, the model/prompt options and the prompts."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from .errors import MoeOffloadError
+from .seeds import seed_problem
+
+DEFAULT_PROMPTS = 3
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """``--help`` shows each option's default: ``(default: X)`` is appended unless the help text already says it
+    (options whose default is None or a flag's False explain their default in words)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if ("default" in text or not action.option_strings or action.required
+                or action.default is None or action.default is False or action.default == argparse.SUPPRESS):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """argparse with one-line errors: ``<prog>: error: <message>`` (and a pointer to ``--help``), exit status 2,
+    instead of the usage block (subcommand parsers inherit the class and ``HelpFormatter``)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def positive_int(s: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}") from None
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s}")
+    return v
+
+
+def nonneg_int(s: str) -> int:
+    """argparse type: an integer >= 0."""
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {s!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {s}")
+    return v
+
+
+def int_in(lo: int, hi: int):
+    """An argparse type: an integer in ``[lo, hi]``."""
+    def parse(s: str) -> int:
+        try:
+            v = int(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer in [{lo}, {hi}], got {s!r}") from None
+        if not lo <= v <= hi:
+            raise argparse.ArgumentTypeError(f"expected an integer in [{lo}, {hi}], got {s}")
+        return v
+
+    parse.__name__ = f"int in [{lo}, {hi}]"
+    return parse
+
+
+def seed(s: str) -> int:
+    """argparse type: a seed (``moe_offload.seeds``: an integer in [0, 2**32 - 1]); the message is the server's."""
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {s!r}") from None
+    problem = seed_problem(v)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
+    return v
+
+
+def float_(s: str) -> float:
+    """argparse type: a number."""
+    try:
+        return float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {s!r}") from None
+
+
+def split_floats(text: str, what: str) -> list[float]:
+    """Comma-separated numbers of option ``what``.
+
+    Raises:
+        MoeOffloadError: not numbers, or none."""
+    try:
+        vals = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise MoeOffloadError(f"{what} must be comma-separated numbers, got {text!r}") from None
+    if not vals:
+        raise MoeOffloadError(f"{what} is empty")
+    return vals
+
+
+def parse_intervals(text: str) -> list[int]:
+    """``--intervals``: ``'A-B'`` or comma-separated integers >= 1.
+
+    Raises:
+        MoeOffloadError: anything else."""
+    try:
+        if "-" in text:
+            a, b = (int(x) for x in text.split("-", 1))
+            vals = list(range(a, b + 1))
+        else:
+            vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise MoeOffloadError(f"--intervals must be 'A-B' or comma-separated integers, got {text!r}") from None
+    if not vals or min(vals) < 1:
+        raise MoeOffloadError(f"--intervals must be integers >= 1, got {text!r}")
+    return vals
+
+
+MODEL_HELP = ("checkpoint directory (any MoE model type of the installed transformers that `moe-offload models` lists "
+              "as served; a multimodal checkpoint is served for text-only prompts), or a built-in name: testbed "
+              "(default), testbed-sparse, llada2-medium (built on first use)")
+
+
+def add_prompt_args(p: argparse.ArgumentParser) -> None:
+    """``--prompt``, ``--prompts``, ``--sharegpt``, ``--sharegpt-offset`` (read by ``load_prompts``)."""
+    p.add_argument("--prompt", action="append", help="a prompt (repeatable; default: three short ShareGPT turns)")
+    p.add_argument("--prompts", metavar="FILE", help="file with one prompt per line (default: none)")
+    p.add_argument("--sharegpt", type=positive_int, metavar="N",
+                   help="the first N human turns of ShareGPT (default: none)")
+    p.add_argument("--sharegpt-offset", type=nonneg_int, default=0, metavar="K",
+                   help="with --sharegpt: skip the first K human turns (for disjoint prompt sets)")
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The options every generating command shares: model, device, dtype, policy, tokens, prompts, quiet."""
+    p.add_argument("--model", help=MODEL_HELP)
+    p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: the checkpoint's")
+    p.add_argument("--policy", default="auto",
+                   help="eviction policy: auto (default: the best of lru, lfu, lfru-H on a simulation of the first "
+                   "prompt's own routing), lru, lfu, lfru[-H] (frequency-recency, half-life H decode steps, 8), "
+                   "prefill-hot; with --predictor: seqmoe-cacheonly (probabilistic Belady), seqmoe (+ JSD "
+                   "prefetching), seqmoe-infinity; diffusion models: reactive, tide-fixed-T<n>, tide (auto: lru)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=64, help="tokens to generate per prompt at most")
+    add_prompt_args(p)
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def load_prompts(args) -> list[str]:
+    """Prompts from ``--prompt``, ``--prompts FILE`` or ``--sharegpt N``; default: a few short ShareGPT turns."""
+    prompts: list[str] = list(args.prompt or [])
+    if args.prompts:
+        try:
+            lines = Path(args.prompts).read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as e:
+            raise MoeOffloadError(f"cannot read prompts file {args.prompts}: {e.__class__.__name__}: "
+                                  f"{getattr(e, 'strerror', None) or e}") from None
+        prompts += [ln for ln in lines if ln.strip()]
+        if not prompts:
+            raise MoeOffloadError(f"prompts file {args.prompts} holds no prompt")
+    if args.sharegpt:
+        from .testbed.sharegpt import human_turns
+
+        prompts += human_turns(args.sharegpt, offset=args.sharegpt_offset)
+    if not prompts:
+        from .testbed.sharegpt import human_turns
+
+        prompts = [t for t in human_turns(50) if len(t) <= 300][:DEFAULT_PROMPTS]
+    return prompts

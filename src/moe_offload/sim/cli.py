@@ -1,0 +1,213 @@
+"""Command line of ``moe-offload simulate`` (registered by ``moe_offload.cli``; ``simulate-diffusion`` lives in
+``sim/diffusion_cli.py``): replay routing traces through the decision core, with the model and hardware profiles
+that match the trace when they are known, and say which ones were used."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from ..cliargs import float_, split_floats
+from ..errors import MoeOffloadError
+
+
+def add_parser(sub) -> None:
+    """Add ``simulate`` to the top-level subparsers."""
+    sm = sub.add_parser("simulate", help="replay traces through the decision core; hit rates and projected speed")
+    sm.add_argument("--trace", required=True, action="append", help="trace file (repeatable)")
+    sm.add_argument("--residency", default="0.15,0.25,0.35,0.45", help="comma-separated fractions in (0, 1]")
+    sm.add_argument("--policy", default="lru,lfu,lfru,prefill-hot,belady,belady-8",
+                    help="comma-separated policies (default lru,lfu,lfru,prefill-hot,belady,belady-8)")
+    sm.add_argument("--model-profile",
+                    help="model profile for the time model (default: the shipped profile with the trace's model type "
+                    "and geometry, e.g. testbed-sparse; else qwen3-30b-a3b-fp8, onto which the trace's miss rates "
+                    "are projected)")
+    sm.add_argument("--hardware",
+                    help="hardware profile (see docs/traces-and-simulator.md), or this-machine (default: a platform "
+                    "the model profile has a FullLoad speed on, rtx4090 first; for the testbed profiles this-machine "
+                    "when `bench link` measured it, else rtx4090)")
+    sm.add_argument("--full-load-tok-s", type=float_,
+                    help="FullLoad decode tok/s when the profile has none (default: the profile's; without one the "
+                    "speed columns stay empty)")
+    sm.add_argument("--model", help="check that every trace was recorded on this checkpoint directory (default: no "
+                    "check)")
+    sm.add_argument("--predictor", help="a trained predictor (for seqmoe-cacheonly, seqmoe, seqmoe-infinity, and "
+                    "seqmoe-oracle: its forecasts replaced by the true future, an upper bound); when the traces are "
+                    "its training traces, every policy replays only its held-out requests (default: none)")
+    sm.add_argument("--link-epl", type=float_,
+                    help="link speed in experts per layer compute time for the prefetching replay (default: the model "
+                    "profile's measured value on --hardware, SeqMoE §2.2: 1.39 for qwen3-30b-a3b-fp8 on rtx4090)")
+    sm.add_argument("--out", required=True, help="new (or empty) directory for CSV, markdown and PNG plots")
+
+
+def choose_profiles(args, traces: list) -> tuple:
+    """The hardware and model profiles for ``traces`` and a line saying which were used and why: named ones, else
+    the model profile matching the (first) trace's model type and geometry (``profiles.model_profile_for``) or
+    qwen3-30b-a3b-fp8, and ``profiles.default_hardware`` for it. Returns ``(hardware, model_profile, line)``."""
+    from .profiles import default_hardware, load_hardware, load_model_profile, model_profile_for
+
+    h = traces[0][1].header
+    geo = (int(h["num_moe_layers"]), int(h["num_experts"]), int(h["top_k"]))
+    same = all((t.num_moe_layers, t.num_experts, t.top_k) == geo for _, t in traces)
+    model_type = str(h.get("model_id") or "").rsplit("-", 1)[0] or None
+    geo_txt = f"{geo[0]} MoE layers x {geo[1]} experts, top-{geo[2]}"
+    if args.model_profile:
+        mp, why_m = load_model_profile(args.model_profile), "--model-profile"
+    else:
+        match = model_profile_for(*geo, model_type=None if h.get("synthetic") else model_type) if same else None
+        if match:
+            mp, why_m = load_model_profile(match), f"matches the trace: {model_type or '?'}, {geo_txt}"
+        else:
+            mp = load_model_profile("qwen3-30b-a3b-fp8")
+            why_m = f"default: no shipped profile matches the trace's {geo_txt}; its miss rates are projected onto it"
+    if args.hardware:
+        hw, why_h = load_hardware(args.hardware), "--hardware"
+    else:
+        name, why_h = default_hardware(mp)
+        hw = load_hardware(name)
+    return hw, mp, f"profiles: model {mp.name} ({why_m}); hardware {hw.name} ({why_h})"
+
+
+def _time_model(args, hw, mp):
+    """The on-demand time model, or ``(None, reason)`` when no FullLoad speed is known for this pair."""
+    from .timemodel import OnDemandTimeModel
+
+    if args.full_load_tok_s is None and hw.name not in mp.full_load_tok_s:
+        return None, (f"projected speed: not computed ({mp.name} has no FullLoad speed on {hw.name}; pass "
+                      "--full-load-tok-s, e.g. as measured by `moe-offload bench decode --residencies 1.0`)")
+    return OnDemandTimeModel(hw, mp, full_load_tok_s=args.full_load_tok_s), None
+
+
+def _row(name: str, tr, mp, hw, policy: str, r: float, slots: int, res) -> dict:
+    return {"trace": Path(name).name, "synthetic": bool(tr.header.get("synthetic")), "model": mp.name,
+            "hardware": hw.name, "policy": policy, "residency": r, "slots": slots, "hit_rate": res.hit_rate,
+            "decode_hit_rate": res.decode_hit_rate, "hits": res.hits, "misses": res.misses,
+            "decode_misses": res.decode_misses, "accesses": res.accesses}
+
+
+def run(args) -> int:
+    """``moe-offload simulate``: replays, report files, and the table on stdout. Returns the exit status."""
+    from ..trace.format import load_trace
+    from .prefetch_sim import PREFETCH_POLICIES
+    from .report import write_report
+    from .simulator import FORECAST_POLICIES, build_policy
+
+    residencies = split_floats(args.residency, "--residency")
+    if any(not (0 < r <= 1) for r in residencies):
+        raise MoeOffloadError(f"--residency values must be in (0, 1], got {args.residency}")
+    policies = [p.strip() for p in args.policy.split(",") if p.strip()]
+    out = Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise MoeOffloadError(f"{out} already exists and is not an empty directory; choose a new --out")
+    model_id = None
+    if args.model:
+        from ..models.resolve import resolve_model
+        from ..trace.format import model_fingerprint
+
+        model_id = model_fingerprint(json.loads((resolve_model(args.model) / "config.json").read_text()))
+    traces = [(t, load_trace(t)) for t in args.trace]
+    hw, mp, used = choose_profiles(args, traces)
+    print(used)
+    tm, no_speed = _time_model(args, hw, mp)
+    forecasts, popularity = {}, None
+    wants = [p for p in policies if p.lower() in FORECAST_POLICIES or p.lower() in PREFETCH_POLICIES]
+    if args.predictor:
+        traces, forecasts, popularity = _predictor_replay_set(args.predictor, traces, bool(wants))
+    elif wants:
+        raise MoeOffloadError(f"--policy {','.join(wants)} needs --predictor DIR")
+    epl = args.link_epl or mp.paper_overlap_experts_per_layer.get(hw.name) or (
+        tm.experts_per_layer_compute if tm else None)
+    if epl is not None and not epl > 0:
+        raise MoeOffloadError(f"--link-epl must be > 0, got {epl}")
+    prefetching = [p for p in policies if p.lower() in PREFETCH_POLICIES]
+    if prefetching and epl is None:
+        raise MoeOffloadError(f"--policy {','.join(prefetching)} needs a link speed: pass --link-epl or "
+                              "--full-load-tok-s")
+    for _, tr in traces:
+        if model_id:
+            tr.check_model(model_id)
+        for p in policies:  # validate every name before the long loop
+            if p.lower() not in PREFETCH_POLICIES:
+                build_policy(p, tr, 1, needs=[])
+    rows = _replays(traces, policies, residencies, mp, hw, tm, epl, forecasts, popularity)
+    files = write_report(rows, out, f"Expert hit rate and projected decode speed ({mp.name} on {hw.name})")
+    print((out / "results.md").read_text())
+    if no_speed:
+        print(no_speed)
+    print("wrote " + ", ".join(str(f) for f in files))
+    return 0
+
+
+def _replays(traces, policies, residencies, mp, hw, tm, epl, forecasts, popularity) -> list[dict]:
+    """One report row per (trace, policy, residency): hit counts, and projected speed where ``tm`` (the time model)
+    and ``epl`` (the link speed) are known."""
+    from tqdm.auto import tqdm
+
+    from .prefetch_sim import PREFETCH_POLICIES, replay_with_prefetch
+    from .simulator import FORECAST_POLICIES, layer_needs, replay
+
+    rows, oracle = [], {}
+    bar = tqdm(total=len(traces) * len(policies) * len(residencies), desc="replays", leave=False)
+    for name, tr in traces:
+        needs = layer_needs(tr)
+        n_total = tr.num_moe_layers * tr.num_experts
+        for p in policies:
+            for r in residencies:
+                slots = max(1, math.ceil(r * n_total - 1e-9))
+                if p.lower() in PREFETCH_POLICIES:
+                    evict, sched = PREFETCH_POLICIES[p.lower()]
+                    fc = forecasts.get(name)
+                    if p.lower().endswith("-oracle") and fc is not None:
+                        from .forecasts import oracle_stream
+
+                        fc = oracle.setdefault(name, oracle_stream(fc, tr))
+                    pr = replay_with_prefetch(tr, slots, evict, epl, forecasts=fc, scheduler=sched,
+                                              needs=needs, prefill_popularity=popularity)
+                    rows.append(_row(name, tr, mp, hw, p.lower(), r, slots, pr) | {
+                        "link_epl": epl, "decode_fraction_link_model": pr.decode_fraction_of_full_load,
+                        "prefetches": pr.prefetches, "prefetch_accuracy": pr.prefetch_accuracy,
+                        "late": pr.decode_late})
+                else:
+                    res = replay(tr, slots, p, needs=needs,
+                                 forecasts=forecasts.get(name) if p.lower() in FORECAST_POLICIES else None)
+                    t = tm.decode_time(res.per_step, tr) if tm is not None else {}
+                    rows.append(_row(name, tr, mp, hw, res.policy, r, slots, res) | {
+                        k: t[k] for k in ("projection", "projected_tok_s", "full_load_tok_s", "fraction_of_full_load")
+                        if k in t} | {"link_epl": epl,
+                                      "decode_fraction_link_model": _link_fraction(res, tr, epl) if epl else None} | (
+                        {"stall_s_per_step": t["stall_s_per_step"]} if t else {}))
+                bar.update(1)
+    bar.close()
+    return rows
+
+
+def _link_fraction(res, tr, epl: float) -> float:
+    """Decode speed as a fraction of FullLoad under ``sim.prefetch_sim``'s link model for a replay without
+    prefetching: every decode miss stalls its layer by ``1 / epl`` layer times (the link is idle at layer start)."""
+    layers = int((res.per_step.step > 0).sum()) * tr.num_moe_layers
+    return layers / (layers + res.decode_misses / epl) if layers else 1.0
+
+
+def _predictor_replay_set(predictor: str, traces: list, need_forecasts: bool):
+    """For ``simulate --predictor``: the traces to replay (the predictor's held-out requests merged into one trace
+    when these are its training traces, else all of them), if needed the forecasts for each, and the predictor's
+    prefill popularity profile (SeqMoE §8.4; None for a predictor saved without one)."""
+    from ..predictor.features import trace_sequences, training_split
+    from ..predictor.model import load_predictor
+    from ..trace.format import merge_requests
+    from .forecasts import forecast_stream
+
+    pset = load_predictor(predictor, model_id=traces[0][1].header.get("model_id"))
+    keys = [s.key for i, (_, tr) in enumerate(traces) for s in trace_sequences(tr, i)]
+    split = training_split(pset.header.training, [tr for _, tr in traces], keys)
+    if split is not None:
+        _, test = split
+        chosen = [keys[j] for j in test]
+        merged = merge_requests([(tr, [r for t_i, r in chosen if t_i == i]) for i, (_, tr) in enumerate(traces)],
+                                source="held-out requests of " + ", ".join(Path(n).name for n, _ in traces))
+        name = f"heldout-{len(chosen)}-of-{len(keys)}"
+        print(f"replaying the predictor's {len(chosen)} held-out requests of {len(keys)} (all policies)")
+        traces = [(name, merged)]
+    fc = {name: forecast_stream(pset, tr, progress=True) for name, tr in traces} if need_forecasts else {}
+    return traces, fc, pset.header.prefill_popularity

@@ -1,0 +1,99 @@
+"""Command line of ``moe-offload trace collect`` and ``trace info`` (registered by ``moe_offload.cli``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..cliargs import add_model_args, load_prompts, positive_int
+from ..errors import MoeOffloadError
+from ..models.resolve import resolve_model
+
+
+def add_parser(sub) -> None:
+    """Add ``trace`` (``collect``, ``info``) to the top-level subparsers."""
+    tr = sub.add_parser("trace", help="routing traces: collect, info")
+    trsub = tr.add_subparsers(dest="trace_cmd", required=True)
+    tc = trsub.add_parser("collect", help="record routing while generating (through the runtime's router hook)")
+    add_model_args(tc)
+    tc.add_argument("--out", required=True, help="trace file to write (must not exist)")
+    tc.add_argument("--router-probs", action="store_true", help="also record softmax router probabilities")
+    tc.add_argument("--max-prompt-chars", type=positive_int, default=2000,
+                    help="skip prompts longer than this (ShareGPT has very long turns)")
+    ti = trsub.add_parser("info", help="summary statistics of a trace")
+    ti.add_argument("file", help="a trace file (routing or diffusion)")
+    ti.add_argument("--json", action="store_true", help="one JSON object instead of text")
+
+
+def run(args) -> int:
+    """``moe-offload trace info`` / ``trace collect``. Returns the exit status."""
+    if args.trace_cmd == "info":
+        return _info(args)
+    return _collect(args)
+
+
+def _info(args) -> int:
+    from .format import load_trace
+    from .stats import format_stats, trace_stats
+
+    try:
+        tr = load_trace(args.file)
+    except MoeOffloadError as err:
+        from .diffusion import load_diffusion_trace, stability_profile
+
+        try:
+            dt = load_diffusion_trace(args.file)
+        except MoeOffloadError:
+            raise err from None
+        st = {"kind": "diffusion", "model_id": dt.header.get("model_id"), "synthetic": dt.synthetic,
+              "num_moe_layers": dt.num_moe_layers, "num_experts": dt.num_experts, "top_k": dt.top_k,
+              "block_length": dt.block_length, "diffusion_steps": dt.num_steps, "blocks": len(dt.blocks()),
+              "tokens_committed": int(dt.committed.sum()),
+              "stability": {f"budget_{b}": stability_profile(dt, max(1, round(b * dt.num_experts)), 8)
+                            for b in (0.25, 0.5)}}
+        print(json.dumps(st) if args.json else json.dumps(st, indent=1))
+        return 0
+    st = dict(trace_stats(tr), model_id=tr.header.get("model_id"))
+    print(json.dumps(st) if args.json else format_stats(st))
+    return 0
+
+
+def _collect(args) -> int:
+    from ..generate import run
+    from ..models.loader import load_offloaded, read_config
+    from .collect import TraceRecorder
+    from .stats import step_counts
+
+    out = Path(args.out)
+    if out.exists():
+        raise MoeOffloadError(f"{out} already exists; choose a new --out")
+    prompts = [p for p in load_prompts(args) if len(p) <= args.max_prompt_chars]
+    if not prompts:
+        raise MoeOffloadError(f"no prompt is at most --max-prompt-chars {args.max_prompt_chars} characters long")
+    path = resolve_model(args.model, progress=not args.quiet)
+    if read_config(path)[2].diffusion:  # a diffusion trace (per block, step, layer: expert token counts)
+        from ..models.diffusion import loop_params, run_diffusion
+        from ..models.loader import load_full
+        from .diffusion import DiffusionTraceRecorder
+
+        params = loop_params(read_config(path)[2], None, None, None, args.max_new_tokens, str(path))
+        lm = load_full(path, device=args.device, dtype=args.dtype)
+        with DiffusionTraceRecorder(lm, params["block_length"], source=f"moe-offload trace collect on {path}") as rec:
+            _, _, results = run_diffusion(lm, prompts, args.max_new_tokens, progress=not args.quiet, recorder=rec,
+                                          **params)
+            tr = rec.trace(results)
+        tr.save(out)
+        print(f"wrote {out}: diffusion trace, {len(results)} requests, {tr.num_steps} diffusion steps "
+              f"({', '.join(f'{k} {v}' for k, v in params.items())}), {tr.num_moe_layers} MoE layers x "
+              f"{tr.num_experts} experts, top-{tr.top_k}")
+        return 0
+    lm = load_offloaded(path, device=args.device, dtype=args.dtype, policy=args.policy, progress=not args.quiet)
+    with TraceRecorder(lm, router_probs=args.router_probs, source=f"moe-offload trace collect on {path}") as rec:
+        run(lm, prompts, args.max_new_tokens, progress=not args.quiet, recorder=rec)
+        tr = rec.trace()
+    tr.save(out)
+    st = step_counts(tr)
+    print(f"wrote {out}: {tr.num_requests} requests, {st['steps']} steps ({st['prefill_steps']} prefill steps + "
+          f"{st['decode_steps']} decode steps), {tr.num_moe_layers} MoE layers x {tr.num_experts} experts, "
+          f"top-{tr.top_k}")
+    return 0
