@@ -164,7 +164,7 @@ def _check_tiny(model_type: str, path: Path, res: TypeResult) -> None:
     from .checkpoint import read_config
     from .diffusion import is_diffusion
     from .loader import load_full, load_offloaded
-    from .tiny import make_tiny, tiny_config
+    from .tiny import make_tiny
 
     res.status = "untested"  # until the tiny checkpoint is written (a refusal is a NotServedError: see verify)
     make_tiny(model_type, path, overwrite=True)
