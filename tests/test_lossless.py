@@ -1,7 +1,7 @@
 """Lossless: the offloaded model's greedy tokens equal FullLoad's (transformers' own experts implementation,
-every weight resident) for every supported architecture, at residency 1.0, 0.5 and the minimum (top-k slots).
-Prefill included: the long prompt needs more distinct experts per layer than the minimum pool holds, so those
-layers run in rounds."""
+every weight resident) for the core architectures (conftest.CORE_ARCHS; every model type at residency 0.3:
+test_architectures.py), at residency 1.0, 0.5 and the minimum (top-k slots). Prefill included: the long prompt
+needs more distinct experts per layer than the minimum pool holds, so those layers run in rounds."""
 
 import pytest
 import torch

@@ -121,7 +121,7 @@ def stats_table(d: dict) -> str:
         ("policy auto", _auto_line(d["auto_policy"])),
     ] if "auto_policy" in d else []) + ([
         ("decode step time", _breakdown_line(d["time_breakdown"])),
-    ] if "time_breakdown" in d else []) + ([
+    ] if "time_breakdown" in d and not diff else []) + ([
         ("first block (mean)", f"{d['ttft_s']:.3f} s"),
         ("diffusion", _diffusion_row(diff)),
     ] if diff else [

@@ -23,8 +23,7 @@ from ..runtime.engine import OffloadEngine
 from ..runtime.formats import ExpertFormat
 from ..runtime.pool import SlotPool
 from ..runtime.store import HostStore, MmapHostStore
-from .capability import (Geometry, expert_params, experts_modules, generation_class, inspect_model,  # noqa: F401
-                         top_k as _top_k)
+from .capability import expert_params, experts_modules, generation_class, inspect_model, top_k as _top_k
 from .checkpoint import Checkpoint, quantization, read_config
 from .expert_map import build_format, fill_store, map_checkpoint
 from .registry import Architecture

@@ -8,7 +8,8 @@ generically), loads it with every weight on the device (FullLoad: transformers' 
 implementation) and offloaded at residency 0.3 (with misses), generates greedily with one intra-op thread from
 both and records a routing trace from the offloaded run, and reports:
 
-* ``served``: the offloaded tokens equal FullLoad's, the trace covers every step and MoE layer;
+* ``served``: the offloaded tokens equal FullLoad's, the trace (router probabilities included) covers every step
+  and MoE layer;
 * ``refused``: the loader refuses the model type with a one-line reason (no experts through ExpertsInterface, no
   text-generation class, a registry refusal...);
 * ``untested``: no tiny checkpoint can be built (the reason: a field the shrink cannot fill, a missing optional
@@ -163,7 +164,7 @@ def _check_tiny(model_type: str, path: Path, res: TypeResult) -> None:
     from .checkpoint import read_config
     from .diffusion import is_diffusion
     from .loader import load_full, load_offloaded
-    from .tiny import make_tiny, tiny_config
+    from .tiny import make_tiny
 
     res.status = "untested"  # until the tiny checkpoint is written (a refusal is a NotServedError: see verify)
     make_tiny(model_type, path, overwrite=True)
@@ -178,7 +179,7 @@ def _check_tiny(model_type: str, path: Path, res: TypeResult) -> None:
     res.transformers_generate = _hf_generate_check(full, ids[0], ref[0])
     del full
     lm = load_offloaded(path, device="cpu", residency=RESIDENCY, progress=False)
-    with TraceRecorder(lm, source="sweep") as rec:
+    with TraceRecorder(lm, router_probs=True, source="sweep") as rec:
         outs, stats = run(lm, PROMPTS, NEW_TOKENS, recorder=rec)
         trace = rec.trace()
     got = [o.token_ids for o in outs]
@@ -187,8 +188,10 @@ def _check_tiny(model_type: str, path: Path, res: TypeResult) -> None:
         res.reason = f"offloaded tokens {got} differ from FullLoad's {ref}"
         return
     rows = sum(len(i) + len(t) - 1 for i, t in zip(ids, ref))
-    if trace.expert_ids.shape != (rows, res.moe_layers, res.top_k):
-        res.reason = f"trace shape {trace.expert_ids.shape}, expected {(rows, res.moe_layers, res.top_k)}"
+    if trace.expert_ids.shape != (rows, res.moe_layers, res.top_k) or \
+            trace.router_probs.shape != (rows, res.moe_layers, res.experts):
+        res.reason = (f"trace shapes {trace.expert_ids.shape} / {trace.router_probs.shape}, expected "
+                      f"{(rows, res.moe_layers, res.top_k)} / {(rows, res.moe_layers, res.experts)}")
         return
     res.status = "served"
 

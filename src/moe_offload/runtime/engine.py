@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from ..core.slots import SlotTable
+from ..errors import MoeOffloadError
 from .breakdown import StepClock
 from .experts import IMPLEMENTATION_NAME, device_index, register, slot_pair_outputs
 from .pool import SlotPool
@@ -139,6 +140,10 @@ class OffloadEngine:
         num_tokens, k = top_k_index.shape
         gid = (top_k_index + moe_layer * self.num_experts).reshape(-1)
         uniq, counts = np.unique(gid.cpu().numpy(), return_counts=True)  # the one device->host transfer
+        base = moe_layer * self.num_experts
+        if uniq.size and (uniq[0] < base or uniq[-1] >= base + self.num_experts):  # would read another layer's expert
+            raise MoeOffloadError(f"MoE layer {moe_layer}: the router chose expert {int(uniq[-1] - base)}, outside "
+                                  f"[0, {self.num_experts})")
         pf = self.prefetcher
         if pf is not None:
             pf.land_ready()

@@ -3,7 +3,8 @@
 ``TraceRecorder`` registers an observer on the offload engine, which sees every MoE layer's ``top_k_index`` and
 ``top_k_weights`` exactly as the offloaded experts receive them; with ``router_probs`` it also hooks each router
 module (``gate``/``router`` beside the experts module; transformers' routers return
-``(router_logits [T, E], weights, indices)``) and keeps ``softmax(router_logits)``.
+``(router_logits [T, E], weights, indices)``) and keeps ``softmax(router_logits)``; a router with classes past the
+E experts (Zaya's skip expert, index E, which computes nothing) keeps the experts' columns of that softmax.
 """
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ class TraceRecorder(HookedRecorder):
     def _router_hook(self, layer: int):
         def hook(module, args, out):
             logits = out[0] if isinstance(out, tuple) else out
-            self._layer_p[layer] = torch.softmax(logits.detach().float(), dim=-1).to("cpu", torch.float16)
+            probs = torch.softmax(logits.detach().float(), dim=-1)[..., :self.E]
+            self._layer_p[layer] = probs.to("cpu", torch.float16)
         return hook
 
     def start_request(self, index: int, prompt_ids: list[int]) -> None:
