@@ -21,7 +21,8 @@ def _fake_builder(calls: list):
         calls.append((top_k, eval_tokens))
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text("{}")
-        (out / "testbed.json").write_text(json.dumps({"top_k": top_k, "perplexity": None}))
+        ppl = {"dense": 5.0, "moe": 9.0} if eval_tokens else None
+        (out / "testbed.json").write_text(json.dumps({"top_k": top_k, "perplexity": ppl}))
         return out
     return fake
 
@@ -153,6 +154,21 @@ def test_stale_temporary_folders_are_removed_unless_their_build_runs(tmp_path):
         lock.release()
     assert removed == [stale] and not stale.exists() and running.exists() and other.exists()
     assert cache.remove_stale_temps(tmp_path) == [running]  # its build is over (lock free)
+
+
+def test_testbed_build_command_evaluates_in_the_same_build_or_afterwards(fake_cache, monkeypatch, capsys):
+    from moe_offload.cli import main
+
+    root, calls = fake_cache
+    evaluated = []
+    monkeypatch.setattr(build, "evaluate_testbed", lambda path, progress=True, eval_tokens=0: evaluated.append(path))
+    assert main(["testbed", "build", "--quiet"]) == 0  # not built yet: one build with the evaluation
+    assert calls == [(24, build.EVAL_TOKENS)] and evaluated == []
+    assert main(["testbed", "build", "--sparse", "--no-eval", "--quiet"]) == 0
+    assert calls[-1] == (8, 0)
+    assert main(["testbed", "build", "--sparse", "--quiet"]) == 0  # built on first use without: evaluate it now
+    assert len(calls) == 2 and evaluated == [root / "testbed-sparse"]
+    assert capsys.readouterr().out.splitlines()[-1] == f"testbed-sparse checkpoint: {root / 'testbed-sparse'}"
 
 
 def test_a_killed_builds_leftovers_go_when_the_entry_is_built(fake_cache):
