@@ -21,7 +21,8 @@ def _fake_builder(calls: list):
         calls.append((top_k, eval_tokens))
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text("{}")
-        (out / "testbed.json").write_text(json.dumps({"top_k": top_k, "perplexity": None}))
+        ppl = {"dense": 5.0, "moe": 9.0} if eval_tokens else None
+        (out / "testbed.json").write_text(json.dumps({"top_k": top_k, "perplexity": ppl}))
         return out
     return fake
 
@@ -87,6 +88,56 @@ def test_concurrent_first_uses_build_once_and_the_second_waits(tmp_path):
     assert not list(tmp_path.glob(".entry.*.tmp"))
 
 
+_OTHER_PROCESS = """
+import sys, time
+from pathlib import Path
+from moe_offload import cache
+root = Path(sys.argv[1])
+def build(tmp):
+    (root / "started").write_text("1")
+    while not (root / "release").exists():
+        time.sleep(0.01)
+    (tmp / "done").write_text("other process")
+cache.build_once("entry", lambda p: (p / "done").is_file(), build, what="the entry", cache=root / "cache")
+"""
+
+
+def test_a_first_use_in_another_process_is_waited_for(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = dict(os.environ, PYTHONPATH=src + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    other = subprocess.Popen([sys.executable, "-c", _OTHER_PROCESS, str(tmp_path)], env=env)
+    try:
+        t0 = time.monotonic()
+        while not (tmp_path / "started").exists():
+            assert other.poll() is None and time.monotonic() - t0 < 60
+            time.sleep(0.01)
+        logs, result = [], {}
+
+        def mine():
+            result["path"] = cache.build_once("entry", lambda p: (p / "done").is_file(),
+                                              lambda tmp: pytest.fail("built twice"), what="the entry",
+                                              cache=tmp_path / "cache", log=logs.append)
+
+        th = threading.Thread(target=mine)
+        th.start()
+        while not logs and time.monotonic() - t0 < 60:
+            time.sleep(0.01)
+        (tmp_path / "release").write_text("1")
+        th.join(60)
+        assert other.wait(60) == 0
+    finally:
+        if other.poll() is None:
+            other.kill()
+    assert "another moe-offload process is building the entry; waiting" in logs[0]
+    assert result["path"] == tmp_path / "cache" / "entry"
+    assert (result["path"] / "done").read_text() == "other process"
+
+
 def test_stale_temporary_folders_are_removed_unless_their_build_runs(tmp_path):
     stale = tmp_path / ".testbed.k1ll3d.tmp"
     stale.mkdir()
@@ -103,6 +154,21 @@ def test_stale_temporary_folders_are_removed_unless_their_build_runs(tmp_path):
         lock.release()
     assert removed == [stale] and not stale.exists() and running.exists() and other.exists()
     assert cache.remove_stale_temps(tmp_path) == [running]  # its build is over (lock free)
+
+
+def test_testbed_build_command_evaluates_in_the_same_build_or_afterwards(fake_cache, monkeypatch, capsys):
+    from moe_offload.cli import main
+
+    root, calls = fake_cache
+    evaluated = []
+    monkeypatch.setattr(build, "evaluate_testbed", lambda path, progress=True, eval_tokens=0: evaluated.append(path))
+    assert main(["testbed", "build", "--quiet"]) == 0  # not built yet: one build with the evaluation
+    assert calls == [(24, build.EVAL_TOKENS)] and evaluated == []
+    assert main(["testbed", "build", "--sparse", "--no-eval", "--quiet"]) == 0
+    assert calls[-1] == (8, 0)
+    assert main(["testbed", "build", "--sparse", "--quiet"]) == 0  # built on first use without: evaluate it now
+    assert len(calls) == 2 and evaluated == [root / "testbed-sparse"]
+    assert capsys.readouterr().out.splitlines()[-1] == f"testbed-sparse checkpoint: {root / 'testbed-sparse'}"
 
 
 def test_a_killed_builds_leftovers_go_when_the_entry_is_built(fake_cache):

@@ -1,7 +1,7 @@
 """Progress of long one-time jobs (building the testbed or llada2-medium): numbered phases on stderr, each with its
 expected duration on this machine, and a progress bar (``tqdm``) for every phase expected to take over
-``BAR_MIN_S`` — a real one where the job loops, a timed one (elapsed against expected seconds) where it waits on
-one long call — so something is printed at least every second or so.
+``BAR_MIN_S`` — a counted one where the job loops, a timed one (elapsed against expected seconds) where it waits on
+one long call — each redrawn every second, so the output moves even while one slow step runs.
 
 Expected durations come from reference timings scaled by ``slowdown()``: how much slower a fixed float32 matrix
 product runs here than on the reference machine (an idle 2-core CPU, ``REFERENCE_PROBE_S``).
@@ -94,28 +94,28 @@ class Phases:
         from tqdm.auto import tqdm
 
         if total is not None:
-            with tqdm(total=total, desc=label, unit=unit, file=sys.stderr, mininterval=1.0) as bar:
+            bar = tqdm(total=total, desc=label, unit=unit, file=sys.stderr, mininterval=1.0)
+            with _ticking(bar):
                 yield bar.update
             return
-        with _clock_bar(label, expected) as bar:
+        seconds = max(1, round(expected))
+        bar = tqdm(total=seconds, desc=label, unit="s", file=sys.stderr, mininterval=1.0,
+                   bar_format="{desc}: {percentage:3.0f}%|{bar}| {elapsed} (expected ~{total} s)")
+        with _ticking(bar, clock=True):
             yield lambda k=1: None
 
 
 @contextmanager
-def _clock_bar(label: str, expected_s: float):
-    """A bar over ``expected_s`` seconds that a thread advances with the clock (held below 100% until the block
-    ends)."""
-    from tqdm.auto import tqdm
-
-    total = max(1, round(expected_s))
-    bar = tqdm(total=total, desc=label, unit="s", file=sys.stderr, mininterval=1.0,
-               bar_format="{desc}: {percentage:3.0f}%|{bar}| {elapsed} (expected ~{total} s)")
+def _ticking(bar, clock: bool = False):
+    """Redraw ``bar`` every second from a thread, so its elapsed time moves even while one step (a layer, a long
+    call) runs; with ``clock`` also advance it with the clock (held below 100% until the block ends). Closes it."""
     stop = threading.Event()
     t0 = time.monotonic()
 
     def tick():
         while not stop.wait(1.0):
-            bar.n = min(int(time.monotonic() - t0), total - 1)
+            if clock:
+                bar.n = min(int(time.monotonic() - t0), bar.total - 1)
             bar.refresh()
 
     th = threading.Thread(target=tick, daemon=True)
@@ -125,5 +125,6 @@ def _clock_bar(label: str, expected_s: float):
     finally:
         stop.set()
         th.join()
-        bar.n = total
+        if clock:
+            bar.n = bar.total
         bar.close()

@@ -193,9 +193,9 @@ def _is_built(path: Path) -> bool:
     return (path / "config.json").is_file() and (path / "testbed.json").is_file()
 
 
-def _announce(name: str) -> None:
+def _announce(name: str, eval_tokens: int = 0) -> None:
     """The one line a first use prints before building: what, where, and about how long on this machine."""
-    total = sum(estimate_seconds(scale=slowdown()).values())
+    total = sum(estimate_seconds(eval_tokens=eval_tokens, scale=slowdown()).values())
     what = ("the default testbed MoE" if name == "testbed" else
             "testbed-sparse (for routing studies: its text is not meaningful)")
     say(f"first use of {name}: building {what} from the real SmolLM2-135M-Instruct ({NUM_SOURCE_LAYERS} layers, "
@@ -203,7 +203,7 @@ def _announce(name: str) -> None:
         "on this machine, once")
 
 
-def ensure_testbed(name: str = "testbed", progress: bool = True) -> Path:
+def ensure_testbed(name: str = "testbed", progress: bool = True, eval_tokens: int = 0) -> Path:
     """Return the path of a named testbed checkpoint, building it on first use.
 
     ``"testbed"`` is the top_k=24 variant, ``"testbed-sparse"`` the top_k=8 variant (its text is
@@ -212,8 +212,8 @@ def ensure_testbed(name: str = "testbed", progress: bool = True) -> Path:
     then uses it), in a temporary directory renamed into place (an interrupted build never leaves a
     half-written checkpoint; the temporary directories of killed builds are removed). A first use prints one
     line saying what it builds and about how long it takes (even when ``progress`` is off), then the phases
-    (``progress``); it skips the held-out evaluation (``testbed.json`` then has ``"perplexity": null``; see
-    ``evaluate_testbed``).
+    (``progress``); it skips the held-out evaluation unless ``eval_tokens`` > 0 (``testbed.json`` then has
+    ``"perplexity": null``; see ``evaluate_testbed``).
 
     Returns:
         ``Path`` of the checkpoint directory (loadable with ``MixtralForCausalLM.from_pretrained``).
@@ -223,9 +223,9 @@ def ensure_testbed(name: str = "testbed", progress: bool = True) -> Path:
     """
     if name not in VARIANTS:
         raise MoeOffloadError(f"unknown testbed {name!r}; choose one of: {', '.join(VARIANTS)}")
-    return build_once(name, _is_built, lambda tmp: build_testbed(tmp, top_k=VARIANTS[name], eval_tokens=0,
+    return build_once(name, _is_built, lambda tmp: build_testbed(tmp, top_k=VARIANTS[name], eval_tokens=eval_tokens,
                                                                  progress=progress),
-                      what=f"the {name} checkpoint", announce=lambda: _announce(name))
+                      what=f"the {name} checkpoint", announce=lambda: _announce(name, eval_tokens))
 
 
 def evaluate_testbed(path: str | os.PathLike, progress: bool = True, eval_tokens: int = EVAL_TOKENS,

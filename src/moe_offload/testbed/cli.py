@@ -45,7 +45,7 @@ def run(args) -> int:
             raise MoeOffloadError(f"{out} already exists and is not empty; choose another --out")
         out = build_testbed(out, top_k=VARIANTS[name], progress=not args.quiet, eval_tokens=eval_tokens)
     else:
-        out = ensure_testbed(name, progress=not args.quiet)
+        out = ensure_testbed(name, progress=not args.quiet, eval_tokens=eval_tokens)
         if eval_tokens and json.loads((out / "testbed.json").read_text()).get("perplexity") is None:
             evaluate_testbed(out, progress=not args.quiet, eval_tokens=eval_tokens)
     ppl = json.loads((out / "testbed.json").read_text()).get("perplexity")
