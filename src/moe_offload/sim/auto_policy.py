@@ -1,10 +1,11 @@
 """``--policy auto``: pick the history eviction policy for this model from a short simulation of routing it has
-already seen — the run's own first prefill, replayed token by token as if each prompt token were a decode step.
+already seen — the run's own first prefill: its first half replayed as a prefill step, its second half token by
+token as decode steps.
 
 The prompt's tokens route through the same router as the tokens to come, so which history policy keeps the most
 of one token's experts for the next is measured on the user's own routing, at the run's own pool size, by the
-same simulator (``sim.simulator.replay``) and policy objects the runtime uses. Ties go to the earlier candidate,
-LRU first, so the choice never does worse than LRU on the simulated routing.
+same simulator (``sim.simulator.replay``) and policy objects the runtime uses; the decode hit rate decides. Ties go
+to the earlier candidate, LRU first, so the choice never does worse than LRU on the simulated routing.
 """
 
 from __future__ import annotations
@@ -17,30 +18,37 @@ from ..core.policies import make_policy
 from .simulator import replay
 
 #: candidates in tie-break order (LRU first)
-CANDIDATES = ("lru", "lfu", "lfru-2", "lfru-8", "lfru-32")
+CANDIDATES = ("lru", "lfu", "lfru-2", "lfru-8", "lfru-32", "prefill-hot")
 
 
 def token_needs(routing: list[np.ndarray], num_experts: int) -> list:
     """``routing[l]``: ``[T, k]`` int expert ids of MoE layer ``l`` for ``T`` tokens -> the simulator's per-step needs
-    (``sim.simulator.layer_needs`` format), one decode step per token."""
+    (``sim.simulator.layer_needs`` format): the first ``T // 2`` tokens as one prefill step (step 0, with each
+    expert's token count), then one decode step per remaining token."""
     T = routing[0].shape[0]
-    needs = []
-    for t in range(T):
-        needed = [sorted({int(e) + layer * num_experts for e in r[t]}) for layer, r in enumerate(routing)]
-        needs.append((0, t + 1, needed, [[1] * len(ids) for ids in needed]))
+    split = T // 2
+    needed, tokens = [], []
+    for layer, r in enumerate(routing):
+        ids, cnt = np.unique(r[:split].reshape(-1), return_counts=True)
+        needed.append([int(e) + layer * num_experts for e in ids])
+        tokens.append([int(c) for c in cnt])
+    needs = [(0, 0, needed, tokens)] if split else []
+    for t in range(split, T):
+        ids = [sorted({int(e) + layer * num_experts for e in r[t]}) for layer, r in enumerate(routing)]
+        needs.append((0, t - split + 1, ids, [[1] * len(i) for i in ids]))
     return needs
 
 
 def choose_policy(routing: list[np.ndarray], num_experts: int, top_k: int, num_slots: int,
                   candidates: tuple[str, ...] = CANDIDATES) -> tuple[str, dict[str, float]]:
-    """The candidate with the highest simulated hit rate on ``routing`` (see the module docstring) and every
-    candidate's hit rate. ``routing[l]``: ``[T, k]`` expert ids per MoE layer, ``T >= 1``."""
+    """The candidate with the highest simulated decode hit rate on ``routing`` (see the module docstring) and every
+    candidate's decode hit rate. ``routing[l]``: ``[T, k]`` expert ids per MoE layer, ``T >= 1``."""
     geom = SimpleNamespace(num_moe_layers=len(routing), num_experts=num_experts, top_k=top_k)
     needs = token_needs(routing, num_experts)
     rates = {}
     for name in candidates:
         pol = make_policy(name, num_slots=num_slots, top_k=top_k, num_moe_layers=len(routing))
-        rates[name] = replay(geom, num_slots, pol, needs=needs).hit_rate
+        rates[name] = replay(geom, num_slots, pol, needs=needs).decode_hit_rate
     best = max(candidates, key=lambda n: (rates[n], -candidates.index(n)))
     return best, rates
 
