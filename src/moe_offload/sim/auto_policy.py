@@ -67,6 +67,7 @@ class AutoPolicyChooser:
         self.table, self.L, self.E, self.k = table, num_moe_layers, num_experts, top_k
         self.routing: list[np.ndarray] = []
         self.recording = False
+        self.request = 0
         self.choice: str | None = None
         self.rates: dict[str, float] = {}
 
@@ -74,22 +75,30 @@ class AutoPolicyChooser:
         if self.choice is not None:
             return
         if step == 0 and not self.routing:
-            self.recording = True
+            self.recording, self.request = True, request
         elif self.recording and len(self.routing) == self.L:
             self.recording = False
-            self._switch(*choose_policy(self.routing, self.E, self.k, self.table.num_slots))
+            self._switch(*choose_policy(self.routing, self.E, self.k, self.table.num_slots), request, step)
 
     def __call__(self, moe_layer: int, top_k_index, top_k_weights) -> None:
         if self.recording and moe_layer == len(self.routing):
             self.routing.append(top_k_index.detach().cpu().numpy())
 
-    def _switch(self, name: str, rates: dict[str, float]) -> None:
+    def _switch(self, name: str, rates: dict[str, float], request: int, step: int) -> None:
+        """Install ``name`` as the table's policy, handing over what the placeholder LRU saw: the resident experts
+        (least recently used first) and the recorded prefill's accesses (so LFU has its counts and prefill-hot its
+        hot set), then the step that is beginning."""
         old = self.table.policy
         new = make_policy(name, num_slots=self.table.num_slots, top_k=self.k, num_moe_layers=self.L)
         tick = self.table.tick
-        for eid in list(getattr(old, "_order", old.resident)):  # least recently used first
+        for eid in list(getattr(old, "_order", old.resident)):
             new.on_insert(eid, tick)
-            new.on_access(eid, tick)
+        new.on_step(self.request, 0)
+        for layer, r in enumerate(self.routing):
+            ids, counts = np.unique(r.reshape(-1), return_counts=True)
+            for e, c in zip(ids.tolist(), counts.tolist()):
+                new.on_access(layer * self.E + e, tick, c)
+        new.on_step(request, step)
         new.name = f"auto:{name}"
         self.table.policy = new
         self.choice, self.rates = name, rates
