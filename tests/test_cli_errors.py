@@ -130,3 +130,20 @@ def test_argparse_errors_are_one_line(capsys, argv, needle):
         main(argv)
     lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
     assert ex.value.code == 2 and len(lines) == 1 and needle in lines[0] and "error:" in lines[0]
+
+
+@pytest.mark.parametrize("edit,message", [
+    ({"num_experts_per_tok": 99}, "config.json: top-k 99 exceeds the 16 experts"),
+    ({"n_group": 3}, "config.json: n_group = 3 does not divide the 16 experts"),
+    ({"topk_group": 9}, "config.json: topk_group = 9 exceeds n_group = 4"),
+    ({"moe_intermediate_size": 0}, "config.json: moe_intermediate_size = 0 must be positive"),
+])
+def test_config_disagreeing_with_itself_is_one_line_before_any_work(tiny_dirs, tmp_path, capsys, edit, message):
+    d = tmp_path / "ckpt"
+    shutil.copytree(tiny_dirs["deepseek_v3"], d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(edit)
+    (d / "config.json").write_text(json.dumps(cfg))
+    assert main(["generate", "--model", str(d), "--prompt", "hi", "--residency", "0.5", "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0]

@@ -186,6 +186,7 @@ def inspect_model(config, dtype: torch.dtype | None = None):
         MoeOffloadError: transformers cannot build the model from the config.
     """
     _, multimodal = generation_class(config)
+    check_config(text_config(config))
     model = build_meta(config, dtype)
     mods = experts_modules(model)
     shapes = check_experts(config.model_type, mods)
@@ -195,6 +196,35 @@ def inspect_model(config, dtype: torch.dtype | None = None):
     geo = Geometry(int(getattr(text_config(config), "num_hidden_layers", 0) or 0),
                    tuple(_layer_index(n) for n, _ in mods), mods[0][1].num_experts, k, shapes, multimodal)
     return model, mods, geo
+
+
+#: sizes that must be positive where a config has them
+POSITIVE_SIZES = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                  "moe_intermediate_size", "num_experts", "num_local_experts", "n_routed_experts")
+
+
+def check_config(cfg) -> None:
+    """A config checked against itself before any work (one line naming the key and the values).
+
+    Raises:
+        NotServedError: a size that is not positive, top-k above the experts, or group-limited routing whose
+            ``n_group`` does not divide the experts or whose ``topk_group`` exceeds ``n_group``.
+    """
+    for key in POSITIVE_SIZES:
+        v = getattr(cfg, key, None)
+        if isinstance(v, int) and not isinstance(v, bool) and v <= 0:
+            raise NotServedError(f"config.json: {key} = {v} must be positive")
+    experts = next((getattr(cfg, k) for k in ("num_experts", "num_local_experts", "n_routed_experts")
+                    if isinstance(getattr(cfg, k, None), int)), None)
+    k = next((getattr(cfg, f) for f in TOP_K_FIELDS if isinstance(getattr(cfg, f, None), int)), None)
+    if experts and k is not None and k > experts:
+        raise NotServedError(f"config.json: top-k {k} exceeds the {experts} experts")
+    groups, topk_groups = getattr(cfg, "n_group", None), getattr(cfg, "topk_group", None)
+    if isinstance(groups, int) and groups > 0 and experts:
+        if experts % groups:
+            raise NotServedError(f"config.json: n_group = {groups} does not divide the {experts} experts")
+        if isinstance(topk_groups, int) and topk_groups > groups:
+            raise NotServedError(f"config.json: topk_group = {topk_groups} exceeds n_group = {groups}")
 
 
 def _first_line(e: Exception) -> str:
