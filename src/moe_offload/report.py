@@ -83,7 +83,7 @@ def _auto_line(a: dict) -> str:
     if a["choice"] is None:
         return "no choice yet (it is made when the first decode step begins): LRU so far"
     rates = ", ".join(f"{k} {v:.3f}" for k, v in a["simulated_hit_rates"].items())
-    return f"chose {a['choice']} (hit rates simulated on the first prompt's routing, token by token: {rates})"
+    return f"chose {a['choice']} (decode hit rates simulated on the first prompt's routing: {rates})"
 
 
 def _mode(d: dict) -> str:
