@@ -82,6 +82,8 @@ def _breakdown_line(b: dict) -> str:
 def _auto_line(a: dict) -> str:
     if a["choice"] is None:
         return "no choice yet (it is made when the first decode step begins): LRU so far"
+    if not a["simulated_hit_rates"]:
+        return f"chose {a['choice']} (the pool holds every expert: no eviction to choose)"
     rates = ", ".join(f"{k} {v:.3f}" for k, v in a["simulated_hit_rates"].items())
     return f"chose {a['choice']} (decode hit rates simulated on the first prompt's routing: {rates})"
 

@@ -126,11 +126,6 @@ class ExpertFormat:
         return cls([(n, s, 0, [(PLAIN, s, {"weight": (s, dtype)})]) for n, s in params], dtype)
 
     @property
-    def codecs(self) -> list[str]:
-        """Codecs in use, e.g. ``["fp8", "plain"]``."""
-        return sorted({p.codec for pf in self.params.values() for p in pf.parts})
-
-    @property
     def stored_dtypes(self) -> list[str]:
         """Stored field dtypes, e.g. ``["bfloat16", "float8_e4m3fn"]`` (what ``generate --json`` reports)."""
         return sorted({str(f.dtype).replace("torch.", "") for f in self.layout.fields})
@@ -169,6 +164,3 @@ class ExpertRows:
 
     def weight(self, name: str, sel) -> torch.Tensor:
         return self.format.weight(self.views, name, sel)
-
-    def has(self, name: str) -> bool:
-        return name in self.format.params

@@ -78,11 +78,6 @@ class ExpertLayout:
         if len(self.by_name) != len(self.fields):
             raise ValueError("repeated field name in an expert layout")
 
-    @property
-    def params(self) -> list[ExpertField]:
-        """The fields (the name ``params`` is kept for bf16 layouts, where fields are the module's parameters)."""
-        return self.fields
-
     def views(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
         """Split a ``[rows, expert_bytes]`` uint8 buffer into per-field views ``{name: [rows, *shape]}`` (no copy)."""
         rows = buf.shape[0]
@@ -128,10 +123,6 @@ class HostStore:
         self.pinned = bool(pin) and _pin_in_place(self.buf)
         self.pin_failed = bool(pin) and not self.pinned
         self._np = self.buf.numpy()
-
-    def bytes_view(self) -> np.ndarray:
-        """The buffer as a numpy ``uint8`` array ``[num_experts_total, expert_bytes]`` (no copy)."""
-        return self._np
 
     @property
     def nbytes(self) -> int:

@@ -55,7 +55,7 @@ def choose_policy(routing: list[np.ndarray], num_experts: int, top_k: int, num_s
 
 class AutoPolicyChooser:
     """Engine observer behind ``--policy auto``: records the first prefill's routing, and when the first decode
-    step begins, swaps the slot table's placeholder LRU for ``choose_policy``'s choice (its resident experts handed
+    step begins, swaps the slot table's interim LRU for ``choose_policy``'s choice (its resident experts handed
     over in recency order). ``choice`` and ``rates`` say what it chose (``None`` until then).
 
     Args:
@@ -78,14 +78,17 @@ class AutoPolicyChooser:
             self.recording, self.request = True, request
         elif self.recording and len(self.routing) == self.L:
             self.recording = False
-            self._switch(*choose_policy(self.routing, self.E, self.k, self.table.num_slots), request, step)
+            if self.table.num_slots >= self.L * self.E:  # the pool holds every expert: nothing to choose
+                self._switch("lru", {}, request, step)
+            else:
+                self._switch(*choose_policy(self.routing, self.E, self.k, self.table.num_slots), request, step)
 
     def __call__(self, moe_layer: int, top_k_index, top_k_weights) -> None:
         if self.recording and moe_layer == len(self.routing):
             self.routing.append(top_k_index.detach().cpu().numpy())
 
     def _switch(self, name: str, rates: dict[str, float], request: int, step: int) -> None:
-        """Install ``name`` as the table's policy, handing over what the placeholder LRU saw: the resident experts
+        """Install ``name`` as the table's policy, handing over what the interim LRU saw: the resident experts
         (least recently used first) and the recorded prefill's accesses (so LFU has its counts and prefill-hot its
         hot set), then the step that is beginning."""
         old = self.table.policy
