@@ -3,7 +3,7 @@ JSON error (503) or their stream's final event, never uvicorn's plain-text 500; 
 
 import json
 import os
-import select
+import queue
 import signal
 import subprocess
 import sys
@@ -90,15 +90,40 @@ def test_log_config_puts_every_logger_on_stderr():
     assert all(f["fmt"].startswith("moe-offload serve: ") for f in cfg["formatters"].values())
 
 
-def _read_until(proc, needle: str, timeout: float = 120.0) -> str:
-    """Lines of ``proc.stderr`` up to the first one holding ``needle``."""
-    seen, t0 = "", time.monotonic()
-    while needle not in seen:
-        if time.monotonic() - t0 > timeout or proc.poll() is not None:
-            raise AssertionError(f"server did not print {needle!r}; stderr so far:\n{seen}")
-        if select.select([proc.stderr], [], [], 1.0)[0]:
-            seen += proc.stderr.readline()
-    return seen
+class _StderrLines:
+    """Every line of ``proc.stderr``, read on a thread into a queue: a ``select`` on the pipe misses lines that an
+    earlier ``readline`` already pulled into the text wrapper's buffer (two log lines written together)."""
+
+    def __init__(self, proc):
+        self.lines: "queue.Queue[str | None]" = queue.Queue()
+        self.seen = ""
+        self.thread = threading.Thread(target=self._pump, args=(proc.stderr,), daemon=True)
+        self.thread.start()
+
+    def _pump(self, stream) -> None:
+        for line in stream:
+            self.lines.put(line)
+        self.lines.put(None)  # end of stream
+
+    def read_until(self, needle: str, timeout: float = 120.0) -> str:
+        """Lines up to and including the first one holding ``needle``; AssertionError after ``timeout`` seconds or at
+        the end of the stream."""
+        start, deadline = len(self.seen), time.monotonic() + timeout
+        while needle not in self.seen[start:]:
+            try:
+                line = self.lines.get(timeout=max(deadline - time.monotonic(), 0.0))
+            except queue.Empty:
+                line = None
+            if line is None:
+                raise AssertionError(f"server did not print {needle!r}; stderr so far:\n{self.seen}")
+            self.seen += line
+        return self.seen[start:]
+
+    def wait_end(self, timeout: float = 60.0) -> None:
+        """Wait for the end of the stream; ``seen`` then holds every line."""
+        self.thread.join(timeout)
+        while not self.lines.empty():
+            self.seen += self.lines.get() or ""
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
@@ -108,17 +133,20 @@ def test_serve_logs_to_one_stream_and_exits_cleanly_on_sigterm(tiny_dirs):
                              "--port", "0", "--max-context", "128", "--quiet"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env)
     try:
-        head = _read_until(proc, "listening on http://")  # printed once the socket accepts connections
+        lines = _StderrLines(proc)
+        head = lines.read_until("listening on http://")  # printed once the socket accepts connections
         base = head.split("listening on ")[1].split()[0]
         with urllib.request.urlopen(base + "/health", timeout=30) as r:
             assert json.loads(r.read())["status"] == "ok"
-        _read_until(proc, "GET /health")  # the access log line arrives on stderr
+        lines.read_until("GET /health")  # the access log line arrives on stderr
         proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=60)
+        proc.wait(60)
+        lines.wait_end()
+        out, err = proc.stdout.read(), lines.seen[len(head):]
     finally:
         if proc.poll() is None:
             proc.kill()
-            proc.communicate()
+            proc.wait()
     # uvicorn re-raises the captured SIGTERM once it has shut down, so the exit status says what stopped it
     assert proc.returncode in (0, -signal.SIGTERM), err
     assert out == ""
