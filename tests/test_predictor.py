@@ -194,6 +194,40 @@ def _random_pset(lm, seed: int) -> PredictorSet:
     return PredictorSet(h).eval()
 
 
+def test_runner_rolls_the_horizon_forward_between_rollouts():
+    """rollout_every = 3: a recursive rollout at the prefill and at decode steps 3, 6, ...; in between a forecast is
+    the fresh one-step row followed by the last rollout's rows still ahead (row j of a rollout made d steps earlier
+    forecasts the step this forecast's row j - d + 1 does)."""
+    from moe_offload.predictor.runtime import PredictorRunner
+
+    hdr = PredictorHeader(model_id="m", model_type="t", num_moe_layers=2, num_experts=6, top_k=2,
+                          specs=[PredictorSpec(layers=(0, 2), hidden_size=32, state_size=16, head_dim=16,
+                                               chunk_size=8)])
+    torch.manual_seed(0)
+    pset = PredictorSet(hdr).eval()
+    every, rolled = PredictorRunner(pset, rollout=4, rollout_every=3), PredictorRunner(pset, rollout=4)
+    gen = torch.Generator().manual_seed(1)
+    ids = [torch.stack([torch.randperm(6, generator=gen)[:2] for _ in range(3 if s == 0 else 1)]) for s in range(8)]
+    w = [torch.full(i.shape, 0.5) for i in ids]
+    made = {}
+    for step in range(8):
+        for r in (every, rolled):
+            r.begin_step(0, step)
+            for layer in range(2):
+                r(layer, ids[step], w[step])
+        got, full = every.forecasts[0].probs, rolled.forecasts[0].probs
+        assert torch.allclose(got[0], full[0], atol=1e-6)        # the one-step row is always fresh
+        if step % 3 == 0:                                         # a rollout step: every row fresh
+            assert got.shape == (5, 2, 6) and torch.allclose(got, full, atol=1e-6)
+            made = {step: full}
+        else:                                                     # the rows of the rollout made d steps ago
+            d = step % 3
+            old = made[step - d]
+            assert got.shape == (5 - d, 2, 6) and torch.allclose(got[1:], old[1 + d:], atol=1e-6)
+    with pytest.raises(MoeOffloadError, match="rollout_every"):
+        PredictorRunner(pset, rollout=4, rollout_every=0)
+
+
 def test_runtime_runner_matches_trace_features_and_keeps_tokens(tiny_dirs):
     """With a predictor attached the tokens are unchanged, and its prefill forecast equals the predictor applied
     (parallel mode) to the trace of the same run: the runtime feeds exactly the training features."""

@@ -6,8 +6,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from moe_offload.core.prefetch import (JSDScheduler, MoEInfinityScheduler, PrefetchTask, ProMoEScheduler,
-                                       generate_tasks, make_scheduler, max_confidence_feasible, position,
+from moe_offload.core.jsd import JSDScheduler, max_confidence_feasible
+from moe_offload.core.prefetch import (MoEInfinityScheduler, PrefetchTask, ProMoEScheduler,
+                                       generate_tasks, make_scheduler, position,
                                        prefetch_width, tasks_from_forecast)
 from moe_offload.core.prob_belady import ProbabilisticBelady
 from moe_offload.core.slots import SlotTable
@@ -293,3 +294,39 @@ def test_prob_belady_errors():
         make_pb().update_forecast((0, 3), FORECAST)       # n mismatch
     with pytest.raises(MoeOffloadError):
         make_pb().update_forecast((0, 2), FORECAST[0])    # missing the row axis
+
+
+class _ReferenceJSD(JSDScheduler):
+    """Algorithm 1 as written: the feasible set rebuilt by ``max_confidence_feasible`` at every selection."""
+
+    def _choose(self, pos, capacity):
+        entries = list(self._queue.values())
+        kept = max_confidence_feasible((e[4] for e in entries), capacity or self.capacity)
+        seq_of = {(e[4].eid, e[4].ddl): e[3] for e in entries}
+        return min(kept, key=lambda t: (t.ddl, -t.conf, seq_of[(t.eid, t.ddl)])) if kept else None
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_jsd_reuses_its_feasible_set_exactly(seed):
+    """JSDScheduler keeps its kept set between selections (core.jsd); on random queues — tied confidences,
+    resubmitted tasks, drops, fractional and integral budgets, B_cur overrides — it selects exactly what rebuilding
+    the set with max_confidence_feasible at every selection selects."""
+    rng = np.random.default_rng(seed)
+    b_avg = float(rng.choice([0.5, 1.0, 1.39, 2.0, 2.5, 3.7]))
+    fast, ref = JSDScheduler(b_avg=b_avg), _ReferenceJSD(b_avg=b_avg)
+    pos, picked = 0, 0
+    for _ in range(60):
+        tasks = [PrefetchTask(eid=int(rng.integers(40)), conf=float(rng.choice([0.1, 0.2, 0.25, 0.5, 0.9])),
+                              ddl=pos + int(rng.integers(1, 12))) for _ in range(int(rng.integers(0, 15)))]
+        for s in (fast, ref):
+            s.submit(tasks)
+        if rng.random() < 0.1:
+            gone = rng.integers(40, size=3).tolist()
+            assert fast.drop(gone) == ref.drop(gone)
+        for _ in range(int(rng.integers(0, 5))):
+            b_cur = float(rng.choice([0.5, 1.5, 3.0])) if rng.random() < 0.15 else None
+            a, b = fast.select(pos, b_cur=b_cur), ref.select(pos, b_cur=b_cur)
+            assert a == b
+            picked += a is not None
+        pos += int(rng.integers(0, 3))
+    assert picked > 20

@@ -6,17 +6,20 @@ import gc
 from pathlib import Path
 
 from .generate import run
+from .predictor.runtime import ROLLOUT_EVERY
 from .models.loader import load_full, load_offloaded
 
 
 def bench_decode(path: Path, prompts: list[str], residencies: list[float], *, max_new_tokens: int = 64,
                  device: str | None = None, dtype: str | None = None, policy: str = "lru",
-                 progress: bool = True, predictor: str | None = None, link_epl: float | None = None) -> str:
+                 progress: bool = True, predictor: str | None = None, link_epl: float | None = None,
+                 rollout_every: int = ROLLOUT_EVERY) -> str:
     """Run FullLoad and then the offloaded model at each residency and policy on the same prompts (greedy).
 
     Args:
         policy: one policy name or several, comma-separated (``seqmoe*`` policies need ``predictor``).
         predictor: a trained predictor directory, run with the forecast-driven policies (its time is included).
+        rollout_every: decode steps between the predictor's recursive rollouts (``PredictorRunner``).
         link_epl: emulate the link regime in which one layer's FullLoad compute overlaps the transfer of this many
             experts (SeqMoE §2.2: 1.39 for Qwen3-30B-A3B-FP8 on an RTX 4090): the FullLoad run of this very
             benchmark gives the layer time ``t = decode s / (tokens * L)``, and every expert copy (on demand or
@@ -30,6 +33,8 @@ def bench_decode(path: Path, prompts: list[str], residencies: list[float], *, ma
     """
     from .errors import MoeOffloadError
     from .models.loader import FORECAST_RUNTIME_POLICIES
+    from .predictor.model import load_predictor
+    from .predictor.runtime import attach_predictor
 
     policies = [p.strip() for p in policy.split(",") if p.strip()]
     if any(p in FORECAST_RUNTIME_POLICIES for p in policies) and not predictor:
@@ -56,7 +61,8 @@ def bench_decode(path: Path, prompts: list[str], residencies: list[float], *, ma
             lm = load_offloaded(path, device=device, dtype=dtype, residency=r, policy=pol, progress=False,
                                 link_epl=link_epl or 2.0, seconds_per_expert=spe)
             if pol in FORECAST_RUNTIME_POLICIES:
-                _attach_predictor(lm, predictor)
+                attach_predictor(lm.engine, load_predictor(predictor, model_id=lm.model_id, device=lm.device),
+                                 rollout_every=rollout_every)
             if spe is not None and lm.engine.prefetcher is None:  # a prefetcher's TransferEngine paces its copies
                 _emulate_on_demand(lm, spe)
             outs, s = measure(lm)
@@ -95,23 +101,6 @@ def breakdown_table(rows: list[tuple[str, float, dict]]) -> list[str]:
         out.append(f"| {pol} | {r:.2f} | {sum(ms.values()):.2f} | "
                    + " | ".join(f"{ms[p]:.2f} ({b['shares'][p]:.0%})" for p in PHASES) + " |")
     return out
-
-
-def _attach_predictor(lm, predictor: str) -> None:
-    """Run ``predictor`` during generation; feed its forecasts to a forecast-driven policy and the prefetcher."""
-    from .predictor.model import load_predictor
-    from .predictor.runtime import ForecastFeed, PredictorRunner
-
-    pset = load_predictor(predictor, model_id=lm.model_id, device=lm.device)
-    eng = lm.engine
-    consumers = [c for c in (eng.table.policy if hasattr(eng.table.policy, "observe") else None, eng.prefetcher)
-                 if c is not None]
-    if consumers:
-        eng.observers.append(ForecastFeed(PredictorRunner(pset, rollout=7), *consumers))
-        if eng.prefetcher is not None:  # prefill offloading by offline popularity (SeqMoE §8.4)
-            eng.prefetcher.set_prefill_popularity(pset.header.prefill_popularity)
-    else:
-        eng.observers.append(PredictorRunner(pset))
 
 
 def _emulate_on_demand(lm, seconds_per_expert: float) -> None:

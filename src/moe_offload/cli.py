@@ -120,19 +120,10 @@ def _attach_predictor(args, lm):
     if lm.engine is None:
         raise MoeOffloadError("--predictor needs the offloaded runtime (not --full-load)")
     from .predictor.model import load_predictor
-    from .predictor.runtime import ForecastFeed, PredictorRunner
+    from .predictor.runtime import attach_predictor
 
-    pset = load_predictor(args.predictor, model_id=lm.model_id, device=lm.device)
-    if forecast_policy:  # c = 8 CacheScore rows: the one-step row + 7 recursive ones (SeqMoE §7.1)
-        runner = PredictorRunner(pset, rollout=max(args.rollout, 7))
-        consumers = [lm.engine.table.policy] + ([lm.engine.prefetcher] if lm.engine.prefetcher else [])
-        lm.engine.observers.append(ForecastFeed(runner, *consumers))
-        if lm.engine.prefetcher is not None:  # prefill offloading by offline popularity (SeqMoE §8.4)
-            lm.engine.prefetcher.set_prefill_popularity(pset.header.prefill_popularity)
-    else:
-        runner = PredictorRunner(pset, rollout=args.rollout)
-        lm.engine.observers.append(runner)
-    return runner
+    return attach_predictor(lm.engine, load_predictor(args.predictor, model_id=lm.model_id, device=lm.device),
+                            rollout=args.rollout)
 
 
 def _cmd_generate(args) -> int:

@@ -11,6 +11,7 @@ from .cliargs import (add_model_args, add_prompt_args, float_, int_in, load_prom
                       positive_int, split_floats)
 from .errors import MoeOffloadError
 from .models.resolve import resolve_model
+from .predictor.runtime import ROLLOUT_EVERY
 
 # --link-regime: experts whose transfer one layer's FullLoad compute overlaps (SeqMoE §2.2)
 LINK_REGIMES = {"rtx4090": 1.39}
@@ -28,6 +29,9 @@ def add_parsers(sub):
     bd.add_argument("--out", help="also write the table (markdown) to this new file (default: stdout only)")
     bd.add_argument("--predictor", help="a trained predictor, run with the seqmoe* policies (which need it; default: "
                     "none)")
+    bd.add_argument("--rollout-every", type=int_in(1, 64), default=ROLLOUT_EVERY,
+                    help="with --predictor: decode steps between the predictor's recursive rollouts (default "
+                    f"{ROLLOUT_EVERY}; 1 = every step, as SeqMoE)")
     bd.add_argument("--link-regime", choices=["rtx4090"],
                     help="emulate the papers' link regime on this machine: one layer's FullLoad compute overlaps the "
                     "transfer of 1.39 experts (SeqMoE §2.2, Qwen3-30B-A3B-FP8 on an RTX 4090; default: no emulation)")
@@ -103,7 +107,7 @@ def _decode(args) -> int:
     return _table(args, bench_decode(path, prompts, residencies, max_new_tokens=args.max_new_tokens,
                                      device=args.device, dtype=args.dtype, policy=args.policy,
                                      progress=not args.quiet, predictor=args.predictor,
-                                     link_epl=LINK_REGIMES.get(args.link_regime)))
+                                     link_epl=LINK_REGIMES.get(args.link_regime), rollout_every=args.rollout_every))
 
 
 def _table(args, table: str) -> int:

@@ -71,8 +71,9 @@ def _generate(lm, new_tokens: int, diffusion: bool) -> list[list[int]]:
 
 def lossless_rows(root: Path, device: str, new_tokens: int) -> list[str]:
     """One markdown row per (checkpoint, policy, host store): tokens vs FullLoad, misses, seconds."""
-    from .bench import _attach_predictor
     from .models.loader import load_full, load_offloaded
+    from .predictor.model import load_predictor
+    from .predictor.runtime import attach_predictor
 
     rows = []
     for name, d in _checkpoints(root).items():
@@ -90,7 +91,7 @@ def lossless_rows(root: Path, device: str, new_tokens: int) -> list[str]:
                 lm = load_offloaded(d, device=device, residency=0.5 if diffusion else 0.3, policy=policy,
                                     progress=False, host_store=store)
                 if policy.startswith("seqmoe"):
-                    _attach_predictor(lm, str(_predictor(d, root, device)))
+                    attach_predictor(lm.engine, load_predictor(_predictor(d, root, device), device=lm.device))
                 got = _generate(lm, new_tokens, diffusion)
                 st = lm.engine.stats
                 ok = "PASS" if got == ref else "FAIL (tokens differ)"

@@ -16,7 +16,7 @@ The schedulers share one task queue (``PrefetchScheduler``): ``submit`` tasks, `
 resident, and call ``select(pos)`` each time the prefetcher is free; it returns the next task to transfer (removed
 from the queue) or None. Tasks with ``ddl <= pos + 1`` are discarded (Algorithm 1 line 4: expired, or too late to
 finish before the layer that needs them). They differ only in which pending task ``select`` returns:
-  * ``JSDScheduler`` — SeqMoE's joint prefetch scheduling: maximum-confidence feasible set under the deadline
+  * ``JSDScheduler`` (``core.jsd``) — SeqMoE's joint prefetch scheduling: maximum-confidence feasible set under the deadline
     capacities (matroid greedy with a min-heap), then earliest deadline first (Algorithm 1);
   * ``MoEInfinityScheduler`` — highest ``conf * (1 - (ddl - pos) / (L + 1))`` (SeqMoE §3.2);
   * ``ProMoEScheduler`` — lexicographic ``(-ddl, conf)``, highest first: earliest deadline, then most confident
@@ -25,7 +25,6 @@ finish before the layer that needs them). They differ only in which pending task
 
 from __future__ import annotations
 
-import heapq
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
@@ -156,31 +155,6 @@ def tasks_from_forecast(forecast, num_moe_layers: int, num_experts: int, top_k: 
     return tasks
 
 
-def max_confidence_feasible(tasks: Iterable[PrefetchTask], capacity: Capacity) -> list[PrefetchTask]:
-    """The maximum-total-confidence task set with at most ``capacity(d)`` tasks of deadline ``<= d`` for every d
-    (SeqMoE §3.2 formulation; Algorithm 1 lines 5-10).
-
-    Matroid greedy: tasks are visited by ascending deadline and pushed on a min-heap keyed by
-    ``(conf, -ddl)``; whenever the heap holds more than ``capacity(ddl)`` tasks its minimum (least confident; among
-    equals the latest deadline, then the later in visiting order) is popped. The paper pops once per push, which
-    suffices for a non-decreasing capacity; popping while over capacity also handles any other capacity function.
-
-    Args:
-        tasks: candidate tasks, any order.
-        capacity: ``capacity(ddl)``, transfers that can complete before deadline ``ddl`` (experts; may be fractional).
-    Returns:
-        The kept tasks, by ascending deadline, then decreasing confidence.
-    """
-    order = sorted(tasks, key=lambda t: (t.ddl, -t.conf))
-    heap: list[tuple[float, int, int, int]] = []
-    for seq, t in enumerate(order):
-        heapq.heappush(heap, (t.conf, -t.ddl, -seq, seq))
-        cap = capacity(t.ddl)
-        while heap and len(heap) > cap:
-            heapq.heappop(heap)
-    return [order[seq] for seq in sorted(entry[3] for entry in heap)]
-
-
 class PrefetchScheduler(ABC):
     """Prefetch task queue plus the transfer-budget bookkeeping of Algorithm 1; subclasses choose the task.
 
@@ -208,8 +182,15 @@ class PrefetchScheduler(ABC):
         self.auto_ema = auto_ema
         self._b_avg = float(b_avg)
         self._b_cur = float(b_avg)
-        self._queue: dict[tuple[int, int], tuple[PrefetchTask, int]] = {}
+        # (eid, ddl) -> entry (conf, -ddl, -rank, seq, task): seq numbers submissions (a resubmission gets a new
+        # one), rank numbers first insertions (a resubmitted task keeps its rank, as a dict keeps its key's place).
+        # The entry's first three fields are the task's strict order of preference (higher = better) in JSD's
+        # feasibility greedy (``core.jsd``).
+        self._queue: dict[tuple[int, int], tuple] = {}
+        self._by_ddl: dict[int, dict[tuple[int, int], tuple]] = {}   # the same entries grouped by deadline
         self._seq = 0
+        self._rank = 0
+        self._version = 0   # bumped by every change of the queue
         self._pos: int | None = None
         self._issued = 0
         self._idle = False
@@ -239,7 +220,7 @@ class PrefetchScheduler(ABC):
 
     def pending(self) -> list[PrefetchTask]:
         """The queued tasks by ascending deadline, then decreasing confidence, then submission order."""
-        return [t for t, _ in sorted(self._queue.values(), key=lambda ts: (ts[0].ddl, -ts[0].conf, ts[1]))]
+        return [e[4] for e in sorted(self._queue.values(), key=lambda e: (-e[1], -e[0], e[3]))]
 
     def set_bandwidth(self, b_avg: float) -> None:
         """Set ``B_avg`` (experts per layer time), e.g. from a warm-up profile; also resets ``B_cur`` to it.
@@ -264,16 +245,32 @@ class PrefetchScheduler(ABC):
     def submit(self, tasks: Iterable[PrefetchTask]) -> None:
         """Add tasks to the queue (a task with the same ``(eid, ddl)`` as a queued one replaces it)."""
         for t in tasks:
-            self._queue[(t.eid, t.ddl)] = (t, self._seq)
+            key = (t.eid, t.ddl)
+            old = self._queue.get(key)
+            if old is None:
+                rank = self._rank
+                self._rank += 1
+            else:
+                rank = -old[2]
+            self._queue[key] = self._by_ddl.setdefault(t.ddl, {})[key] = (t.conf, -t.ddl, -rank, self._seq, t)
             self._seq += 1
+            self._version += 1
 
     def drop(self, eids: Iterable[int]) -> int:
         """Remove every queued task of the given experts (e.g. they became resident); returns how many."""
         gone = set(eids)
         keys = [k for k in self._queue if k[0] in gone]
         for k in keys:
-            del self._queue[k]
+            self._remove(k)
         return len(keys)
+
+    def _remove(self, key: tuple[int, int]) -> None:
+        del self._queue[key]
+        group = self._by_ddl[key[1]]
+        del group[key]
+        if not group:
+            del self._by_ddl[key[1]]
+        self._version += 1
 
     def advance(self, pos: int) -> None:
         """Algorithm 1 lines 1-4: on a new position update ``B_avg`` (EMA) and reset ``B_cur <- B_avg``; then
@@ -293,8 +290,10 @@ class PrefetchScheduler(ABC):
             self._b_cur = self._b_avg
             self._issued = 0
             self._idle = False
-        if any(k[1] <= pos + 1 for k in self._queue):
-            self._queue = {k: v for k, v in self._queue.items() if k[1] > pos + 1}
+        for d in [d for d in self._by_ddl if d <= pos + 1]:
+            for key in self._by_ddl.pop(d):
+                del self._queue[key]
+            self._version += 1
 
     def capacity(self, ddl: int) -> float:
         """``C(ddl) = max(1, B_cur) + B_avg * (ddl - pos - 1)``: transfers that can complete before ``ddl`` at the
@@ -326,47 +325,29 @@ class PrefetchScheduler(ABC):
             if not math.isfinite(b_cur):
                 raise MoeOffloadError(f"b_cur must be finite, got {b_cur}")
             self._b_cur = float(b_cur)
-        task = self._choose(self._pos, list(self._queue.values()), capacity or self.capacity) if self._queue else None
+        task = self._choose(self._pos, capacity) if self._queue else None
         if task is None:
             self._idle = True
             return None
-        del self._queue[(task.eid, task.ddl)]
+        self._remove((task.eid, task.ddl))
         self._b_cur -= 1.0
         self._issued += 1
         return task
 
     @abstractmethod
-    def _choose(self, pos: int, queued: list[tuple[PrefetchTask, int]], capacity: Capacity) -> PrefetchTask | None:
-        """Pick one of ``queued`` (``(task, submission seq)`` pairs, none expired) at ``pos``."""
+    def _choose(self, pos: int, capacity: Capacity | None) -> PrefetchTask | None:
+        """Pick one of the queued tasks (none expired; ``self._queue``'s entries) at ``pos``; ``capacity`` is the
+        caller's replacement of ``C(ddl)`` or None."""
 
     def reset(self) -> None:
         """Empty the queue and forget the position (``B_avg`` is kept: it describes the hardware)."""
         self._queue.clear()
+        self._by_ddl.clear()
+        self._version += 1
         self._pos = None
         self._b_cur = self._b_avg
         self._issued = 0
         self._idle = False
-
-
-class JSDScheduler(PrefetchScheduler):
-    """SeqMoE joint prefetch scheduling (§6.2, Algorithm 1): keep the maximum-confidence task set that fits the
-    deadline capacities ``C(ddl)`` (``max_confidence_feasible``), then transfer its earliest-deadline task
-    (EDF; ties: higher confidence, then earlier submission). See ``PrefetchScheduler`` for the arguments.
-    """
-
-    name = "jsd"
-
-    def plan(self, pos: int, capacity: Capacity | None = None) -> list[PrefetchTask]:
-        """The feasible maximum-confidence set at ``pos`` (after ``advance(pos)``), without selecting anything."""
-        self.advance(pos)
-        return max_confidence_feasible((t for t, _ in self._queue.values()), capacity or self.capacity)
-
-    def _choose(self, pos, queued, capacity):
-        seq_of = {(t.eid, t.ddl): s for t, s in queued}
-        kept = max_confidence_feasible((t for t, _ in queued), capacity)
-        if not kept:
-            return None
-        return min(kept, key=lambda t: (t.ddl, -t.conf, seq_of[(t.eid, t.ddl)]))
 
 
 class MoEInfinityScheduler(PrefetchScheduler):
@@ -392,8 +373,8 @@ class MoEInfinityScheduler(PrefetchScheduler):
         """``conf * (1 - (ddl - pos) / (L + 1))``."""
         return task.conf * (1.0 - (task.ddl - pos) / (self.num_moe_layers + 1))
 
-    def _choose(self, pos, queued, capacity):
-        return min(queued, key=lambda ts: (-self.score(ts[0], pos), ts[0].ddl, ts[1]))[0]
+    def _choose(self, pos, capacity):
+        return min(self._queue.values(), key=lambda e: (-self.score(e[4], pos), -e[1], e[3]))[4]
 
 
 class ProMoEScheduler(PrefetchScheduler):
@@ -404,8 +385,8 @@ class ProMoEScheduler(PrefetchScheduler):
 
     name = "promoe"
 
-    def _choose(self, pos, queued, capacity):
-        return min(queued, key=lambda ts: (ts[0].ddl, -ts[0].conf, ts[1]))[0]
+    def _choose(self, pos, capacity):
+        return min(self._queue.values(), key=lambda e: (-e[1], -e[0], e[3]))[4]
 
 
 class PrefillPrefetch:
@@ -454,6 +435,8 @@ def make_scheduler(name: str, *, num_moe_layers: int, b_avg: float = 1.0, alpha:
     Raises:
         MoeOffloadError: unknown name or bad arguments.
     """
+    from .jsd import JSDScheduler
+
     key = name.lower()
     if key == "jsd":
         return JSDScheduler(b_avg, alpha, auto_ema)

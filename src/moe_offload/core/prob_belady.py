@@ -62,9 +62,22 @@ class ProbabilisticBelady(EvictionPolicy):
         self.horizon = horizon
         self.lam = float(lam)
         self.no_forecast_score = float(no_forecast_score)
-        self._scores: dict[int, list[float]] = {}   # MoE layer -> score of each of its experts
-        self._last: dict[int, int] = {}             # resident expert -> recency sequence number
+        # per global expert id (grown on demand): CacheScore, recency sequence number, residency. Arrays, so that
+        # ``victim`` is a handful of vectorised passes instead of a Python loop over every resident expert.
+        self._score = np.empty(0, dtype=np.float64)
+        self._last = np.empty(0, dtype=np.int64)
+        self._in = np.empty(0, dtype=bool)
         self._seq = 0
+
+    def _grow(self, n: int) -> None:
+        """Make the per-expert arrays hold ids ``< n`` (new entries: no forecast, never used, not resident)."""
+        old = self._score.size
+        if n <= old:
+            return
+        n = max(n, 2 * old, self.num_experts)
+        self._score = np.concatenate([self._score, np.full(n - old, self.no_forecast_score)])
+        self._last = np.concatenate([self._last, np.zeros(n - old, dtype=np.int64)])
+        self._in = np.concatenate([self._in, np.zeros(n - old, dtype=bool)])
 
     def weights(self, rows: int) -> np.ndarray:
         """float64 ``[min(rows, c)]``: ``lambda^j / sum_j lambda^j``, the weight of forecast row j."""
@@ -96,8 +109,9 @@ class ProbabilisticBelady(EvictionPolicy):
             raise MoeOffloadError("probs contains non-finite values")
         w = self.weights(a.shape[0])
         scores = np.tensordot(w, a[:len(w)], axes=1)    # [n, e]
-        for r, row in enumerate(scores.tolist()):
-            self._scores[lo + r] = row
+        E = self.num_experts
+        self._grow(hi * E)
+        self._score[lo * E:hi * E] = scores.reshape(-1)
 
     def observe(self, forecast) -> None:
         """``update_forecast(forecast.layers, forecast.probs)`` for a ``predictor.runtime.Forecast``."""
@@ -105,13 +119,11 @@ class ProbabilisticBelady(EvictionPolicy):
 
     def score(self, eid: int) -> float:
         """CacheScore of expert ``eid`` (``no_forecast_score`` when its layer has no forecast)."""
-        layer, q = divmod(eid, self.num_experts)
-        row = self._scores.get(layer)
-        return self.no_forecast_score if row is None else row[q]
+        return float(self._score[eid]) if eid < self._score.size else self.no_forecast_score
 
     def on_step(self, request: int, step: int) -> None:
         if step == 0:
-            self._scores.clear()
+            self._score.fill(self.no_forecast_score)
 
     def on_access(self, eid: int, tick: int, tokens: int = 1) -> None:
         if eid in self.resident:
@@ -120,31 +132,37 @@ class ProbabilisticBelady(EvictionPolicy):
 
     def on_insert(self, eid: int, tick: int) -> None:
         super().on_insert(eid, tick)
+        self._grow(eid + 1)
         self._seq += 1
         self._last[eid] = self._seq
+        self._in[eid] = True
 
     def on_evict(self, eid: int) -> None:
         super().on_evict(eid)
-        self._last.pop(eid, None)
+        if eid < self._in.size:
+            self._in[eid] = False
+            self._last[eid] = 0
 
     def victim(self, pinned: set[int]) -> int:
-        """The resident expert not in ``pinned`` with the lowest (score, last use, id)."""
-        E, scores, default, last = self.num_experts, self._scores, self.no_forecast_score, self._last
-        best, best_key = -1, None
-        for eid in self.resident:
-            if eid in pinned:
-                continue
-            layer, q = divmod(eid, E)
-            row = scores.get(layer)
-            key = (default if row is None else row[q], last.get(eid, 0), eid)
-            if best_key is None or key < best_key:
-                best, best_key = eid, key
-        if best_key is None:
-            raise RuntimeError("no evictable expert")  # the slot table never asks in that case
-        return best
+        """The resident expert not in ``pinned`` with the lowest (score, last use, id).
+
+        Raises:
+            RuntimeError: every resident expert is pinned (the slot table never asks then).
+        """
+        cand = self._in.copy()
+        if pinned:
+            idx = np.fromiter(pinned, dtype=np.int64, count=len(pinned))
+            cand[idx[idx < cand.size]] = False
+        if not cand.any():
+            raise RuntimeError("no evictable expert")
+        score = np.where(cand, self._score, np.inf)
+        cand &= score == score.min()
+        last = np.where(cand, self._last, np.iinfo(np.int64).max)
+        return int(np.argmin(last))  # the first minimum: the smallest id among equal (score, last use)
 
     def reset(self) -> None:
         super().reset()
-        self._scores.clear()
-        self._last.clear()
+        self._score.fill(self.no_forecast_score)
+        self._last.fill(0)
+        self._in.fill(False)
         self._seq = 0

@@ -21,6 +21,7 @@ from torch import nn
 
 from ..errors import MoeOffloadError
 from .features import psi_topk
+from .recurrent import block_step, conv_and_ssm_states
 
 FORMAT = "moe-offload-predictor"
 VERSION = 1
@@ -143,13 +144,14 @@ class SeqPredictor(nn.Module):
         """One-step prediction: consume one step's activation ``x [n*e]`` (advancing ``state`` in place); return
         ``logits [n, e]`` for the next step.
 
-        Calls the Mamba2 blocks directly (the same computation as ``forward(x, cache=state)``, which a test checks,
-        without the model wrapper's per-call bookkeeping: this runs every decode step)."""
-        x = x.view(1, 1, -1)
+        Runs each Mamba2 block's recurrent update directly on the cache's tensors (``predictor.recurrent``: the
+        computation of ``forward(x, cache=state)`` to float32 rounding, which a test checks, at a third of its cost:
+        this runs every decode step)."""
+        x = x.view(1, -1)
         h = self.inp(x)
-        for block in self.backbone.layers:
-            h = block(h, cache=state)
-        return self._head(self.backbone.norm_f(h), x)[0, -1]
+        for i, block in enumerate(self.backbone.layers):
+            h = block_step(block, h, *conv_and_ssm_states(state, i))
+        return self._head(self.backbone.norm_f(h), x)[0]
 
     def rollout(self, first: torch.Tensor, state, steps: int) -> torch.Tensor:
         """Recursive prediction (§5.3): starting from the one-step prediction ``first [n, e]`` (logits), feed

@@ -12,6 +12,13 @@ from ..errors import MoeOffloadError
 from .features import psi
 from .model import PredictorSet
 
+# Recursive steps after each one-step prediction for the forecast-driven policies: with the one-step row, the c = 8
+# CacheScore rows of SeqMoE §7.1 (§9.1).
+ROLLOUT = 7
+# Decode steps between recursive rollouts (``PredictorRunner.rollout_every``), chosen by measurement (issue 17,
+# docs/benchmarks.md): the simulator's hit rate against the rollout's cost per step.
+ROLLOUT_EVERY = 1
+
 
 @dataclass
 class Forecast:
@@ -50,19 +57,30 @@ class PredictorRunner:
     Step 0 (prefill) resets the recurrent state and runs the predictor's prefill mode over the prompt's positions;
     decode steps run one-step prediction, then ``rollout`` recursive steps (state restored).
 
+    Rolling the horizon forward (issue 17): the recursive rollout costs ``rollout`` predictor steps, several times
+    the one-step prediction, while only the eviction policy reads its rows. With ``rollout_every = R > 1`` it runs
+    at the prefill and then every R-th decode step; in between, a forecast is the fresh one-step row followed by the
+    last rollout's rows that are still ahead (a rollout made ``d`` steps earlier: its rows ``d, d+1, ...``, which
+    forecast the same future steps), so the horizon shrinks from ``1 + rollout`` to ``1 + rollout - (R - 1)`` rows
+    before the next refresh. ``rollout_every = 1`` is SeqMoE's every-step rollout.
+
     Args:
         pset: the predictors (on the model's device).
         rollout: c, recursive steps after each one-step prediction (SeqMoE uses c = 8 for eviction; 0 = none).
+        rollout_every: R >= 1, decode steps between recursive rollouts (1: every step).
     Attributes:
         forecasts: ``forecasts[i]`` is predictor i's latest ``Forecast`` (None before its first trigger).
         stats: ``PredictorStats``.
     """
 
-    def __init__(self, pset: PredictorSet, rollout: int = 0):
+    def __init__(self, pset: PredictorSet, rollout: int = 0, rollout_every: int = 1):
         if rollout < 0:
             raise MoeOffloadError(f"rollout must be >= 0, got {rollout}")
+        if rollout_every < 1:
+            raise MoeOffloadError(f"rollout_every must be >= 1, got {rollout_every}")
         self.pset = pset
         self.rollout = rollout
+        self.rollout_every = rollout_every
         self.E, self.k = pset.header.num_experts, pset.header.top_k
         self._by_layer: dict[int, tuple[int, int]] = {}   # layer -> (predictor index, offset in its range)
         for i, p in enumerate(pset.predictors):
@@ -72,6 +90,8 @@ class PredictorRunner:
         # per predictor, per layer of its range: this step's (top_k_index [T, k], top_k_weights [T, k])
         self._bufs: list[list[tuple | None]] = [[None] * p.spec.num_layers for p in pset.predictors]
         self._states: list = [None] * len(pset.predictors)
+        # per predictor: the last recursive rollout (logits [c, n, e]) and the step it was made at
+        self._rolled: list[tuple[torch.Tensor, int] | None] = [None] * len(pset.predictors)
         self.forecasts: list[Forecast | None] = [None] * len(pset.predictors)
         self.stats = PredictorStats()
         self.request, self.step = -1, 0
@@ -81,6 +101,7 @@ class PredictorRunner:
         self.request, self.step = request, step
         if step == 0:
             self._states = [None] * len(self._states)
+            self._rolled = [None] * len(self._rolled)
             self.forecasts = [None] * len(self.forecasts)
         else:
             self.stats.decode_steps += 1
@@ -114,13 +135,23 @@ class PredictorRunner:
                 logits = pred.step(row, self._states[i])
         rows = [logits]
         if self.rollout:
-            rows.extend(pred.rollout(logits, self._states[i], self.rollout))
+            rows.extend(self._future_rows(i, pred, logits))
         probs = torch.softmax(torch.stack(rows) if len(rows) > 1 else logits.unsqueeze(0), dim=-1)
         self.forecasts[i] = Forecast(self.request, self.step, pred.spec.layers, probs)
         if self.step == 0:
             self.stats.prefill_calls += 1
         else:
             self.stats.decode_calls += 1
+
+    def _future_rows(self, i: int, pred, logits: torch.Tensor):
+        """Logits of the steps after the next one: a fresh rollout when due (every ``rollout_every`` steps), else
+        the rows of the last rollout that are still ahead."""
+        last = self._rolled[i]
+        if last is None or self.step - last[1] >= self.rollout_every:
+            roll = pred.rollout(logits, self._states[i], self.rollout)
+            self._rolled[i] = (roll, self.step)
+            return roll
+        return last[0][self.step - last[1]:]
 
     def forecast_for(self, layer: int) -> tuple[Forecast, int] | None:
         """The latest forecast covering MoE ``layer`` and the layer's row in it, or None."""
@@ -157,3 +188,29 @@ class ForecastFeed:
             if new is not None and new is not old:
                 for c in self.consumers:
                     c.observe(new)
+
+
+def attach_predictor(engine, pset: PredictorSet, rollout: int = 0,
+                     rollout_every: int = ROLLOUT_EVERY) -> PredictorRunner:
+    """Run ``pset`` inside ``engine`` (a ``runtime.engine.OffloadEngine``) and return its runner.
+
+    With a forecast-driven eviction policy (one with ``observe``, e.g. probabilistic Belady) and/or a prefetcher,
+    a ``ForecastFeed`` hands every forecast to them (policy first) with at least ``ROLLOUT`` recursive rows; the
+    prefetcher also gets the predictor's prefill popularity (SeqMoE §8.4). Otherwise the runner only observes
+    (``rollout`` rows, for measuring). The CLI's ``generate`` and ``bench decode`` attach through this, and
+    ``sim.forecasts.forecast_stream`` replays the same runner settings.
+
+    Raises:
+        MoeOffloadError: ``rollout < 0`` or ``rollout_every < 1``.
+    """
+    policy = engine.table.policy
+    consumers = [c for c in (policy if hasattr(policy, "observe") else None, engine.prefetcher) if c is not None]
+    if not consumers:
+        runner = PredictorRunner(pset, rollout=rollout, rollout_every=rollout_every)
+        engine.observers.append(runner)
+        return runner
+    runner = PredictorRunner(pset, rollout=max(rollout, ROLLOUT), rollout_every=rollout_every)
+    engine.observers.append(ForecastFeed(runner, *consumers))
+    if engine.prefetcher is not None:
+        engine.prefetcher.set_prefill_popularity(pset.header.prefill_popularity)
+    return runner

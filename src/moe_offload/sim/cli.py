@@ -8,8 +8,9 @@ import json
 import math
 from pathlib import Path
 
-from ..cliargs import float_, split_floats
+from ..cliargs import float_, int_in, split_floats
 from ..errors import MoeOffloadError
+from ..predictor.runtime import ROLLOUT_EVERY
 
 
 def add_parser(sub) -> None:
@@ -35,6 +36,9 @@ def add_parser(sub) -> None:
     sm.add_argument("--predictor", help="a trained predictor (for seqmoe-cacheonly, seqmoe, seqmoe-infinity, and "
                     "seqmoe-oracle: its forecasts replaced by the true future, an upper bound); when the traces are "
                     "its training traces, every policy replays only its held-out requests (default: none)")
+    sm.add_argument("--rollout-every", type=int_in(1, 64), default=ROLLOUT_EVERY,
+                    help="with --predictor: decode steps between the predictor's recursive rollouts, as the runtime "
+                    f"runs it (default {ROLLOUT_EVERY}; 1 = every step, as SeqMoE)")
     sm.add_argument("--link-epl", type=float_,
                     help="link speed in experts per layer compute time for the prefetching replay (default: the model "
                     "profile's measured value on --hardware, SeqMoE §2.2: 1.39 for qwen3-30b-a3b-fp8 on rtx4090)")
@@ -113,7 +117,7 @@ def run(args) -> int:
     forecasts, popularity = {}, None
     wants = [p for p in policies if p.lower() in FORECAST_POLICIES or p.lower() in PREFETCH_POLICIES]
     if args.predictor:
-        traces, forecasts, popularity = _predictor_replay_set(args.predictor, traces, bool(wants))
+        traces, forecasts, popularity = _predictor_replay_set(args.predictor, traces, bool(wants), args.rollout_every)
     elif wants:
         raise MoeOffloadError(f"--policy {','.join(wants)} needs --predictor DIR")
     epl = args.link_epl or mp.paper_overlap_experts_per_layer.get(hw.name) or (
@@ -189,7 +193,7 @@ def _link_fraction(res, tr, epl: float) -> float:
     return layers / (layers + res.decode_misses / epl) if layers else 1.0
 
 
-def _predictor_replay_set(predictor: str, traces: list, need_forecasts: bool):
+def _predictor_replay_set(predictor: str, traces: list, need_forecasts: bool, rollout_every: int):
     """For ``simulate --predictor``: the traces to replay (the predictor's held-out requests merged into one trace
     when these are its training traces, else all of them), if needed the forecasts for each, and the predictor's
     prefill popularity profile (SeqMoE §8.4; None for a predictor saved without one)."""
@@ -209,5 +213,6 @@ def _predictor_replay_set(predictor: str, traces: list, need_forecasts: bool):
         name = f"heldout-{len(chosen)}-of-{len(keys)}"
         print(f"replaying the predictor's {len(chosen)} held-out requests of {len(keys)} (all policies)")
         traces = [(name, merged)]
-    fc = {name: forecast_stream(pset, tr, progress=True) for name, tr in traces} if need_forecasts else {}
+    fc = ({name: forecast_stream(pset, tr, rollout_every=rollout_every, progress=True) for name, tr in traces}
+          if need_forecasts else {})
     return traces, fc, pset.header.prefill_popularity

@@ -12,12 +12,12 @@ import numpy as np
 import torch
 
 from ..predictor.model import PredictorSet
-from ..predictor.runtime import Forecast, ForecastFeed, PredictorRunner
+from ..predictor.runtime import ROLLOUT, ROLLOUT_EVERY, Forecast, ForecastFeed, PredictorRunner
 from ..trace.format import Trace
 
 
 @torch.no_grad()
-def forecast_stream(pset: PredictorSet, trace: Trace, rollout: int = 7,
+def forecast_stream(pset: PredictorSet, trace: Trace, rollout: int = ROLLOUT, rollout_every: int = ROLLOUT_EVERY,
                     progress: bool = False) -> list[list[tuple[int, Forecast]]]:
     """Run the predictors over ``trace`` in the runtime's execution modes.
 
@@ -26,6 +26,7 @@ def forecast_stream(pset: PredictorSet, trace: Trace, rollout: int = 7,
         trace: the routing trace.
         rollout: recursive steps after each one-step prediction (7: with the one-step row, the c = 8 rows of
             SeqMoE §7.1's CacheScore).
+        rollout_every: decode steps between recursive rollouts (``PredictorRunner``; the runtime's setting).
 
     Returns:
         For each step of ``trace.steps()`` (replay order), the ``(trigger MoE layer, Forecast)`` pairs produced in it.
@@ -40,7 +41,7 @@ def forecast_stream(pset: PredictorSet, trace: Trace, rollout: int = 7,
         def observe(cls, forecast: Forecast) -> None:
             cls.events.append((cls.layer, forecast))
 
-    feed = ForecastFeed(PredictorRunner(pset, rollout=rollout), _Sink)
+    feed = ForecastFeed(PredictorRunner(pset, rollout=rollout, rollout_every=rollout_every), _Sink)
     ids = torch.from_numpy(trace.expert_ids.astype(np.int64))
     w = torch.from_numpy(trace.expert_weights.astype(np.float32))
     out = []
