@@ -31,7 +31,7 @@ def oracle_forecasts(tr):
 
 
 def test_no_prefetch_equals_plain_replay_and_link_fraction():
-    from moe_offload.sim.cli import _link_fraction
+    from moe_offload.sim.prefetch_sim import link_fraction
 
     tr = planted_trace(requests=6, length=30, L=3, E=16, k=2)
     needs = layer_needs(tr)
@@ -42,7 +42,7 @@ def test_no_prefetch_equals_plain_replay_and_link_fraction():
         assert (pf.hits, pf.misses, pf.decode_hits, pf.decode_misses) == (plain.hits, plain.misses,
                                                                           plain.decode_hits, plain.decode_misses)
         assert pf.prefetches == 0
-        assert abs(pf.decode_fraction_of_full_load - _link_fraction(plain, tr, 1.5)) < 1e-12
+        assert abs(pf.decode_fraction_of_full_load - link_fraction(plain, tr, 1.5)) < 1e-12
 
 
 def test_perfect_forecasts_and_fast_link_hide_every_decode_miss():
@@ -108,3 +108,30 @@ def test_prefill_popularity_errors():
         PrefillPrefetch([[1, 2]], 2, 4)
     with pytest.raises(MoeOffloadError, match="non-negative"):
         PrefillPrefetch([[1, -1], [0, 0]], 2, 2)
+
+
+def test_bench_decode_replays_the_routing_of_its_own_runs(tiny_dirs, capsys):
+    """`bench decode` records the routing of its requests once (the warm-up request, then the prompts, numbered
+    apart) and replays it for every row: for LRU the replay's counts over the measured requests are the runtime's
+    own, exactly; with an emulated link every row shows the simulator's fraction of FullLoad beside the measured
+    one."""
+    from moe_offload.bench_decode import _measure, _record_routing
+    from moe_offload.cli import main
+    from moe_offload.models.loader import load_offloaded
+
+    d, prompts = tiny_dirs["mixtral"], ["hello world how are you", "the cat sat on the mat"]
+    tr = _record_routing(d, prompts, 6, None, None)
+    assert [r["decode_steps"] for r in tr.header["requests"]] == [5, 5, 5]
+    assert sorted(set(tr.request.tolist())) == [0, 1, 2]
+    lm = load_offloaded(d, residency=0.5, policy="lru", progress=False)
+    _, s = _measure(lm, prompts, 6, False)
+    res = replay(tr, lm.engine.pool.num_slots, "lru")
+    measured = res.per_step.request >= 1
+    assert (int(res.per_step.hits[measured].sum()), int(res.per_step.misses[measured].sum())) == \
+        (s.offload.hits, s.offload.misses)
+    assert s.offload.misses > 0
+    assert main(["bench", "decode", "--model", str(d), "--prompt", "hi there", "--max-new-tokens", "4", "--quiet",
+                 "--residencies", "0.5", "--policy", "lru,lfu", "--link-regime", "rtx4090"]) == 0
+    rows = [ln.split(" | ") for ln in capsys.readouterr().out.splitlines() if ln.startswith("| ")]
+    assert rows[0][5] == "simulated vs FullLoad" and rows[1][5] == "1.000"     # FullLoad
+    assert [r[0] for r in rows[2:4]] == ["| lru", "| lfu"] and all(0 < float(r[5]) <= 1 for r in rows[2:4])

@@ -71,7 +71,7 @@ def format_checkpoints(root: Path) -> dict[str, Path]:
 def bench_format_speed(root: Path, prompts: list[str], residency: float, max_new_tokens: int,
                        progress: bool = False) -> list[str]:
     """Markdown lines of table 1 (module docstring)."""
-    from .bench import _emulate_on_demand
+    from .bench_decode import _emulate_on_demand
     from .generate import run
     from .models.loader import load_full, load_offloaded
 

@@ -97,7 +97,7 @@ def _diffusion(args) -> int:
 
 
 def _decode(args) -> int:
-    from .bench import bench_decode
+    from .bench_decode import bench_decode
 
     residencies = split_floats(args.residencies, "--residencies")
     if any(not (0 < r <= 1) for r in residencies):

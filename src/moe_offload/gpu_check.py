@@ -108,7 +108,7 @@ def lossless_rows(root: Path, device: str, new_tokens: int) -> list[str]:
 
 def speed_lines(root: Path, device: str, dry_run: bool) -> list[str]:
     """``bench decode`` (FullLoad, residency 1.0 / 0.45 / 0.25, LRU) on a medium random Qwen3-MoE."""
-    from .bench import bench_decode
+    from .bench_decode import bench_decode
     from .bench_formats import SPEED_GEOMETRY, _random_checkpoint
 
     sizes = dict(SPEED_GEOMETRY, num_experts=64) if not dry_run else dict(SPEED_GEOMETRY, num_hidden_layers=2,

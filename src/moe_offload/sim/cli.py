@@ -148,8 +148,8 @@ def _replays(traces, policies, residencies, mp, hw, tm, epl, forecasts, populari
     and ``epl`` (the link speed) are known."""
     from tqdm.auto import tqdm
 
-    from .prefetch_sim import PREFETCH_POLICIES, replay_with_prefetch
-    from .simulator import FORECAST_POLICIES, layer_needs, replay
+    from .prefetch_sim import PREFETCH_POLICIES, replay_policy
+    from .simulator import layer_needs
 
     rows, oracle = [], {}
     bar = tqdm(total=len(traces) * len(policies) * len(residencies), desc="replays", leave=False)
@@ -159,38 +159,26 @@ def _replays(traces, policies, residencies, mp, hw, tm, epl, forecasts, populari
         for p in policies:
             for r in residencies:
                 slots = max(1, math.ceil(r * n_total - 1e-9))
-                if p.lower() in PREFETCH_POLICIES:
-                    evict, sched = PREFETCH_POLICIES[p.lower()]
-                    fc = forecasts.get(name)
-                    if p.lower().endswith("-oracle") and fc is not None:
-                        from .forecasts import oracle_stream
+                fc = forecasts.get(name)
+                if p.lower().endswith("-oracle") and fc is not None:
+                    from .forecasts import oracle_stream
 
-                        fc = oracle.setdefault(name, oracle_stream(fc, tr))
-                    pr = replay_with_prefetch(tr, slots, evict, epl, forecasts=fc, scheduler=sched,
-                                              needs=needs, prefill_popularity=popularity)
-                    rows.append(_row(name, tr, mp, hw, p.lower(), r, slots, pr) | {
-                        "link_epl": epl, "decode_fraction_link_model": pr.decode_fraction_of_full_load,
-                        "prefetches": pr.prefetches, "prefetch_accuracy": pr.prefetch_accuracy,
-                        "late": pr.decode_late})
+                    fc = oracle.setdefault(name, oracle_stream(fc, tr))
+                res, fraction = replay_policy(tr, p, slots, epl, forecasts=fc, prefill_popularity=popularity,
+                                              needs=needs)
+                row = _row(name, tr, mp, hw, res.policy if p.lower() not in PREFETCH_POLICIES else p.lower(), r,
+                           slots, res) | {"link_epl": epl, "decode_fraction_link_model": fraction}
+                if p.lower() in PREFETCH_POLICIES:
+                    row |= {"prefetches": res.prefetches, "prefetch_accuracy": res.prefetch_accuracy,
+                            "late": res.decode_late}
                 else:
-                    res = replay(tr, slots, p, needs=needs,
-                                 forecasts=forecasts.get(name) if p.lower() in FORECAST_POLICIES else None)
                     t = tm.decode_time(res.per_step, tr) if tm is not None else {}
-                    rows.append(_row(name, tr, mp, hw, res.policy, r, slots, res) | {
-                        k: t[k] for k in ("projection", "projected_tok_s", "full_load_tok_s", "fraction_of_full_load")
-                        if k in t} | {"link_epl": epl,
-                                      "decode_fraction_link_model": _link_fraction(res, tr, epl) if epl else None} | (
-                        {"stall_s_per_step": t["stall_s_per_step"]} if t else {}))
+                    row |= {k: t[k] for k in ("projection", "projected_tok_s", "full_load_tok_s",
+                                              "fraction_of_full_load", "stall_s_per_step") if k in t}
+                rows.append(row)
                 bar.update(1)
     bar.close()
     return rows
-
-
-def _link_fraction(res, tr, epl: float) -> float:
-    """Decode speed as a fraction of FullLoad under ``sim.prefetch_sim``'s link model for a replay without
-    prefetching: every decode miss stalls its layer by ``1 / epl`` layer times (the link is idle at layer start)."""
-    layers = int((res.per_step.step > 0).sum()) * tr.num_moe_layers
-    return layers / (layers + res.decode_misses / epl) if layers else 1.0
 
 
 def _predictor_replay_set(predictor: str, traces: list, need_forecasts: bool, rollout_every: int):

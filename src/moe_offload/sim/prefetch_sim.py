@@ -175,3 +175,42 @@ def replay_with_prefetch(trace: Trace, num_slots: int, policy: str, link_epl: fl
             now = end
     res.accesses = res.hits + res.misses
     return res
+
+
+def link_fraction(res: ReplayResult, trace: Trace, link_epl: float) -> float:
+    """Decode speed as a fraction of FullLoad under this module's link model for a replay without prefetching
+    (``simulator.replay``): every decode miss stalls its layer by ``1 / link_epl`` layer times (the link is idle at
+    layer start), so the fraction is ``decode layers / (decode layers + decode misses / link_epl)``."""
+    layers = int((res.per_step.step > 0).sum()) * trace.num_moe_layers
+    return layers / (layers + res.decode_misses / link_epl) if layers else 1.0
+
+
+def replay_policy(trace: Trace, policy: str, num_slots: int, link_epl: float | None, forecasts=None,
+                  prefill_popularity=None, needs=None) -> tuple[ReplayResult, float | None]:
+    """One policy's replay as ``simulate`` and ``bench decode`` run it: the SeqMoE pipelines of
+    ``PREFETCH_POLICIES`` through ``replay_with_prefetch``, every other policy through ``simulator.replay`` (a
+    forecast-driven one fed ``forecasts``).
+
+    Args:
+        policy: a policy name (as ``simulate --policy`` takes it).
+        link_epl: link speed in experts per layer time; None: no speed projection.
+        forecasts: ``sim.forecasts.forecast_stream`` of ``trace`` (for the forecast-driven policies).
+        prefill_popularity: the predictor's ``[L, E]`` prefill popularity (SeqMoE §8.4) or None.
+    Returns:
+        ``(result, decode fraction of FullLoad under the link model or None)``.
+    Raises:
+        MoeOffloadError: unknown policy, or a forecast-driven one without ``forecasts``; prefetching without
+            ``link_epl``.
+    """
+    from .simulator import FORECAST_POLICIES, replay
+
+    key = policy.lower()
+    if key in PREFETCH_POLICIES:
+        if link_epl is None:
+            raise MoeOffloadError(f"--policy {policy} needs a link speed")
+        evict, sched = PREFETCH_POLICIES[key]
+        pr = replay_with_prefetch(trace, num_slots, evict, link_epl, forecasts=forecasts, scheduler=sched,
+                                  needs=needs, prefill_popularity=prefill_popularity)
+        return pr, pr.decode_fraction_of_full_load
+    res = replay(trace, num_slots, policy, needs=needs, forecasts=forecasts if key in FORECAST_POLICIES else None)
+    return res, (link_fraction(res, trace, link_epl) if link_epl else None)
