@@ -127,14 +127,14 @@ def generate_tasks(probs, layers: tuple[int, int], step_index: int, num_moe_laye
     if not np.isfinite(a).all():
         raise MoeOffloadError("probs contains non-finite values")
     width = prefetch_width(num_experts, top_k, extra)
+    top = np.argsort(-a, axis=1, kind="stable")[:, :width]              # [n, k'] expert indices, best first
+    conf = np.take_along_axis(a, top, axis=1)
     tasks = []
-    for r in range(n):
+    for r, (qs, cs) in enumerate(zip(top.tolist(), conf.tolist())):
         p = lo + r
         ddl = position(step_index, p, num_moe_layers)
-        row = a[r]
-        for q in np.argsort(-row, kind="stable")[:width].tolist():
-            tasks.append(PrefetchTask(eid=p * num_experts + q, conf=float(row[q]), ddl=ddl, layer=p, expert=q,
-                                      step=step_index))
+        base = p * num_experts
+        tasks.extend(PrefetchTask(base + q, c, ddl, p, q, step_index) for q, c in zip(qs, cs))
     return tasks
 
 
@@ -151,7 +151,8 @@ def tasks_from_forecast(forecast, num_moe_layers: int, num_experts: int, top_k: 
     tasks = generate_tasks(forecast.probs[0], forecast.layers, forecast.step + 1, num_moe_layers, num_experts, top_k,
                            extra)
     if table is not None:
-        tasks = [t for t in tasks if table.slot_of[t.eid] < 0 and not table.in_flight(t.eid)]
+        slot_of, fetching = table.slot_of, table.fetching
+        tasks = [t for t in tasks if slot_of[t.eid] < 0 and t.eid not in fetching]
     return tasks
 
 

@@ -209,6 +209,11 @@ class SlotTable:
         return eid in self._fetching
 
     @property
+    def fetching(self):
+        """The experts in flight (a read-only view of the Fetch slots' experts, for fast ``in`` tests)."""
+        return self._fetching.keys()
+
+    @property
     def num_fetching(self) -> int:
         """Number of slots in Fetch."""
         return len(self._fetching)
