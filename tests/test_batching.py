@@ -142,3 +142,18 @@ def test_models_that_cannot_batch_say_why(tiny_dirs):
     llada = load_offloaded(tiny_dirs["llada2_moe"], device="cpu", residency=1.0, progress=False, policy="lru")
     assert "diffusion" in batch_reason(llada)
     assert batch_reason(load_offloaded(tiny_dirs["qwen3_moe"], device="cpu", progress=False)) is None
+
+
+def test_union_of_sequence_forecasts():
+    """Per-sequence forecasts -> one demand per expert: 1 - prod(1 - p)."""
+    from moe_offload.predictor.batch_forecast import combine, union_probs
+    from moe_offload.predictor.runtime import Forecast
+
+    p = torch.tensor([[0.5, 0.0, 1.0, 0.2], [0.5, 0.0, 0.3, 0.5]])
+    assert torch.allclose(union_probs(p), torch.tensor([0.75, 0.0, 1.0, 0.6]), atol=1e-7)
+    a = Forecast(0, 3, (2, 4), torch.full((2, 2, 4), 0.5))
+    b = Forecast(1, 5, (2, 4), torch.full((2, 2, 4), 0.5))
+    c = combine([a, b])
+    assert c.step == 5 and c.layers == (2, 4) and torch.allclose(c.probs, torch.full((2, 2, 4), 0.75))
+    with pytest.raises(ValueError):
+        combine([a, Forecast(1, 5, (0, 2), b.probs)])
