@@ -57,7 +57,8 @@ def _wait_idle(srv, timeout=20.0):
 def qwen(tiny_dirs):
     """A served tiny Qwen3-MoE with a memory budget and the CPU tracker, a reference load, and a client."""
     d = tiny_dirs["qwen3_moe"]
-    state = load_for_serving(ServeConfig(d, model_name="tiny-qwen", memory_budget_gb=BUDGET_GB, track_memory=True),
+    state = load_for_serving(ServeConfig(d, model_name="tiny-qwen", memory_budget_gb=BUDGET_GB, track_memory=True,
+                                         max_batch=1),
                              log=lambda m: None)
     ref = load_offloaded(d, slots=state.plan.slots, device="cpu", progress=False)
     with ServerThread(state) as srv:

@@ -40,7 +40,7 @@ def _wait(cond, what: str, timeout: float = 30.0) -> None:
 
 
 def test_shutdown_ends_queued_and_running_requests_with_json_errors(tiny_dirs, monkeypatch):
-    state = load_for_serving(ServeConfig(tiny_dirs["qwen3_moe"], model_name="tiny", max_context=256),
+    state = load_for_serving(ServeConfig(tiny_dirs["qwen3_moe"], model_name="tiny", max_context=256, max_batch=1),
                              log=lambda m: None)
     started, release = threading.Event(), threading.Event()
     real = worker_mod.generate_ids

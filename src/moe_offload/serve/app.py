@@ -42,14 +42,22 @@ class ServeState:
         tracker: CPU memory tracker (``serve.memory.DeviceTierTracker``) or None.
     """
 
-    def __init__(self, lm, model_name: str, max_context: int, plan, diffusion: dict | None = None, tracker=None):
+    def __init__(self, lm, model_name: str, max_context: int, plan, diffusion: dict | None = None, tracker=None,
+                 batch_note: str | None = None):
         self.lm = lm
         self.model_name = model_name
         self.max_context = max_context
         self.plan = plan
         self.diffusion = diffusion
         self.tracker = tracker
-        self.worker = Worker(lm, diffusion, tracker)
+        self.batch_note = batch_note
+        max_batch = plan.batch if plan is not None else 1
+        if max_batch > 1:
+            from .batch_worker import BatchWorker
+
+            self.worker = BatchWorker(lm, max_batch, tracker)
+        else:
+            self.worker = Worker(lm, diffusion, tracker)
         self.created = int(time.time())
         if lm.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(lm.device)
@@ -87,8 +95,9 @@ class ServeState:
         server_ttft = list(s.server_ttft_s)
         out = {
             "model": self.model_name,
-            "scheduling": SCHEDULING,
-            "batch_size": 1,
+            "scheduling": getattr(w, "scheduling", SCHEDULING),
+            "batch_size": getattr(w, "max_batch", 1),
+            "batching": self.batching(),
             "policy": eng.policy_name,
             "device": str(lm.device),
             "dtype": str(lm.dtype).replace("torch.", ""),
@@ -96,7 +105,7 @@ class ServeState:
             "requests_served": s.requests_served,
             "requests_cancelled": s.requests_cancelled,
             "requests_failed": s.requests_failed,
-            "requests_running": int(w.active is not None),
+            "requests_running": len(w.running_jobs()),
             "queue_length": w.queue_length,
             "prompt_tokens": s.prompt_tokens,
             "completion_tokens": s.completion_tokens,
@@ -124,6 +133,17 @@ class ServeState:
         if self.diffusion is not None:
             out["diffusion"] = dict(self.diffusion, streaming="block by block")
         return out
+
+    def batching(self) -> dict:
+        """``/v1/stats["batching"]``: the most sequences per decode step, why a model runs batch 1 (``note``), the
+        live KV cache bytes, and per batch size: decode steps, tokens, distinct experts per MoE layer per step (mean)
+        and the decode hit rate."""
+        w = self.worker
+        dec = getattr(w, "decoder", None)
+        return {"max_batch": getattr(w, "max_batch", 1), "note": self.batch_note,
+                "running": len(w.running_jobs()), "queue_length": w.queue_length,
+                "kv_cache_bytes": dec.kv.nbytes() if dec is not None else None,
+                "by_batch_size": dec.stats.as_dict() if dec is not None else {}}
 
     # -- request checks ----------------------------------------------------------------------------------------
     def check_model(self, name: str) -> None:

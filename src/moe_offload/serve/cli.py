@@ -31,6 +31,10 @@ def _add_common(p: argparse.ArgumentParser, positive_int, float_) -> None:
                    "on CUDA) or mmap (read from the safetensors files' memory maps: no private copy)")
     p.add_argument("--max-context", type=positive_int,
                    help="most tokens (prompt + completion) per request (default: min(1024, the model's positions))")
+    p.add_argument("--max-batch", type=positive_int, metavar="N",
+                   help="most requests decoding together (continuous batching; default: chosen by the memory plan, "
+                   "at most 32, so the KV cache of N requests at --max-context takes at most half of what the "
+                   "weights leave of --memory-budget; 1: one request at a time). Diffusion models run batch 1")
     p.add_argument("--block-length", type=int, help="diffusion models: positions per block (default 32)")
     p.add_argument("--steps", type=int, help="diffusion models: diffusion steps per block (default: block length)")
     p.add_argument("--threshold", type=float_, help="diffusion models: commit confidence in (0, 1] (default 0.95)")
@@ -68,7 +72,7 @@ def _config(args):
                        slots=args.slots, memory_budget_gb=args.memory_budget, max_context=args.max_context,
                        block_length=args.block_length, steps=args.steps, threshold=args.threshold,
                        track_memory=getattr(args, "track_memory", False), progress=not args.quiet,
-                       host_store=args.host_store)
+                       host_store=args.host_store, max_batch=args.max_batch)
 
 
 def run(args) -> int:
@@ -110,7 +114,8 @@ def run(args) -> int:
 def _command(args) -> str:
     """The ``bench serve`` command line that reproduces this run."""
     parts = ["moe-offload bench serve"]
-    for name in ("model", "policy", "residency", "slots", "memory_budget", "max_context", "clients", "max_tokens",
+    for name in ("model", "policy", "residency", "slots", "memory_budget", "max_context", "max_batch", "clients",
+                 "max_tokens",
                  "max_prompt_chars", "device", "dtype", "block_length", "steps", "threshold"):
         v = getattr(args, name, None)
         if v is not None and not (name == "policy" and v == "auto"):

@@ -16,7 +16,8 @@ sampled with temperature 1 and top-p 0.5 so the sampling path's temporaries are 
 profile runs on a minimal pool (top-k slots; per layer for the diffusion refresh planners) before the real pool
 exists: a layer that needs more distinct experts than the pool holds runs in rounds, whose temporaries include
 a single round's. Its KV cache (the cache object's tensor bytes at ``max_context``) is reported separately from
-the activations (peak minus KV cache). Batch is 1: the server runs one request at a time.
+the activations (peak minus KV cache). A decode batch of N requests reserves N such KV caches and the larger
+activation peak of a prefill and an N-row decode step (``serve.batch_memory``).
 
 Measurement: on CUDA, the caching allocator's *reserved* bytes (``torch.cuda.max_memory_reserved``: what the
 allocator holds, fragmentation included, not only what tensors use) plus a measured workspace margin: device memory

@@ -16,6 +16,7 @@ import torch
 import uvicorn
 
 from ..errors import MoeOffloadError
+from .batch_memory import plan_batch
 from .memory import (GB, DeviceTierTracker, MemoryPlan, lookup_bytes, non_expert_bytes, profile_request,
                      slots_for_budget)
 
@@ -40,6 +41,8 @@ class ServeConfig:
         track_memory: on the CPU, measure the device tier during requests (``DeviceTierTracker``; slows decoding).
         progress: progress bars while loading.
         host_store: "pinned" or "mmap" (``models.loader.load_offloaded``).
+        max_batch: most sequences decoding together (None: chosen by the memory plan, ``serve.batch_memory``;
+            diffusion models and sliding-window / recurrent caches run batch 1).
     """
 
     model_dir: Path
@@ -57,6 +60,7 @@ class ServeConfig:
     track_memory: bool = False
     progress: bool = False
     host_store: str = "pinned"
+    max_batch: int | None = None
 
 
 SHUTDOWN_GRACE_S = 2  # seconds a running request gets to finish after Ctrl-C / SIGTERM
@@ -182,7 +186,8 @@ def load_for_serving(cfg: ServeConfig, log=_log):
                          layers if is_refresh_policy(cfg.policy) else None, weights_only=True)
         log(f"profile run: the largest request ({max_context} tokens, sampled)")
         prof = profile_request(lm, max_context, block)
-        slots = slots_for_budget(budget, base + prof.peak_bytes, lm.expert_bytes, n_total, top_k,
+        batch, note, kv, act = plan_batch(lm, cfg.max_batch, budget, base, prof, max_context)
+        slots = slots_for_budget(budget, base + kv + act, lm.expert_bytes, n_total, top_k,
                                  layers if is_refresh_policy(cfg.policy) else None)
         lm.close()  # its copy worker would keep the first store and pool alive outside the plan
         del lm
@@ -197,17 +202,19 @@ def load_for_serving(cfg: ServeConfig, log=_log):
                   else "--residency 1.0 (default)")
         log(f"profile run: the largest request ({max_context} tokens, sampled)")
         prof = profile_request(lm, max_context, block)
+        batch, note, kv, act = plan_batch(lm, cfg.max_batch, None, 0, prof, max_context)
     if lm.tokenizer is None:
         raise MoeOffloadError(f"{path} has no tokenizer: cannot encode prompts")
-    plan = MemoryPlan(budget, source, non_expert_bytes(lm), lookup_bytes(lm), prof.kv_cache_bytes,
-                      prof.activation_bytes, lm.expert_bytes, lm.engine.pool.num_slots,
-                      lm.num_moe_layers * lm.num_experts, top_k, max_context)
+    plan = MemoryPlan(budget, source, non_expert_bytes(lm), lookup_bytes(lm), kv, act, lm.expert_bytes,
+                      lm.engine.pool.num_slots, lm.num_moe_layers * lm.num_experts, top_k, max_context, batch)
     for line in plan.lines():
         log(line)
+    if note:
+        log(f"batch 1: {note}")
     log(f"ready in {time.perf_counter() - t0:.1f} s: {arch.name}, {lm.device}, {str(lm.dtype).replace('torch.', '')}"
         + (f", block diffusion {diffusion}" if diffusion else ""))
     tracker = DeviceTierTracker(lm.device) if cfg.track_memory and lm.device.type != "cuda" else None
-    return ServeState(lm, cfg.model_name or str(cfg.model_dir), max_context, plan, diffusion, tracker)
+    return ServeState(lm, cfg.model_name or str(cfg.model_dir), max_context, plan, diffusion, tracker, note)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

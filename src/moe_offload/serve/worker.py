@@ -246,11 +246,11 @@ class Worker:
             job.push(_shutdown_event())
         deadline = time.monotonic() + grace_s
         with self._cv:
-            while self.active is not None and deadline - time.monotonic() > 0:
+            while self.running_jobs() and deadline - time.monotonic() > 0:
                 self._cv.wait(deadline - time.monotonic())
-            if self.active is not None:
-                self.active.shutdown = True
-                self.active.cancelled.set()
+            for job in self.running_jobs():
+                job.shutdown = True
+                job.cancelled.set()
 
     def submit(self, job: Job) -> None:
         """Append a job to the FIFO queue (during shutdown: end it at once with a 503 ``Failed`` event)."""
@@ -270,6 +270,10 @@ class Worker:
                 self.stats.requests_cancelled += 1
             except ValueError:
                 pass
+
+    def running_jobs(self) -> list[Job]:
+        """The jobs being generated now (at most one here; a batch in ``serve.batch_worker``)."""
+        return [] if self.active is None else [self.active]
 
     @property
     def queue_length(self) -> int:
@@ -330,6 +334,12 @@ class Worker:
                                          top_p=p.top_p, seed=p.seed, request=request, on_block=on_tokens)
             new, ttft, dec = res.token_ids, res.first_block_s, res.seconds - res.first_block_s
             decode_tokens = res.decode_tokens(d["block_length"])
+        self._complete(job, detok, new, ttft, dec, decode_tokens, started)
+
+    def _complete(self, job: Job, detok: Detokenizer, new: list[int], ttft: float, dec: float, decode_tokens: int,
+                  started: float) -> None:
+        """Count a request that ran (``ttft`` / ``dec`` seconds; ``started``: when it left the queue) and push its
+        final events: ``Done`` with the held-back text, or, when it was cancelled, nothing (503 at shutdown)."""
         st = self.stats
         if job.cancelled.is_set():
             st.requests_cancelled += 1

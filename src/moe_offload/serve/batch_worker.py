@@ -1,0 +1,163 @@
+"""The continuous-batching worker (issue 18): one thread runs up to ``max_batch`` requests at once.
+
+Each turn of its loop: admit waiting requests (FIFO) into the free rows of the decode batch — each is prefilled
+alone and streams its first token at once (``batching.BatchDecoder.admit``) —, then run one decode step for every
+admitted request (``BatchDecoder.step``), stream each row's token, and retire the rows that ended (EOS,
+``max_tokens``, a stop sequence, a client that went away: its KV rows are freed before the next step). The other
+rows go on. Tokens per request follow ``generate_ids`` (greedy rows equal it alone up to near ties; each sampled
+row draws from its own seeded generator), see ``batching``.
+
+Shutdown and cancellation keep ``serve.worker.Worker``'s contract (a request stops after its current token; at
+shutdown waiting ones get 503 at once, running ones after the grace period).
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from dataclasses import dataclass
+
+import torch
+
+from ..batching import BatchDecoder, Sequence
+from .worker import Delta, Detokenizer, Failed, Job, Worker
+
+SCHEDULING = ("continuous batching: prefills admitted between decode steps (FIFO), up to max_batch sequences "
+              "decode together through one slot pool")
+
+
+@dataclass
+class _Row:
+    """A running request: its job, sequence, detokenizer, and times (``perf_counter`` seconds)."""
+
+    job: Job
+    seq: Sequence
+    detok: Detokenizer
+    started: float
+    prefill_s: float = 0.0
+    first_at: float = 0.0
+
+
+class BatchWorker(Worker):
+    """Runs queued jobs on one thread in a continuous decode batch (module docstring).
+
+    Args:
+        lm: the loaded model (autoregressive, batchable: ``batching.batch_reason(lm)`` is None).
+        max_batch: most requests decoding at once (>= 2 to batch; 1 works too).
+        tracker: ``serve.memory.DeviceTierTracker`` entered around every turn of the loop, or None.
+    Attributes:
+        decoder: the ``batching.BatchDecoder`` (its ``stats`` are the per-batch-size counters).
+    """
+
+    scheduling = SCHEDULING
+
+    def __init__(self, lm, max_batch: int, tracker=None):
+        super().__init__(lm, None, tracker)
+        self.max_batch = max_batch
+        self.decoder = BatchDecoder(lm, max_batch)
+        self._rows: list[_Row] = []
+
+    def running_jobs(self) -> list[Job]:
+        """The jobs in the decode batch now."""
+        return [r.job for r in list(self._rows)]
+
+    @property
+    def active(self) -> Job | None:
+        """The oldest running job (None when the batch is empty)."""
+        rows = list(self._rows)
+        return rows[0].job if rows else None
+
+    @active.setter
+    def active(self, value) -> None:  # Worker.__init__ sets it; the batch is the state here
+        pass
+
+    def kv_cache_bytes(self) -> int:
+        """Bytes of the batch's KV cache now."""
+        return self.decoder.kv.nbytes()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._rows and not self._stopping:
+                    self._cv.wait()
+                if self._stopping and not self._rows:
+                    return
+                admits = []
+                while self._queue and len(self._rows) + len(admits) < self.max_batch:
+                    admits.append(self._queue.popleft())
+            if self.tracker is not None:
+                with self.tracker:
+                    self._turn(admits)
+            else:
+                self._turn(admits)
+
+    @torch.no_grad()
+    def _turn(self, admits: list[Job]) -> None:
+        for job in admits:
+            self._admit(job)
+        self._retire()
+        if not self._rows:
+            return
+        try:
+            made = self.decoder.step()
+        except Exception as e:  # the batch's state is unknown: end every running request, keep serving
+            traceback.print_exc()
+            self._fail_all(e)
+            return
+        for row, (_, tok) in zip(list(self._rows), made):
+            self._emit(row, tok)
+        self._retire()
+
+    def _admit(self, job: Job) -> None:
+        p = job.params
+        seq = Sequence(self._request, job.prompt_ids, p.max_tokens, p.temperature, p.top_p, p.seed)
+        self._request += 1
+        row = _Row(job, seq, Detokenizer(self.lm.tokenizer, p.stop), time.perf_counter())
+        try:
+            tok = self.decoder.admit(seq)
+        except Exception as e:  # this request only
+            self.stats.requests_failed += 1
+            traceback.print_exc()
+            job.push(Failed(f"{e.__class__.__name__}: {e}"))
+            job.finished = True
+            return
+        row.first_at = time.perf_counter()
+        row.prefill_s = row.first_at - row.started
+        with self._cv:
+            self._rows.append(row)
+        self._emit(row, tok)
+
+    def _emit(self, row: _Row, tok: int) -> None:
+        job = row.job
+        if job.first_token_at is None:
+            job.first_token_at = time.perf_counter()
+        job.push(Delta(row.detok.add([tok]), [tok]))
+
+    def _ended(self, row: _Row) -> bool:
+        return row.job.cancelled.is_set() or row.detok.stopped or self.decoder.done(row.seq)
+
+    def _retire(self) -> None:
+        """Finish the rows that ended and drop them from the batch (their KV rows are freed)."""
+        gone = [r for r in self._rows if self._ended(r)]
+        if not gone:
+            return
+        self.decoder.drop([r.seq for r in gone])
+        with self._cv:
+            self._rows = [r for r in self._rows if r not in gone]
+            self._cv.notify_all()
+        now = time.perf_counter()
+        for r in gone:
+            new = r.seq.new
+            self._complete(r.job, r.detok, new, r.prefill_s, now - r.first_at, max(0, len(new) - 1), r.started)
+            r.job.finished = True
+
+    def _fail_all(self, e: Exception) -> None:
+        rows = list(self._rows)
+        self.decoder = BatchDecoder(self.lm, self.max_batch)
+        with self._cv:
+            self._rows = []
+            self._cv.notify_all()
+        for r in rows:
+            self.stats.requests_failed += 1
+            r.job.push(Failed(f"{e.__class__.__name__}: {e}"))
+            r.job.finished = True
