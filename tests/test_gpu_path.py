@@ -92,6 +92,7 @@ def test_group_limit_never_exceeded_and_tokens_equal(tiny_dirs, monkeypatch):
         return real_mm(x, w, offs)
 
     monkeypatch.setattr(experts_mod, "MAX_GROUPS", 4)
+    monkeypatch.setattr(experts_mod, "LOOPED_DEVICES", ())  # the CUDA path: gathered rows in chunks of groups
     monkeypatch.setattr(experts_mod, "_grouped_mm", counting)
     lm = load_offloaded(tiny_dirs["qwen3_moe"], device="cpu", residency=1.0, progress=False)
     assert lm.engine.pool.num_slots == 48 > 4
@@ -102,6 +103,35 @@ def test_group_limit_never_exceeded_and_tokens_equal(tiny_dirs, monkeypatch):
         slots = layer[layer >= 0]
         spans.append(int(slots.max()) - int(slots.min()))
     assert min(spans) > 4  # every layer's experts span a window wider than the limit
+
+
+def test_scattered_slots_computed_one_gemm_per_slot_bitwise(tiny_dirs, monkeypatch):
+    """On CPU a layer whose slots are scattered across the pool is computed with one GEMM per slot on views of the
+    pool (no empty groups, no gathered copy): forced for every layer (WINDOW_DENSITY 0), every architecture's
+    logits equal the grouped GEMM's bitwise and the tokens equal FullLoad's; gpt_oss covers biases and transposed
+    weights, deepseek_v3 a shared expert."""
+    calls = []
+    real = experts_mod._looped_linear
+
+    def counting(*a, **kw):
+        calls.append(1)
+        return real(*a, **kw)
+
+    for name in ("qwen3_moe", "gpt_oss", "deepseek_v3", "mixtral"):
+        full = load_full(tiny_dirs[name], device="cpu")
+        ids = encode_prompt(full.tokenizer, PROMPT)
+        ref = generate_ids(full, ids, 6)[0]
+        windowed = load_offloaded(tiny_dirs[name], device="cpu", residency=0.5, progress=False)
+        x = torch.tensor([ids])
+        want = windowed.model(x).logits
+        with monkeypatch.context() as m:
+            m.setattr(experts_mod, "WINDOW_DENSITY", 0)
+            m.setattr(experts_mod, "_looped_linear", counting)
+            lm = load_offloaded(tiny_dirs[name], device="cpu", residency=0.5, progress=False)
+            n = len(calls)
+            assert torch.equal(lm.model(x).logits, want), name
+            assert len(calls) > n, name
+            assert generate_ids(lm, ids, 6)[0] == ref, name
 
 
 @pytest.mark.parametrize("name", ["plain", "qwen3_moe", "gpt_oss", "deepseek_v3"])
@@ -154,6 +184,8 @@ def test_one_device_to_host_transfer_per_moe_layer(tiny_dirs, monkeypatch):
     synchronises on a GPU (the copy of its expert ids to the host), for the bf16 and a quantized format."""
     from moe_offload.models.tiny_quantized import write_fp8
 
+    # the CPU-only per-slot GEMMs read their group bounds on the host (free on CPU): this test checks CUDA's paths
+    monkeypatch.setattr(experts_mod, "LOOPED_DEVICES", ())
     for d in (tiny_dirs["qwen3_moe"], write_fp8(tiny_dirs["qwen3_moe"], Path(tiny_dirs["qwen3_moe"]).parent / "fp8")):
         lm = load_offloaded(d, device="cpu", residency=0.5, progress=False)
         ids = encode_prompt(lm.tokenizer, PROMPT)

@@ -48,8 +48,47 @@ def _grouped_linear(x, weight, offs, bias, is_transposed):
     return out
 
 
+class _SlotViews:
+    """A parameter of single slots as zero-copy views: ``[i]`` is slot ``slots[i]``'s ``[*shape]`` weight (a
+    format with ``zero_copy``: one plain field in the compute dtype)."""
+
+    def __init__(self, rows: ExpertRows, name: str, slots: list[int]):
+        self.rows, self.name, self.slots = rows, name, slots
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        s = self.slots[i]
+        return self.rows.weight(self.name, slice(s, s + 1))[0]
+
+
+def _looped_linear(x, weights: _SlotViews, bounds: list[int], bias, is_transposed):
+    """``_grouped_linear`` as one ``torch.mm`` per non-empty group on the slot's own weights: ``x [S, in]`` sorted
+    by group, group ``g`` the rows ``bounds[g]:bounds[g + 1]`` -> ``[S, out]`` (rows past ``bounds[-1]`` undefined).
+    torch's CPU grouped GEMM computes each group with the same ``mm``, so the result is bitwise the grouped GEMM's
+    (tested for float32, bfloat16, float16)."""
+    w0 = weights[0]
+    out = torch.empty(x.shape[0], w0.shape[-1] if is_transposed else w0.shape[-2], dtype=w0.dtype, device=x.device)
+    x = x.to(w0.dtype)
+    for g in range(len(bounds) - 1):
+        a, b = bounds[g], bounds[g + 1]
+        if b > a:
+            w = weights[g]
+            torch.mm(x[a:b], w if is_transposed else w.transpose(0, 1), out=out[a:b])
+    if bias is not None:
+        out.add_(bias)
+    return out
+
+
 #: most groups one grouped GEMM is given (torch's CUDA grouped GEMM refuses 1024 or more)
 MAX_GROUPS = 1023
+#: a slot window is used as the GEMM's groups only while it is at most this many times wider than the slots it
+#: serves: every group, empty or not, costs the grouped GEMM a fixed overhead (~1.3 us per group and GEMM on CPU).
+#: A layer whose experts lie scattered across a large pool is computed instead with one GEMM per slot on views of
+#: the pool (CPU, ``_looped_linear``: no empty groups, no gathered copy), or from gathered rows (CUDA). Issue 17:
+#: at residency 0.45 on testbed-sparse, windows ~400 slots wide for ~11 experts doubled the expert time, and
+#: gathering the rows cost as much.
+WINDOW_DENSITY = 4
+#: devices whose sparse windows are computed one GEMM per slot (a Python loop of kernels costs too much on CUDA)
+LOOPED_DEVICES = ("cpu",)
 
 
 def device_index(values: list[int], device: torch.device) -> torch.Tensor:
@@ -83,9 +122,10 @@ def slot_pair_outputs(
         num_top_k: k.
         slots: the distinct rows the computed pairs use, sorted ascending (a host list: no device sync). When
             the format needs no decoding (``rows.zero_copy``) and ``[slots[0], slots[-1]]`` is at most
-            ``MAX_GROUPS`` wide, the GEMM's groups are that window (a view of the pool, no copy); otherwise the
-            groups are ``slots`` themselves (dense ids), whose weights are decoded (dequantized) once each, in
-            chunks of at most ``MAX_GROUPS`` groups per GEMM.
+            ``MAX_GROUPS`` and at most ``WINDOW_DENSITY * len(slots)`` wide, the GEMM's groups are that window (a
+            view of the pool, no copy); otherwise the groups are ``slots`` themselves (dense ids), whose weights
+            are gathered (and decoded or dequantized) once each, in chunks of at most ``MAX_GROUPS`` groups per
+            GEMM. Either way every pair is computed by the same per-group GEMM on the same weights.
 
     Returns:
         ``(out, perm, valid)``: ``out [T * k, H]`` weighted outputs in sorted-pair order, ``perm [T * k]`` the
@@ -93,9 +133,13 @@ def slot_pair_outputs(
         computed pairs.
     """
     lo, hi = slots[0], slots[-1]
-    if rows.zero_copy and hi - lo < MAX_GROUPS:
+    if rows.zero_copy and hi - lo < min(MAX_GROUPS, WINDOW_DENSITY * len(slots)):
         return _pair_outputs(module, rows, hidden_states, slot_ids - lo, pair_weights, num_top_k, hi - lo + 1,
                              slice(lo, hi + 1))
+    if rows.zero_copy and slot_ids.device.type in LOOPED_DEVICES:
+        sel = torch.tensor(slots, dtype=torch.long)
+        return _pair_outputs(module, rows, hidden_states, torch.searchsorted(sel, slot_ids), pair_weights,
+                             num_top_k, len(slots), sel, looped=slots)
     if len(slots) > MAX_GROUPS:
         return _split_pair_outputs(module, rows, hidden_states, slot_ids, pair_weights, num_top_k, slots)
     sel = device_index(slots, slot_ids.device)
@@ -103,9 +147,10 @@ def slot_pair_outputs(
     return _pair_outputs(module, rows, hidden_states, group_ids, pair_weights, num_top_k, len(slots), sel)
 
 
-def _pair_outputs(module, rows, hidden_states, group_ids, pair_weights, num_top_k, num_groups, sel):
+def _pair_outputs(module, rows, hidden_states, group_ids, pair_weights, num_top_k, num_groups, sel, looped=None):
     """The grouped GEMMs over ``num_groups`` groups whose weights are ``rows``' rows ``sel`` (a slice or an index
-    tensor); ``group_ids [T * k]`` in ``[0, num_groups)`` for computed pairs, ``>= num_groups`` for the rest."""
+    tensor); ``group_ids [T * k]`` in ``[0, num_groups)`` for computed pairs, ``>= num_groups`` for the rest.
+    ``looped``: the groups' slots (a host list, CPU): one GEMM per group on views of those slots instead."""
     ids_g, perm = torch.sort(group_ids)
     x = hidden_states[perm // num_top_k]
     w_g = pair_weights[perm]
@@ -115,11 +160,19 @@ def _pair_outputs(module, rows, hidden_states, group_ids, pair_weights, num_top_
     bias_ids = ids_g.clamp(max=num_groups - 1)
 
     up_name = "gate_up_proj" if module.has_gate else "up_proj"
+    if looped is not None:
+        bounds = [0] + offs.tolist()
+
+        def linear(x, name, bias):
+            return _looped_linear(x, _SlotViews(rows, name, looped), bounds, bias, module.is_transposed)
+    else:
+        def linear(x, name, bias):
+            return _grouped_linear(x, rows.weight(name, sel), offs, bias, module.is_transposed)
     bias = rows.weight(up_name + "_bias", sel)[bias_ids] if module.has_bias else None
-    h = _grouped_linear(x, rows.weight(up_name, sel), offs, bias, module.is_transposed)
+    h = linear(x, up_name, bias)
     h = module._apply_gate(h) if module.has_gate else module.act_fn(h)
     bias = rows.weight("down_proj_bias", sel)[bias_ids] if module.has_bias else None
-    h = _grouped_linear(h, rows.weight("down_proj", sel), offs, bias, module.is_transposed)
+    h = linear(h, "down_proj", bias)
     if module.has_post_expert_norm:
         h = module.post_expert_norm(h)
     return h * w_g.unsqueeze(-1), perm, valid

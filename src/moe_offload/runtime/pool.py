@@ -63,7 +63,13 @@ class SlotPool:
         for e, s in zip(eids, slots):
             store.copy_to(e, self._bytes[s] if self._bytes is not None else self.buf[s],
                           non_blocking=self.device.type == "cuda")
-        if evicted:
-            self.lookup[torch.tensor(evicted, dtype=torch.long).to(self.device)] = -1
-        self.lookup[torch.tensor(eids, dtype=torch.long).to(self.device)] = torch.tensor(
-            slots, dtype=torch.long).to(self.device)
+        writes = dict.fromkeys(evicted, -1) | dict(zip(eids, slots))
+        self.set_lookup(list(writes), list(writes.values()))
+
+    def set_lookup(self, eids: list[int], slots: list[int]) -> None:
+        """``lookup[eids[i]] = slots[i]`` (-1: not resident) in one indexed write, host lists staged without blocking
+        the host. ``eids`` must be distinct (an indexed write with repeated indices keeps an unspecified one)."""
+        if eids:
+            from .experts import device_index
+
+            self.lookup[device_index(eids, self.device)] = device_index(slots, self.device)

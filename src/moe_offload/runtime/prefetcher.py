@@ -54,6 +54,7 @@ class Prefetcher:
         self.step = 0
         self.prefetches = self.landed = self.waited = self.prefill_prefetches = 0
         self.prefill: PrefillPrefetch | None = None
+        self._lookup_writes: dict[int, int] = {}  # eid -> slot (-1: evicted), applied at the end of each call
 
     def set_prefill_popularity(self, popularity) -> None:
         """Enable prefill offloading (SeqMoE §8.4) with an offline ``[L, E]`` expert popularity profile (e.g. a
@@ -71,7 +72,14 @@ class Prefetcher:
         self.scheduler.submit(tasks_from_forecast(forecast, self.L, self.E, self.k, table=self.table))
 
     def _set_lookup(self, eid: int, slot: int) -> None:
-        self.pool.lookup[eid] = slot
+        self._lookup_writes[eid] = slot
+
+    def _flush_lookup(self) -> None:
+        """Apply the recorded ``pool.lookup`` writes in one indexed write (the last write of an expert wins)."""
+        w = self._lookup_writes
+        if w:
+            self.pool.set_lookup(list(w), list(w.values()))
+            w.clear()
 
     def land_ready(self) -> None:
         """Apply every finished prefetch copy (stale tags are ignored by the table)."""
@@ -79,6 +87,7 @@ class Prefetcher:
             if self.table.land(ld.eid, ld.slot, ld.tag, ld.ok) and ld.ok:
                 self._set_lookup(ld.eid, ld.slot)
                 self.landed += 1
+        self._flush_lookup()
 
     def fetch_waits(self, waits: list[Load]) -> None:
         """Block until needed in-flight experts are in their slots (the table adopted them: ``waits``)."""
@@ -89,6 +98,7 @@ class Prefetcher:
                 self.transfer.wait(w.eid)
             self._set_lookup(w.eid, w.slot)
             self.waited += 1
+        self._flush_lookup()
 
     def load_on_demand(self, loads: list[Load]) -> None:
         """Copy missed experts now (through the link, ahead of queued prefetches, new ones paused: §8.3)."""
@@ -106,11 +116,18 @@ class Prefetcher:
                     raise RuntimeError(f"on-demand copy of expert {ld.eid} failed: {got and got.error}")
                 self._set_lookup(ld.eid, ld.slot)
         finally:
+            self._flush_lookup()
             self.transfer.resume()
 
     def issue(self, layer: int) -> None:
         """Reserve and submit the scheduler's next tasks at position (step, ``layer``) up to ``max_outstanding``;
         in a prefill with a popularity profile, the next layers' most popular experts instead (SeqMoE §8.4)."""
+        try:
+            self._issue(layer)
+        finally:
+            self._flush_lookup()
+
+    def _issue(self, layer: int) -> None:
         te = self.transfer
         busy = lambda: len(te.queued()) + len(te.in_flight()) >= self.max_outstanding  # noqa: E731
         if self.step == 0 and self.prefill is not None:
