@@ -328,3 +328,23 @@ def test_cuda_copy_stream():
             te.submit(i, i, i)
         collect(te, 3)
         assert time.perf_counter() - t0 >= 0.9 * 3 * 0.01
+
+
+def test_prefetch_yields_the_emulated_link_to_an_on_demand_copy(parts, engines):
+    """SeqMoE §8.3 pause at chunk granularity: a prefetch copy in flight on the emulated link yields it to an
+    on-demand copy the main thread waits for (at the prefetch's next 1/LINK_CHUNKS boundary) and resumes after it,
+    so the on-demand copy lands first and the prefetch still lands, intact."""
+    store, pool = parts
+    te = new(engines, store, pool, seconds_per_expert=0.2)
+    te.submit(0, 0, 10)                       # a prefetch: starts at once
+    deadline = time.perf_counter() + 5
+    while te.in_flight() != [0] and time.perf_counter() < deadline:
+        time.sleep(0.001)
+    te.pause()
+    te.submit(5, 1, 11)                       # an on-demand load, waited for at once
+    urgent = te.wait(5)
+    te.resume()
+    prefetch = collect(te, 1)[0]
+    assert urgent.ok and prefetch.ok and (prefetch.eid, prefetch.tag) == (0, 10)
+    assert urgent.finished_at < prefetch.finished_at   # it did not queue behind the 0.2 s prefetch
+    assert torch.equal(pool.buf[0], store.buf[0]) and torch.equal(pool.buf[1], store.buf[5])

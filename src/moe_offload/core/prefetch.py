@@ -36,6 +36,11 @@ from ..errors import MoeOffloadError
 
 Capacity = Callable[[int], float]
 
+#: a prefetch copy moves in this many chunks, and yields the link to on-demand copies at a chunk boundary (SeqMoE
+#: §8.3's pause, at the granularity a real copy engine can stop: between the chunks it issues), so a miss waits at
+#: most 1/LINK_CHUNKS of one expert copy behind a prefetch; the simulator and the emulated link share it
+LINK_CHUNKS = 8
+
 
 @dataclass(frozen=True)
 class PrefetchTask:

@@ -17,7 +17,7 @@ from .model import PredictorSet
 ROLLOUT = 7
 # Decode steps between recursive rollouts (``PredictorRunner.rollout_every``), chosen by measurement (issue 17,
 # docs/benchmarks.md): the simulator's hit rate against the rollout's cost per step.
-ROLLOUT_EVERY = 1
+ROLLOUT_EVERY = 4
 
 
 @dataclass

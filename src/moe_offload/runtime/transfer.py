@@ -50,6 +50,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..core.prefetch import LINK_CHUNKS
 from ..errors import MoeOffloadError
 from .pool import SlotPool
 from .store import HostStore
@@ -491,9 +492,57 @@ class TransferEngine:
                     job.deadline = job.started_at + self.seconds_per_expert
             try:
                 self._copy(job)
-                _sleep_until(job.deadline, spin=False)  # the copy worker must not compete for the GIL
+                self._link_time(job)
                 err = None
             except Exception as e:  # report the failure, keep serving the queue
+                err = f"{type(e).__name__}: {e}"
+            with self._cond:
+                self._finish(job, err is None, err)
+
+    def _link_time(self, job: _Job) -> None:
+        """Hold the emulated link until ``job.deadline``. On the CPU a prefetch yields it (SeqMoE §8.3 pause): when
+        an urgent copy (an on-demand load the main thread waits for) reaches the front of the queue, the prefetch's
+        current chunk (``1 / LINK_CHUNKS`` of a copy) completes, the urgent copies run, and the prefetch resumes
+        with the link time it had left — the order ``sim.prefetch_sim`` replays. The worker sleeps on the condition,
+        never spins (it must not take the GIL from the computing thread)."""
+        if not (self._cpu and self.seconds_per_expert is not None) or job.urgent:
+            _sleep_until(job.deadline, spin=False)
+            return
+        chunk = self.seconds_per_expert / LINK_CHUNKS
+        with self._cond:
+            while True:
+                rem = job.deadline - time.perf_counter()
+                if rem <= 0:
+                    return
+                if not (self._queue and self._queue[0].urgent):
+                    self._cond.wait(rem)
+                    continue
+                after = math.floor(rem / chunk) * chunk    # link time left once the current chunk is through
+                self._cond.release()
+                try:
+                    _sleep_until(job.deadline - after, spin=False)
+                    self._run_urgent()
+                finally:
+                    self._cond.acquire()
+                job.deadline = time.perf_counter() + after
+                self._current = job
+
+    def _run_urgent(self) -> None:
+        """Run the urgent copies at the front of the queue to completion (lock not held)."""
+        while True:
+            with self._cond:
+                if not (self._queue and self._queue[0].urgent):
+                    return
+                job = self._queue.popleft()
+                job.state = _RUNNING
+                self._current = job
+                job.started_at = time.perf_counter()
+                job.deadline = job.started_at + self.seconds_per_expert
+            try:
+                self._copy(job)
+                _sleep_until(job.deadline, spin=False)
+                err = None
+            except Exception as e:
                 err = f"{type(e).__name__}: {e}"
             with self._cond:
                 self._finish(job, err is None, err)

@@ -8,8 +8,10 @@ copy at a time in FIFO order. For each layer, in the runtime's order:
 2. hand the forecasts this layer triggers to the policy (``observe``) and turn them into prefetch tasks
    (``core.prefetch.tasks_from_forecast``: k + 3 tasks per layer, conf, ddl) for the scheduler;
 3. plan the layer (``plan_layer(..., hold=True)``): hits, in-flight experts to wait for, on-demand loads; the
-   loads queue on the link behind the copy in flight (a DMA is not pre-empted) and the layer stalls until its
-   waits and loads are done; an on-demand miss thereby pauses prefetching (§8.3);
+   layer stalls until its waits and loads are done. On-demand loads pause prefetching (§8.3): a prefetch copy in
+   flight that the layer does not wait for yields the link at its next chunk boundary (a copy moves in
+   ``LINK_CHUNKS`` chunks) and resumes after the loads; when the layer waits for an in-flight copy, the loads
+   queue behind it;
 4. compute for 1 layer time, during which the link runs the scheduler's choices (``select(pos)``) back to back;
    each one reserves a Fetch slot (``SlotTable.prefetch``, evicting a Used expert by the policy) and lands when
    its copy finishes; the tasks are created while the layer's own experts are still in Compute, so a prefetch
@@ -26,9 +28,10 @@ speed projection is ``FullLoad time / (FullLoad time + stalls)`` over decode ste
 from __future__ import annotations
 
 import heapq
+import math
 from dataclasses import dataclass
 
-from ..core.prefetch import PrefillPrefetch, make_scheduler, position, tasks_from_forecast
+from ..core.prefetch import LINK_CHUNKS, PrefillPrefetch, make_scheduler, position, tasks_from_forecast
 from ..core.slots import SlotTable
 from ..errors import MoeOffloadError
 from ..trace.format import Trace
@@ -95,6 +98,7 @@ def replay_with_prefetch(trace: Trace, num_slots: int, policy: str, link_epl: fl
     name = policy if scheduler is None else f"{policy}+{scheduler}"
     res = PrefetchReplayResult(policy=name, num_slots=num_slots)
     d = 1.0 / link_epl
+    chunk = d / LINK_CHUNKS
     now = link_free = 0.0
     inflight: list[tuple[float, int, int, int]] = []     # heap of (finish, eid, slot, tag)
     finish_of: dict[int, float] = {}
@@ -141,8 +145,20 @@ def replay_with_prefetch(trace: Trace, num_slots: int, policy: str, link_epl: fl
             n_loads = plan.num_loads
             res.on_demand_loads += n_loads
             if n_loads:
-                link_free = max(link_free, now) + n_loads * d
-                ready = max(ready, link_free)
+                waited = {w.eid for w in plan.waits}
+                cur = next((e for e in inflight if e[0] > now and e[1] not in waited), None)
+                if cur is not None and not waited:  # yield the link at the copy's next chunk boundary (§8.3)
+                    rem = cur[0] - now
+                    after = math.floor(rem / chunk) * chunk
+                    loads_done = now + (rem - after) + n_loads * d
+                    inflight.remove(cur)
+                    inflight.append((loads_done + after,) + cur[1:])
+                    heapq.heapify(inflight)
+                    finish_of[cur[1]] = link_free = loads_done + after
+                    ready = max(ready, loads_done)
+                else:
+                    link_free = max(link_free, now) + n_loads * d
+                    ready = max(ready, link_free)
             stall = ready - now
             now = ready
             res.hits += plan.hits
