@@ -83,7 +83,7 @@ def test_prefill_offloading_hand_worked():
     reserve e = 4, at most 8 - 4 = 4 slots may be in Fetch/Compute: layer 0's three Compute slots + eid 7 = 4, so
     eid 7 is prefetched (lands at t = 2.0) and eid 6 is refused. Layer 1 (t = 2.5): 7 hits, 6 misses.
     Prefill: 1 hit, 4 misses (without the profile: 0 hits, 5 misses)."""
-    from moe_offload.core.prefetch import PrefillPrefetch
+    from moe_offload.core.prefill_prefetch import PrefillPrefetch
 
     tr = _hand_trace()
     none = [[], []]
@@ -101,7 +101,7 @@ def test_prefill_offloading_hand_worked():
 def test_prefill_popularity_errors():
     import pytest
 
-    from moe_offload.core.prefetch import PrefillPrefetch
+    from moe_offload.core.prefill_prefetch import PrefillPrefetch
     from moe_offload.errors import MoeOffloadError
 
     with pytest.raises(MoeOffloadError, match="shape"):

@@ -22,7 +22,8 @@ import math
 
 import torch
 
-from ..core.prefetch import PrefetchScheduler, PrefillPrefetch, position, tasks_from_forecast
+from ..core.prefetch import PrefetchScheduler, position, tasks_from_forecast
+from ..core.prefill_prefetch import PrefillPrefetch
 from ..core.slots import Load, SlotTable
 from .pool import SlotPool
 from .store import HostStore
@@ -42,7 +43,7 @@ class Prefetcher:
     Attributes:
         prefetches: copies submitted; landed: landings applied; waited: in-flight experts a layer waited for.
         prefill_prefetches: of ``prefetches``, those issued during prefills by popularity (SeqMoE §8.4).
-        prefill: the ``core.prefetch.PrefillPrefetch`` in use (None: prefills prefetch nothing).
+        prefill: the ``core.prefill_prefetch.PrefillPrefetch`` in use (None: prefills prefetch nothing).
     """
 
     def __init__(self, store: HostStore, pool: SlotPool, table: SlotTable, scheduler: PrefetchScheduler,

@@ -33,7 +33,8 @@ from .experts import IMPLEMENTATION_NAME, device_index, register, slot_pair_outp
 from .formats import ExpertRows
 from .pool import SlotPool
 from .store import HostStore
-from .transfer import TransferEngine, _sleep_until
+from .copy_worker import _sleep_until
+from .transfer import TransferEngine
 
 
 @dataclass

@@ -31,7 +31,8 @@ import heapq
 import math
 from dataclasses import dataclass
 
-from ..core.prefetch import LINK_CHUNKS, PrefillPrefetch, make_scheduler, position, tasks_from_forecast
+from ..core.prefetch import LINK_CHUNKS, make_scheduler, position, tasks_from_forecast
+from ..core.prefill_prefetch import PrefillPrefetch
 from ..core.slots import SlotTable
 from ..errors import MoeOffloadError
 from ..trace.format import Trace

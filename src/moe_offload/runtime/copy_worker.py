@@ -1,0 +1,169 @@
+"""The worker-thread side of ``runtime.transfer.TransferEngine``: one copy at a time from the host store into a
+pool slot, the emulated link's timing, and a prefetch yielding the emulated link to on-demand copies (SeqMoE §8.3).
+
+``CopyWorker`` is a mixin: the queue, the condition variable, the stats and ``_finish`` live in ``TransferEngine``.
+Units: seconds (``time.perf_counter``).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from ..core.prefetch import LINK_CHUNKS
+
+# a sleep shorter than this is replaced by yielding (time.sleep(0), which releases the GIL) until the deadline:
+# Linux sleeps overshoot by ~50-100 us, which would dominate the emulated time of a small expert
+_SPIN_S = 5e-4
+
+
+_QUEUED, _RUNNING, _DONE = 0, 1, 2
+
+
+class _Job:
+    __slots__ = ("eid", "slot", "tag", "state", "urgent", "ready", "event", "started_at", "deadline", "landing")
+
+    def __init__(self, eid: int, slot: int, tag: int, ready):
+        self.eid = eid
+        self.slot = slot
+        self.tag = tag
+        self.state = _QUEUED
+        self.urgent = False          # promoted by wait(): runs first, even while paused
+        self.ready = ready           # CUDA: event on the submitting stream the copy must wait for
+        self.event = None            # CUDA: event recorded on the copy stream after the copy
+        self.started_at = None
+        self.deadline = 0.0          # emulated link: the copy is not complete before this perf_counter time
+        self.landing = None          # the runtime.transfer.Landing once done
+
+
+def _sleep_until(deadline: float, spin: bool = True) -> None:
+    """Return at or after ``time.perf_counter() >= deadline``: sleeps, then (``spin``) yields the GIL in a loop for
+    the last ``_SPIN_S`` seconds for accuracy. A background thread passes ``spin=False`` (sleep only, a few tens of
+    microseconds late at worst): a spinning thread keeps taking the GIL from the thread that computes."""
+    while True:
+        rem = deadline - time.perf_counter()
+        if rem <= 0:
+            return
+        if not spin:
+            time.sleep(rem)
+        else:
+            time.sleep(rem - _SPIN_S if rem > 2 * _SPIN_S else 0)
+
+
+class CopyWorker:
+    """The copy worker's loop (``_run`` on its own thread) for ``TransferEngine``; see its docstring."""
+
+    def _next_job(self) -> _Job | None:
+        """Block until a copy may start (lock held); None when the worker should exit."""
+        while True:
+            if self._queue and (not self._paused or self._stop or self._queue[0].urgent):
+                job = self._queue.popleft()
+                job.state = _RUNNING
+                self._current = job
+                return job
+            if self._stop and not self._queue:
+                return None
+            self._cond.wait()
+
+    def _run(self) -> None:
+        """The worker thread: any exception outside a single copy (device set-up, bookkeeping) ends it cleanly —
+        every queued or running copy lands with ``ok=False`` and the error's message, later ``submit`` calls raise —
+        so no ``wait`` ever blocks on a dead worker."""
+        try:
+            self._serve()
+        except BaseException as e:  # noqa: BLE001 - reported to every waiter, never swallowed
+            with self._cond:
+                self.fatal = f"{type(e).__name__}: {e}"
+                self._closed = self._stop = True
+                for job in list(self._active.values()):
+                    self._finish(job, False, f"transfer worker died: {self.fatal}")
+                self._queue.clear()
+                self._cond.notify_all()
+
+    def _serve(self) -> None:
+        if self._cuda:
+            torch.cuda.set_device(self.device)
+        while True:
+            with self._cond:
+                job = self._next_job()
+                if job is None:
+                    return
+                job.started_at = time.perf_counter()
+                if self.seconds_per_expert is not None:
+                    job.deadline = job.started_at + self.seconds_per_expert
+            try:
+                self._copy(job)
+                self._link_time(job)
+                err = None
+            except Exception as e:  # report the failure, keep serving the queue
+                err = f"{type(e).__name__}: {e}"
+            with self._cond:
+                self._finish(job, err is None, err)
+
+    def _link_time(self, job: _Job) -> None:
+        """Hold the emulated link until ``job.deadline``. On the CPU a prefetch yields it (SeqMoE §8.3 pause): when
+        an urgent copy (an on-demand load the main thread waits for) reaches the front of the queue, the prefetch's
+        current chunk (``1 / LINK_CHUNKS`` of a copy) completes, the urgent copies run, and the prefetch resumes
+        with the link time it had left — the order ``sim.prefetch_sim`` replays. The worker sleeps on the condition,
+        never spins (it must not take the GIL from the computing thread)."""
+        if not (self._cpu and self.seconds_per_expert is not None) or job.urgent:
+            _sleep_until(job.deadline, spin=False)
+            return
+        chunk = self.seconds_per_expert / LINK_CHUNKS
+        with self._cond:
+            while True:
+                rem = job.deadline - time.perf_counter()
+                if rem <= 0:
+                    return
+                if not (self._queue and self._queue[0].urgent):
+                    self._cond.wait(rem)
+                    continue
+                after = math.floor(rem / chunk) * chunk    # link time left once the current chunk is through
+                self._cond.release()
+                try:
+                    _sleep_until(job.deadline - after, spin=False)
+                    self._run_urgent()
+                finally:
+                    self._cond.acquire()
+                job.deadline = time.perf_counter() + after
+                self._current = job
+
+    def _run_urgent(self) -> None:
+        """Run the urgent copies at the front of the queue to completion (lock not held)."""
+        while True:
+            with self._cond:
+                if not (self._queue and self._queue[0].urgent):
+                    return
+                job = self._queue.popleft()
+                job.state = _RUNNING
+                self._current = job
+                job.started_at = time.perf_counter()
+                job.deadline = job.started_at + self.seconds_per_expert
+            try:
+                self._copy(job)
+                _sleep_until(job.deadline, spin=False)
+                err = None
+            except Exception as e:
+                err = f"{type(e).__name__}: {e}"
+            with self._cond:
+                self._finish(job, err is None, err)
+
+    def _copy(self, job: _Job) -> None:
+        """Copy ``job``'s expert into its slot; returns when the bytes are all in the slot."""
+        if self._cpu:
+            self.store.copy_to(job.eid, self._dst[job.slot])
+        elif self._cuda:
+            stream = self._stream
+            with torch.cuda.stream(stream):
+                stream.wait_event(job.ready)
+                self.store.copy_to(job.eid, self.pool.buf[job.slot], non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record(stream)
+            with self._cond:
+                job.event = ev  # from now on poll()/wait() may observe completion themselves
+                self._cond.notify_all()
+            ev.synchronize()    # releases the GIL; blocks this worker only
+        else:
+            self.store.copy_to(job.eid, self.pool.buf[job.slot])
