@@ -124,10 +124,13 @@ class CopyWorker:
                 self._cond.release()
                 try:
                     _sleep_until(job.deadline - after, spin=False)
+                    paused_at = time.perf_counter()
                     self._run_urgent()
                 finally:
                     self._cond.acquire()
-                job.deadline = time.perf_counter() + after
+                now = time.perf_counter()
+                job.deadline = now + after
+                job.started_at += now - paused_at  # the link time of the urgent copies is not this copy's
                 self._current = job
 
     def _run_urgent(self) -> None:
