@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from moe_offload.bench import bench_diffusion, diffusion_regime
+from moe_offload.bench_diffusion import bench_diffusion, diffusion_regime
 from moe_offload.cli import main
 from moe_offload.core.costs import TideCosts
 from moe_offload.models.diffusion import run_diffusion

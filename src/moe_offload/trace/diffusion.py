@@ -460,8 +460,11 @@ class DiffusionTraceRecorder(HookedRecorder):
         return hook
 
     def start_request(self, index: int, prompt_ids: list[int]) -> None:
-        """Request ``index`` begins (its prompt ids are not stored: diffusion traces hold counts only)."""
+        """Request ``index`` begins (its prompt ids are not stored: diffusion traces hold counts only). Routing the
+        hooks saw outside a recorded run (e.g. a warm-up request before it) is dropped."""
         self._request = index
+        self._cur[:] = 0
+        self._seen[:] = False
 
     def end_step(self, step: int) -> None:
         """A diffusion step's forward finished: its counts become one row.
