@@ -66,16 +66,17 @@ def check_params(max_new_tokens: int, block_length: int, steps: int, threshold: 
 
 
 def loop_params(arch, block_length: int | None, steps: int | None, threshold: float | None,
-                max_new_tokens: int = 1, what: str = "the model") -> dict | None:
+                max_new_tokens: int = 1, what: str = "the model", prefix_cache: bool = True) -> dict | None:
     """The block-diffusion loop's keyword arguments from optional ``--block-length/--steps/--threshold`` values
-    (defaults block 32, steps = block length, threshold 0.95), validated; None for an autoregressive ``arch``
-    (a ``models.registry.Architecture``; ``what`` names the model in messages).
+    (defaults block 32, steps = block length, threshold 0.95) and ``--no-prefix-cache`` (``prefix_cache=False``),
+    validated; None for an autoregressive ``arch`` (a ``models.registry.Architecture``; ``what`` names the model in
+    messages).
 
     Raises:
         MoeOffloadError: one of the options given for an autoregressive model, or a bad value (``check_params``).
     """
     given = [f"--{n}" for n, v in (("block-length", block_length), ("steps", steps), ("threshold", threshold))
-             if v is not None]
+             if v is not None] + ([] if prefix_cache else ["--no-prefix-cache"])
     if not arch.diffusion:
         if given:
             raise MoeOffloadError(f"{', '.join(given)} only apply to diffusion models; {what} is {arch.name} "
@@ -85,7 +86,7 @@ def loop_params(arch, block_length: int | None, steps: int | None, threshold: fl
     params = {"block_length": block, "steps": block if steps is None else steps,
               "threshold": 0.95 if threshold is None else threshold}
     check_params(max_new_tokens, **params)
-    return params
+    return dict(params, prefix_cache=bool(prefix_cache))
 
 
 def transfer_schedule(block_length: int, steps: int) -> list[int]:

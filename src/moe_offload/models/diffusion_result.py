@@ -63,17 +63,19 @@ class DiffusionResult:
         return max(0, len(self.token_ids) - first)
 
 
-def diffusion_summary(results: list[DiffusionResult], block_length: int, steps: int, threshold: float) -> dict:
+def diffusion_summary(results: list[DiffusionResult], block_length: int, steps: int, threshold: float,
+                      prefix_cache: bool = True) -> dict:
     """Totals over requests for ``--json`` and the text report: blocks, diffusion steps, tokens, tokens per step,
     mean steps per block, tokens per forward (mean), seconds, output tokens per second, diffusion steps per second,
-    and the loop's parameters."""
+    and the loop's parameters (``prefix_cache``: whether the block-prefix KV cache was used)."""
     n_steps = sum(r.steps for r in results)
     committed = sum(sum(r.tokens_per_step) for r in results)
     blocks = sum(len(r.blocks) for r in results)
     seconds = sum(r.seconds for r in results)
     tokens = sum(len(r.token_ids) for r in results)
     forward = sum(t for r in results for b in r.blocks for t in b.forward_tokens)
-    return {"block_length": block_length, "steps": steps, "threshold": threshold, "blocks": blocks,
+    return {"block_length": block_length, "steps": steps, "threshold": threshold, "prefix_cache": prefix_cache,
+            "blocks": blocks,
             "diffusion_steps": n_steps, "committed_tokens": committed, "output_tokens": tokens,
             "tokens_per_step": committed / n_steps if n_steps else 0.0,
             "steps_per_block": n_steps / blocks if blocks else 0.0,
