@@ -74,16 +74,17 @@ class Row:
     replayed: bool | None
 
 
-def _measure(lm, prompts, max_new_tokens, kw, repeats, progress, recorder=None):
-    """Warm-up request, then ``repeats`` timed runs, each from a cold engine (``RefreshEngine.restart``: as the
-    simulator replays); returns ``(outputs, stats, results, tok/s of each run)``."""
+def _measure(lm, prompts, max_new_tokens, kw, repeats, progress, recorder=None, planner=None):
+    """Warm-up request, then ``repeats`` timed runs, each from a cold engine with a fresh planner from
+    ``planner()`` (``RefreshEngine.restart``: as the simulator replays); returns ``(outputs, stats, results, tok/s
+    of each run)``."""
     from .models.diffusion import run_diffusion
 
     run_diffusion(lm, prompts[:1], min(8, max_new_tokens), **kw)  # warm-up; not counted
     rates, tokens = [], []
     for r in range(repeats):
-        if hasattr(lm.engine, "restart"):
-            lm.engine.restart()
+        if planner is not None:
+            lm.engine.restart(planner())
         t0 = time.perf_counter()
         outs, stats, results = run_diffusion(lm, prompts, max_new_tokens, progress=progress,
                                              recorder=recorder if r == 0 else None, **kw)
@@ -105,7 +106,8 @@ def _replayed(name: str, st, sim) -> bool | None:
 
 
 def _bench_loop(path, prompts, budgets, intervals, loop, kw, opts) -> tuple[list[Row], str, float]:
-    """Every row of one loop (``loop`` in ``LOOPS``); returns ``(rows, footer, tokens per forward)``."""
+    """Every row of one loop (``loop`` in ``LOOPS``); returns ``(rows, footer, tokens per forward)``. The runtime's
+    planners get the regime's cost model, as the simulator's do (not the one ``load_offloaded`` calibrates)."""
     from .core.refresh import make_refresh_planner
     from .errors import MoeOffloadError
     from .models.diffusion import is_diffusion
@@ -137,14 +139,16 @@ def _bench_loop(path, prompts, budgets, intervals, loop, kw, opts) -> tuple[list
         for name in ["reactive"] + [f"tide-fixed-T{t}" for t in intervals] + ["tide"]:
             lm = load_offloaded(path, device=opts["device"], dtype=opts["dtype"], progress=False, policy=name,
                                 slots=per_layer * trace.num_moe_layers, **emulate)
+            def planner():
+                return make_refresh_planner(name, trace.num_moe_layers, trace.num_experts, per_layer, costs=costs)
+
             try:
-                outs, stats, _, rates = _measure(lm, prompts, **run)
+                outs, stats, _, rates = _measure(lm, prompts, planner=planner, **run)
             finally:
                 lm.engine.close()
             st, tps = stats.offload, statistics.median(rates)
             reactive_tps = tps if name == "reactive" else reactive_tps
-            sim = replay_diffusion(trace, make_refresh_planner(name, trace.num_moe_layers, trace.num_experts,
-                                                               per_layer, costs=costs), costs)
+            sim = replay_diffusion(trace, planner(), costs)
             rows.append(Row(loop, name, f"{per_layer} ({b:.0%})", tps, _spread(rates), tps / full_tps,
                             tps / reactive_tps, sim.ratio, st.host_tokens / max(1, st.host_tokens + st.device_tokens),
                             st.blocking_loads, st.prefetches, [o.token_ids for o in outs] == ref_tokens,
@@ -182,8 +186,9 @@ def bench_diffusion(path: Path, prompts: list[str], budgets: list[float], interv
     profile's relative to its own FullLoad), and the simulator (``replay_diffusion``) replays the same trace
     through the same planners under the same costs, so each row also shows the modelled fraction of FullLoad next
     to the measured one. A short warm-up request precedes each measurement; every timed run starts from a cold
-    engine, as the replay does, and for the planners whose decisions do not depend on time (reactive,
-    tide-fixed) the runtime's counters are checked against the replay's (column "replayed").
+    engine with a fresh planner built as the replay's (tide: with the regime's cost model), and for the planners
+    whose decisions do not depend on time (reactive, tide-fixed) the runtime's counters are checked against the
+    replay's (column "replayed").
 
     Args:
         budgets: per-layer budgets as fractions of the experts, in (0, 1].
