@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from moe_offload.bench import bench_diffusion, diffusion_regime
+from moe_offload.bench_diffusion import bench_diffusion, diffusion_regime
 from moe_offload.cli import main
 from moe_offload.core.costs import TideCosts
 from moe_offload.models.diffusion import run_diffusion
@@ -39,9 +39,10 @@ def test_recorder_same_trace_for_fullload_and_offloaded(tiny_dirs):
     assert list(zip(tr.request.tolist(), tr.block.tolist(), tr.step.tolist())) == want
     assert np.array_equal(tr.counts.sum(axis=2), np.repeat(tr.tokens[:, None] * 4, 2, axis=1))
     assert int(tr.committed.sum()) == sum(sum(r.tokens_per_step) for r in results)
-    # tokens per forward: the whole prefix (no KV cache): prompt + generated blocks so far
-    first = results[0]
-    assert tr.tokens[0] == first.blocks[0].start + 8
+    # tokens per forward: the first step's covers the prompt's complete blocks and the first block; later steps
+    # the block (and at a block's first step the block committed before it): the block-prefix KV cache
+    assert tr.tokens.tolist() == [t for r in results for b in r.blocks for t in b.forward_tokens]
+    assert tr.tokens[0] == results[0].blocks[0].start + 8 and set(tr.tokens[1:].tolist()) <= {8, 16}
 
 
 def test_recorder_rejects_mismatched_results(tiny_dirs):
@@ -83,12 +84,21 @@ def test_balance_expert_bias_reduces_load_imbalance():
 def test_bench_diffusion_table(tiny_dirs):
     """One budget, two fixed intervals: every row is there with FullLoad's tokens."""
     table = bench_diffusion(tiny_dirs["llada2_moe"], PROMPTS, [0.5], [1, 3], max_new_tokens=16, block_length=8,
-                            steps=4, progress=False)
-    rows = [ln for ln in table.splitlines() if ln.startswith("| ") and not ln.startswith("| policy")]
-    assert [r.split(" | ")[0].strip("| ") for r in rows] == ["FullLoad", "reactive", "tide-fixed-T1",
-                                                             "tide-fixed-T3", "tide"]
-    assert all(r.rstrip(" |").endswith("yes") for r in rows)
-    assert "Emulated regime: llada2.0-mini on rtx4090" in table
+                            steps=4, progress=False, repeats=2)
+    summary, every = table.split("Every row")
+    rows = [ln.split(" | ") for ln in every.splitlines() if ln.startswith("| ") and not ln.startswith("| loop")]
+    names = ["FullLoad", "reactive", "tide-fixed-T1", "tide-fixed-T3", "tide"]
+    assert [(r[0].strip("| "), r[1]) for r in rows] == [(lp, n) for lp in ("prefix-cache", "recompute") for n in names]
+    assert all(r[-2] == "yes" for r in rows)  # FullLoad's tokens
+    assert [r[-1].strip(" |") for r in rows] == ["-", "yes", "yes", "yes", "-"] * 2  # the simulator's counters
+    labels = [ln.split(" | ")[1] for ln in summary.splitlines() if ln.startswith("| ") and not ln.startswith("| loop")]
+    assert len(labels) == 10 and labels[0] == "FullLoad" and labels[4] == "**tide**"
+    assert labels[2].startswith("tide-fixed, best T (T=") and labels[3].startswith("tide-fixed, worst T (T=")
+    assert "emulated regime llada2.0-mini on rtx4090" in table and "tokens per forward" in table
+    assert "- prefix cache: FullLoad" in table
+    only = bench_diffusion(tiny_dirs["llada2_moe"], PROMPTS[:1], [0.5], [2], max_new_tokens=8, block_length=8,
+                           steps=4, progress=False, loops=("recompute",))
+    assert "| prefix-cache |" not in only and "| recompute | tide |" in only
 
 
 def test_bench_diffusion_cli_errors(tiny_dirs, capsys):
@@ -98,6 +108,9 @@ def test_bench_diffusion_cli_errors(tiny_dirs, capsys):
     assert "budgets" in capsys.readouterr().err
     assert main(["bench", "diffusion", "--model", str(tiny_dirs["llada2_moe"]), "--intervals", "0-3"]) == 2
     assert "--intervals" in capsys.readouterr().err
+    assert main(["bench", "diffusion", "--model", str(tiny_dirs["llada2_moe"]), "--loops", "cache"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--loops takes prefix-cache and/or recompute" in err[0]
 
 
 def test_trace_collect_diffusion(tiny_dirs, tmp_path, capsys):

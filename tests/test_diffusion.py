@@ -30,13 +30,15 @@ class Scripted(torch.nn.Module):
         self.generation_config = SimpleNamespace(eos_token_id=EOS)
         self.calls = []
 
-    def forward(self, input_ids, attention_mask=None, position_ids=None, use_cache=False):
+    def forward(self, input_ids, attention_mask=None, position_ids=None, use_cache=False, past_key_values=None):
         n = input_ids.shape[1]
         self.calls.append((n, attention_mask))
+        if past_key_values is not None:  # a stand-in layer: keys/values [1, 1, n, 1]
+            past_key_values.update(torch.zeros(1, 1, n, 1), torch.zeros(1, 1, n, 1), 0)
         logits = torch.zeros(1, n, VOCAB)
-        for p in range(n):
+        for i, p in enumerate(position_ids[0].tolist()):
             c = self.conf(p)  # logit gap g with p = e^g / (e^g + V - 1)
-            logits[0, p, self.target(p)] = math.log(c * (VOCAB - 2) / (1 - c))  # V - 2: the mask token is excluded
+            logits[0, i, self.target(p)] = math.log(c * (VOCAB - 2) / (1 - c))  # V - 2: the mask token is excluded
         return SimpleNamespace(logits=logits)
 
 
@@ -94,7 +96,8 @@ def test_threshold_one_commits_exactly_the_schedule(tmp_path):
     lm = fake_lm(tmp_path, conf=lambda p: 0.999, engine=eng)
     seen, ended = [], []
     res = diffusion_generate_ids(lm, list(range(1, 9)), 24, block_length=8, steps=3, threshold=1.0,
-                                 on_step=lambda *a: seen.append(a), on_step_end=lambda *a: ended.append(a))
+                                 on_step=lambda *a: seen.append(a), on_step_end=lambda *a: ended.append(a),
+                                 prefix_cache=False)
     assert res.tokens_per_step == [3, 3, 2] * 3 and res.steps_per_block == [3, 3, 3]
     assert res.token_ids == [10 + p % 7 for p in range(8, 32)]
     assert [b.start for b in res.blocks] == [8, 16, 24] and [b.masks for b in res.blocks] == [8, 8, 8]
@@ -105,6 +108,31 @@ def test_threshold_one_commits_exactly_the_schedule(tmp_path):
     calls = lm.model.calls
     assert [n for n, _ in calls] == [16] * 3 + [24] * 3 + [32] * 3
     assert all(torch.equal(m[0, 0], block_causal_mask(n, 8)) for n, m in calls)
+    assert [b.forward_tokens for b in res.blocks] == [[16] * 3, [24] * 3, [32] * 3]
+
+
+def test_prefix_cache_runs_each_step_over_the_block_only(tmp_path):
+    """With the block-prefix KV cache (the default) the first step computes the prompt's complete block with the
+    current one, each later step the current block only, and a block's first step also the block committed just
+    before (its keys and values, final now, are cached from then on); the rows of the block-causal mask are those
+    of the recomputed positions. Same tokens and commits as the reference loop."""
+    lm = fake_lm(tmp_path, conf=lambda p: 0.999)
+    res = diffusion_generate_ids(lm, list(range(1, 9)), 24, block_length=8, steps=3, threshold=1.0)
+    assert [n for n, _ in lm.model.calls] == [16, 8, 8] + [16, 8, 8] * 2
+    assert [b.forward_tokens for b in res.blocks] == [[16, 8, 8]] * 3
+    ends = [16] * 3 + [24] * 3 + [32] * 3
+    starts = [0, 8, 8, 8, 16, 16, 16, 24, 24]
+    assert all(torch.equal(m[0, 0], block_causal_mask(e, 8)[s:e]) for (_, m), s, e in zip(lm.model.calls, starts, ends))
+    ref = diffusion_generate_ids(fake_lm(tmp_path, conf=lambda p: 0.999), list(range(1, 9)), 24, block_length=8,
+                                 steps=3, threshold=1.0, prefix_cache=False)
+    assert res.token_ids == ref.token_ids and res.tokens_per_step == ref.tokens_per_step
+
+
+def test_prefix_cache_needs_a_model_that_takes_one(tmp_path):
+    lm = fake_lm(tmp_path)
+    lm.model.forward = lambda input_ids, attention_mask=None, position_ids=None, use_cache=False: None
+    with pytest.raises(MoeOffloadError, match="--no-prefix-cache"):
+        diffusion_generate_ids(lm, [1, 2], 4, block_length=4, steps=2)
 
 
 def test_confident_tokens_commit_above_the_schedule(tmp_path):

@@ -24,8 +24,10 @@ def test_refresh_policies_are_lossless(tiny_dirs, reference, policy, residency):
     """Greedy diffusion tokens equal FullLoad's; the counters add up: every active expert of every layer call is a
     hit or a miss, tide* compute misses on the host (reactive never does), asynchronous copies went through the
     link emulation."""
+    # a slow link (2 ms per expert): on this CPU host and device compute cost the same, so tide's calibrated
+    # per-miss choice keeps its misses on the host whatever the timing noise
     lm = load_offloaded(tiny_dirs["llada2_moe"], residency=residency, policy=policy, progress=False,
-                        seconds_per_expert=1e-4)
+                        seconds_per_expert=2e-3)
     eng = lm.engine
     # tiny llada2: 2 MoE layers (the first of 3 is dense) of 16 experts, top-4: budget = ceil(ceil(r * 32) / 2)
     assert eng.budget == {0.25: 4, 0.5: 8}[residency] and eng.pool.num_slots == 2 * eng.budget

@@ -65,6 +65,9 @@ def _add_generate_parser(sub) -> None:
                    "(default: --block-length)")
     g.add_argument("--threshold", type=float_, help="diffusion models: commit every masked token whose confidence "
                    "exceeds this, in (0, 1] (default 0.95)")
+    g.add_argument("--no-prefix-cache", action="store_true", help="diffusion models: recompute the whole prefix at "
+                   "every diffusion step (the reference loop) instead of caching the committed blocks' keys and "
+                   "values (same tokens, slower)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -188,7 +191,8 @@ def _diffusion_params(args, path: Path) -> dict | None:
     from .models.loader import read_config
 
     _, _, arch = read_config(path)
-    params = loop_params(arch, args.block_length, args.steps, args.threshold, args.max_new_tokens, str(path))
+    params = loop_params(arch, args.block_length, args.steps, args.threshold, args.max_new_tokens, str(path),
+                         prefix_cache=not args.no_prefix_cache)
     if params is not None and args.predictor:
         raise MoeOffloadError(f"--predictor is not supported for diffusion models ({arch.name}) yet")
     return params

@@ -39,7 +39,8 @@ def add_parsers(sub):
     bl.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
     bl.add_argument("--size-mb", type=int_in(1, 16384), default=256, help="MiB per timed copy, in [1, 16384]")
     bf = bsub.add_parser("diffusion", help="TIDE: diffusion tokens/s of FullLoad, reactive, tide-fixed-T<n> and tide "
-                         "per budget under an emulated link and host-fallback regime")
+                         "per budget under an emulated link and host-fallback regime, with and without the prefix "
+                         "cache")
     bf.add_argument("--model", default="llada2-medium",
                     help="a diffusion checkpoint directory; default llada2-medium (built-in, built on first use)")
     bf.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
@@ -55,7 +56,10 @@ def add_parsers(sub):
     bf.add_argument("--threshold", type=float_, default=0.95, help="commit confidence in (0, 1]")
     add_prompt_args(bf)
     bf.add_argument("--repeats", type=positive_int, default=1,
-                    help="timed runs per row; the row reports their median (default 1)")
+                    help="timed runs per row; the row reports their median and spread (default 1)")
+    bf.add_argument("--loops", default="prefix-cache,recompute",
+                    help="diffusion loops to measure, comma-separated: prefix-cache (the block-prefix KV cache), "
+                    "recompute (the reference loop; --no-prefix-cache elsewhere); default both")
     bf.add_argument("--out", help="also write the table (markdown) to this new file (default: stdout only)")
     bf.add_argument("--quiet", action="store_true", help="no progress bars")
     bq = bsub.add_parser("formats", help="bf16 / FP8 / MXFP4 experts: bytes per expert and decode speed vs FullLoad "
@@ -84,16 +88,20 @@ def _link(args) -> int:
 
 
 def _diffusion(args) -> int:
-    from .bench import bench_diffusion
+    from .bench_diffusion import LOOPS, bench_diffusion
 
     budgets = split_floats(args.budgets, "--budgets")
     intervals = parse_intervals(args.intervals)
+    loops = tuple(dict.fromkeys(x.strip() for x in args.loops.split(",") if x.strip()))
+    if not loops or any(x not in LOOPS for x in loops):
+        raise MoeOffloadError(f"--loops takes {' and/or '.join(LOOPS)}, comma-separated; got {args.loops!r}")
     prompts = load_prompts(args)
     path = resolve_model(args.model, progress=not args.quiet)
     return _table(args, bench_diffusion(path, prompts, budgets, intervals, max_new_tokens=args.max_new_tokens,
                                         block_length=args.block_length, steps=args.steps, threshold=args.threshold,
                                         hardware=args.hardware, model_profile=args.model_profile, device=args.device,
-                                        dtype=args.dtype, progress=not args.quiet, repeats=args.repeats))
+                                        dtype=args.dtype, progress=not args.quiet, repeats=args.repeats,
+                                        loops=loops))
 
 
 def _decode(args) -> int:

@@ -232,6 +232,13 @@ class StabilityEstimator:
 
     Recency: at each new block, the accumulated sums are multiplied by ``decay``.
 
+    Tokens per step: the intervals the optimiser prices cover steps after a block's first (``TidePlanner`` decides
+    at steps >= 1), and a block's first step may route more tokens than the others — with the block-prefix KV cache
+    (``models.diffusion_forward``) it also computes the block committed just before (the prompt's complete blocks in
+    a request's first step). So ``token_experts_per_step`` and ``active_per_step`` are means over the later steps
+    of the blocks (``observe(..., first=True)`` marks a block's first step), over all steps until a later one is
+    seen; the miss fractions are measured at every step.
+
     Prior (before data, and blended with few observations, weight ``prior_weight`` steps): ``mu(d) = (1 - B/E) *
     (1 - rho**d)`` — no miss at the reference step, tending to the miss fraction of an arbitrary set of ``B`` of
     ``E`` experts under uniform routing — with ``rho = prior_rho`` (0.8: a set still covers most of the routing 5
@@ -265,9 +272,9 @@ class StabilityEstimator:
         self._pairs = np.zeros(n)
         self._turn = np.zeros(n)
         self._masks: list[np.ndarray] = []
-        self._sum_tok = 0.0
-        self._sum_act = 0.0
-        self._nsteps = 0.0
+        self._sum_tok = np.zeros(2)   # [all steps, steps after a block's first]
+        self._sum_act = np.zeros(2)
+        self._nsteps = np.zeros(2)
         self._act0 = num_experts * (1.0 - (1.0 - 1.0 / num_experts) ** (32 * top_k))
 
     def begin_block(self) -> None:
@@ -275,13 +282,13 @@ class StabilityEstimator:
         self._masks = []
         for a in (self._miss_tok, self._tok, self._miss_exp, self._pairs, self._turn):
             a *= self.decay
-        self._sum_tok *= self.decay
-        self._sum_act *= self.decay
-        self._nsteps *= self.decay
+        for a in (self._sum_tok, self._sum_act, self._nsteps):
+            a *= self.decay
 
-    def observe(self, counts: np.ndarray, score: np.ndarray) -> None:
+    def observe(self, counts: np.ndarray, score: np.ndarray, first: bool = False) -> None:
         """Record step ``s``'s counts (int ``[E]``) against the sets of the block's earlier steps, then record this
-        step's own set (from ``score`` ``[E]``, the tracker's score after observing step ``s``)."""
+        step's own set (from ``score`` ``[E]``, the tracker's score after observing step ``s``); ``first``: ``s`` is
+        the block's first step (not counted in the per-step means, see the class docstring)."""
         c = np.asarray(counts, dtype=np.float64)
         act = (c > 0).astype(np.float64)
         tot = c.sum()
@@ -304,19 +311,27 @@ class StabilityEstimator:
         self._tok[0] += tot
         self._pairs[0] += 1.0
         self._masks.append(mask)
-        self._sum_tok += tot
-        self._sum_act += act.sum()
-        self._nsteps += 1.0
+        which = [0] if first else [0, 1]
+        self._sum_tok[which] += tot
+        self._sum_act[which] += act.sum()
+        self._nsteps[which] += 1.0
+
+    def _mean(self, sums: np.ndarray) -> float | None:
+        i = 1 if self._nsteps[1] > 0 else 0
+        return float(sums[i] / self._nsteps[i]) if self._nsteps[i] > 0 else None
 
     @property
     def token_experts_per_step(self) -> float | None:
-        """Mean token-experts per step observed (recency-weighted); None before any step."""
-        return self._sum_tok / self._nsteps if self._nsteps > 0 else None
+        """Mean token-experts per step after a block's first (recency-weighted; class docstring); None before any
+        step."""
+        return self._mean(self._sum_tok)
 
     @property
     def active_per_step(self) -> float:
-        """Mean active experts per step observed (recency-weighted; the prior's guess before any step)."""
-        return self._sum_act / self._nsteps if self._nsteps > 0 else self._act0
+        """Mean active experts per step after a block's first (recency-weighted; the prior's guess before any
+        step)."""
+        m = self._mean(self._sum_act)
+        return self._act0 if m is None else m
 
     def prior_mu(self) -> np.ndarray:
         """The prior miss fraction ``[D + 1]`` (see the class docstring)."""
@@ -909,7 +924,7 @@ class TidePlanner(RefreshPlanner):
             if not tr.load and not tr.evict:
                 tr = None
         est = self.estimators[layer]
-        est.observe(counts, self.tracker.score(layer))
+        est.observe(counts, self.tracker.score(layer), first=self.step == 0)
         self._since[layer] += 1
         if self.on_demand:
             return self._on_demand(layer, counts, before, tr)
@@ -982,7 +997,10 @@ class TidePlanner(RefreshPlanner):
                              rounds=rounds)
 
     def end_step(self, step_seconds=None):
-        if step_seconds is not None and step_seconds > 0:
+        """The step's seconds feed the step-time estimate (an EMA) the optimiser hides copies behind; a block's
+        first step is left out: it refreshes synchronously and, with the prefix cache, computes more tokens than the
+        steps an interval covers."""
+        if step_seconds is not None and step_seconds > 0 and (self.step > 0 or self._step_s is None):
             self._step_s = step_seconds if self._step_s is None else 0.7 * self._step_s + 0.3 * float(step_seconds)
 
 

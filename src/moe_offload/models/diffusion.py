@@ -5,32 +5,35 @@ The sequence is cut into **blocks** of ``block_length`` positions, aligned at po
 tokens**, and further blocks of mask tokens are appended one at a time until ``max_new_tokens`` positions after
 the prompt are covered. Attention is block-causal: a token sees every token of its own block and of all earlier
 blocks, never a later block (``block_causal_mask``). Each block is refined over at most ``steps`` **diffusion
-steps**; one step is one forward pass over the whole prefix (no KV cache, so the result never depends on
-caching), which yields, for every masked position of the current block, a token (greedy at temperature 0, else
-temperature + top-p sampling) and its confidence (that token's probability). The step commits every masked token
-whose confidence exceeds ``threshold``; when fewer than the step's scheduled count do, it commits the scheduled
-count of most confident ones instead. The schedule (``transfer_schedule``) splits ``block_length`` evenly over
-``steps`` (remainder to the first steps), so a block always completes within ``steps`` steps and threshold
-commits only make it finish sooner. After a block completes, generation stops if it holds an EOS token; the
-output is cut after the first EOS and to ``max_new_tokens``.
+steps**; one step is one forward pass (``models.diffusion_forward.StepForward``: by default over the current block
+only, against the **block-prefix KV cache** of the prompt's complete blocks and the committed blocks, which is
+exact under block-causal attention; with ``prefix_cache=False`` over the whole prefix, the reference loop), which
+yields, for every masked position of the current block, a token (greedy at temperature 0, else temperature + top-p
+sampling) and its confidence (that token's probability). The step commits every masked token whose confidence
+exceeds ``threshold``; when fewer than the step's scheduled count do, it commits the scheduled count of most
+confident ones instead. The schedule (``transfer_schedule``) splits ``block_length`` evenly over ``steps``
+(remainder to the first steps), so a block always completes within ``steps`` steps and threshold commits only make
+it finish sooner. After a block completes, generation stops if it holds an EOS token; the output is cut after the
+first EOS and to ``max_new_tokens``.
 
 Hooks: before every diffusion step the offload engine (if any) gets ``engine.begin_step(request, step)`` with a
-step index global over the request's blocks (0 = the first step, whose forward also covers the prompt), then
-``on_step(block, step_in_block, global_step)`` is called; after the step, ``on_step_end`` with the same
-arguments (e.g. a trace recorder's ``end_step``).
+step index global over the request's blocks (0 = the first step, whose forward also covers the prompt), and
+``engine.begin_diffusion_step(request, block, step_in_block)`` when it has one (a block begins exactly when
+``step_in_block == 0``); then ``on_step(block, step_in_block, global_step)`` is called; after the step,
+``on_step_end`` with the same arguments (e.g. a trace recorder's ``end_step``), then ``engine.end_diffusion_step()``
+when the engine has one.
 """
 
 from __future__ import annotations
 
-import inspect
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-
 import torch
 
 from ..errors import MoeOffloadError
+from .diffusion_forward import StepForward
+from .diffusion_result import BlockStats, DiffusionResult, diffusion_summary  # noqa: F401 (re-exported)
 from .loader import LoadedModel
 
 
@@ -63,16 +66,17 @@ def check_params(max_new_tokens: int, block_length: int, steps: int, threshold: 
 
 
 def loop_params(arch, block_length: int | None, steps: int | None, threshold: float | None,
-                max_new_tokens: int = 1, what: str = "the model") -> dict | None:
+                max_new_tokens: int = 1, what: str = "the model", prefix_cache: bool = True) -> dict | None:
     """The block-diffusion loop's keyword arguments from optional ``--block-length/--steps/--threshold`` values
-    (defaults block 32, steps = block length, threshold 0.95), validated; None for an autoregressive ``arch``
-    (a ``models.registry.Architecture``; ``what`` names the model in messages).
+    (defaults block 32, steps = block length, threshold 0.95) and ``--no-prefix-cache`` (``prefix_cache=False``),
+    validated; None for an autoregressive ``arch`` (a ``models.registry.Architecture``; ``what`` names the model in
+    messages).
 
     Raises:
         MoeOffloadError: one of the options given for an autoregressive model, or a bad value (``check_params``).
     """
     given = [f"--{n}" for n, v in (("block-length", block_length), ("steps", steps), ("threshold", threshold))
-             if v is not None]
+             if v is not None] + ([] if prefix_cache else ["--no-prefix-cache"])
     if not arch.diffusion:
         if given:
             raise MoeOffloadError(f"{', '.join(given)} only apply to diffusion models; {what} is {arch.name} "
@@ -82,7 +86,7 @@ def loop_params(arch, block_length: int | None, steps: int | None, threshold: fl
     params = {"block_length": block, "steps": block if steps is None else steps,
               "threshold": 0.95 if threshold is None else threshold}
     check_params(max_new_tokens, **params)
-    return params
+    return dict(params, prefix_cache=bool(prefix_cache))
 
 
 def transfer_schedule(block_length: int, steps: int) -> list[int]:
@@ -97,61 +101,6 @@ def block_causal_mask(length: int, block_length: int, device: torch.device | str
     i // block_length`` (own block and all earlier blocks; blocks aligned at position 0)."""
     blk = torch.arange(length, device=device) // block_length
     return blk[None, :] <= blk[:, None]
-
-
-@dataclass
-class BlockStats:
-    """One generated block: ``index`` (0 = the first block holding mask tokens), ``start`` (its first position in
-    the sequence), ``masks`` (mask tokens it started with), ``committed`` (tokens committed at each of its diffusion
-    steps; ``len(committed)`` is its number of steps), ``seconds`` (wall time of its steps)."""
-
-    index: int
-    start: int
-    masks: int
-    committed: list[int] = field(default_factory=list)
-    seconds: float = 0.0
-
-    @property
-    def steps(self) -> int:
-        return len(self.committed)
-
-
-@dataclass
-class DiffusionResult:
-    """One request's block-diffusion result.
-
-    ``token_ids``: generated ids (the prompt excluded), cut after the first EOS (kept) and to ``max_new_tokens``;
-    ``prompt_tokens``; ``blocks``: per-block stats; ``step_seconds``: wall time of every diffusion step in order;
-    ``first_block_s``: seconds until the first block was complete (the first final tokens; TTFT's analogue);
-    ``seconds``: total wall time.
-    """
-
-    token_ids: list[int]
-    prompt_tokens: int
-    blocks: list[BlockStats]
-    step_seconds: list[float]
-    first_block_s: float
-    seconds: float
-
-    @property
-    def steps(self) -> int:
-        """Diffusion steps (forward passes) run."""
-        return sum(b.steps for b in self.blocks)
-
-    @property
-    def tokens_per_step(self) -> list[int]:
-        """Tokens committed at every diffusion step, in order (global across blocks)."""
-        return [c for b in self.blocks for c in b.committed]
-
-    @property
-    def steps_per_block(self) -> list[int]:
-        return [b.steps for b in self.blocks]
-
-    def decode_tokens(self, block_length: int) -> int:
-        """Generated tokens after the first block (the diffusion analogue of decode tokens): those beyond the
-        generated positions of the first block, which the prompt's block shares with the prompt."""
-        first = self.blocks[0].start + block_length - self.prompt_tokens if self.blocks else 0
-        return max(0, len(self.token_ids) - first)
 
 
 def _mask_token_id(lm: LoadedModel) -> int:
@@ -206,7 +155,7 @@ def commit_positions(confidence: torch.Tensor, masked: torch.Tensor, scheduled: 
 @torch.no_grad()
 def diffusion_generate_ids(lm: LoadedModel, prompt_ids: list[int], max_new_tokens: int, *, block_length: int = 32,
                            steps: int | None = None, threshold: float = 0.95, temperature: float = 0.0,
-                           top_p: float = 1.0, seed: int | None = None, request: int = 0,
+                           top_p: float = 1.0, seed: int | None = None, request: int = 0, prefix_cache: bool = True,
                            on_step: Callable[[int, int, int], None] | None = None,
                            on_step_end: Callable[[int, int, int], None] | None = None,
                            on_block: Callable[[list[int]], bool | None] | None = None) -> DiffusionResult:
@@ -214,7 +163,8 @@ def diffusion_generate_ids(lm: LoadedModel, prompt_ids: list[int], max_new_token
 
     Args:
         lm: a loaded diffusion model (``load_full`` or ``load_offloaded``); its forward must accept
-            ``attention_mask [1, 1, S, S]`` bool (True = may attend) and ``position_ids``.
+            ``attention_mask [1, 1, Q, K]`` bool (True = may attend), ``position_ids`` and, with the prefix cache,
+            ``past_key_values`` (``models.diffusion_forward.StepForward``).
         prompt_ids: prompt token ids (at least one).
         max_new_tokens: > 0.
         block_length: positions per block (LLaDA2: 32).
@@ -222,6 +172,9 @@ def diffusion_generate_ids(lm: LoadedModel, prompt_ids: list[int], max_new_token
         threshold: commit every masked token whose confidence exceeds it, in (0, 1] (1.0: only the schedule).
         temperature, top_p, seed: 0 = greedy (default); else sampling with this generator seed.
         request: request number given to ``engine.begin_step``.
+        prefix_cache: keep the keys and values of the prompt's complete blocks and of every committed block and run
+            each step over the current block only (default; exact under block-causal attention, the same tokens);
+            False recomputes the whole prefix at every step (the reference loop).
         on_step / on_step_end: called before / after every diffusion step with ``(block, step_in_block,
             global_step)``; ``block`` counts generated blocks from 0, ``global_step`` the request's steps from 0.
         on_block: called after every completed block with the output tokens that became final in it (the
@@ -236,72 +189,35 @@ def diffusion_generate_ids(lm: LoadedModel, prompt_ids: list[int], max_new_token
         ``DiffusionResult`` (tokens, per-block and per-step stats, times).
 
     Raises:
-        MoeOffloadError: bad parameters (``check_params``), an empty prompt, or no mask token in the config.
+        MoeOffloadError: bad parameters (``check_params``), an empty prompt, no mask token in the config, or the
+            prefix cache for a model that takes no ``past_key_values``.
     """
     steps = block_length if steps is None else steps
     check_params(max_new_tokens, block_length, steps, threshold)
     if not prompt_ids:
         raise MoeOffloadError("the prompt encodes to no token")
-    from ..generate import _eos_ids, _sync
+    from ..generate import _eos_ids
     from ..seeds import make_generator
 
     mask_id = _mask_token_id(lm)
     eos = _eos_ids(lm)
     dev = lm.device
-    engine = lm.engine
-    gen = make_generator(seed)
     prompt_len = len(prompt_ids)
     num_blocks = -(-(prompt_len + max_new_tokens) // block_length)
     total = num_blocks * block_length
     x = torch.full((1, total), mask_id, dtype=torch.long, device=dev)
     x[0, :prompt_len] = torch.tensor(prompt_ids, dtype=torch.long, device=dev)
-    attn = block_causal_mask(total, block_length, dev)
-    positions = torch.arange(total, device=dev)[None]
-    schedule = transfer_schedule(block_length, steps)
-    # only the current block's logits are needed: it is always the last block_length positions of the prefix
-    takes_keep = "logits_to_keep" in inspect.signature(lm.model.forward).parameters
-    keep = {"logits_to_keep": block_length} if takes_keep else {}
-
-    blocks: list[BlockStats] = []
-    step_seconds: list[float] = []
-    global_step = 0
+    forward = StepForward(lm.model, total, block_length, block_causal_mask(total, block_length, dev), prefix_cache)
+    loop = _BlockLoop(lm, x, forward, mask_id, transfer_schedule(block_length, steps), threshold, request,
+                      (temperature, top_p, make_generator(seed)), on_step, on_step_end)
     first_block_s = 0.0
     emitted = 0  # output tokens handed to on_block so far
     end = prompt_len
-    t_start = time.perf_counter()
     for b in range(prompt_len // block_length, num_blocks):
         start, end = b * block_length, (b + 1) * block_length
-        block = x[0, start:end]  # a view: commits write into x
-        stats = BlockStats(index=len(blocks), start=start, masks=int((block == mask_id).sum()))
-        t_block = time.perf_counter()
-        for s in range(steps):
-            masked = block == mask_id
-            if not bool(masked.any()):
-                break
-            t0 = time.perf_counter()
-            if engine is not None:
-                engine.begin_step(request, global_step)
-                if hasattr(engine, "begin_diffusion_step"):  # refresh planners (TIDE) need the block and step
-                    engine.begin_diffusion_step(request, stats.index, s)
-            if on_step is not None:
-                on_step(stats.index, s, global_step)
-            out = lm.model(input_ids=x[:, :end], attention_mask=attn[None, None, :end, :end],
-                           position_ids=positions[:, :end], use_cache=False, **keep)
-            logits = out.logits[0, -block_length:].clone()
-            logits[:, mask_id] = -math.inf  # the mask token is never an output
-            tok, conf = _choose(logits, temperature, top_p, gen)
-            chosen = commit_positions(conf, masked, schedule[s], threshold)
-            block[chosen] = tok[chosen]
-            stats.committed.append(int(chosen.sum()))
-            if on_step_end is not None:
-                on_step_end(stats.index, s, global_step)
-            _sync(dev)
-            step_seconds.append(time.perf_counter() - t0)
-            global_step += 1
-        stats.seconds = time.perf_counter() - t_block
-        blocks.append(stats)
-        if len(blocks) == 1:
-            first_block_s = time.perf_counter() - t_start
+        loop.run_block(start, end)
+        if len(loop.blocks) == 1:
+            first_block_s = time.perf_counter() - loop.t_start
         if on_block is not None:
             final = _cut_after_eos(x[0, prompt_len:min(end, prompt_len + max_new_tokens)].tolist(), eos)
             stop = bool(on_block(final[emitted:]))
@@ -311,7 +227,60 @@ def diffusion_generate_ids(lm: LoadedModel, prompt_ids: list[int], max_new_token
         if any(t in eos for t in x[0, prompt_len:end].tolist()):
             break
     new = _cut_after_eos(x[0, prompt_len:min(end, prompt_len + max_new_tokens)].tolist(), eos)
-    return DiffusionResult(new, prompt_len, blocks, step_seconds, first_block_s, time.perf_counter() - t_start)
+    return DiffusionResult(new, prompt_len, loop.blocks, loop.step_seconds, first_block_s,
+                           time.perf_counter() - loop.t_start)
+
+
+class _BlockLoop:
+    """The diffusion steps of one request's blocks (``diffusion_generate_ids``): hooks, forward, choice, commit;
+    ``sampling`` is ``(temperature, top_p, generator)``."""
+
+    def __init__(self, lm, x, forward: StepForward, mask_id: int, schedule: list[int], threshold: float,
+                 request: int, sampling: tuple, on_step, on_step_end):
+        self.lm, self.x, self.forward, self.mask_id = lm, x, forward, mask_id
+        self.schedule, self.threshold, self.request, self.sampling = schedule, threshold, request, sampling
+        self.on_step, self.on_step_end = on_step, on_step_end
+        self.blocks: list[BlockStats] = []
+        self.step_seconds: list[float] = []
+        self.global_step = 0
+        self.t_start = time.perf_counter()
+
+    def run_block(self, start: int, end: int) -> BlockStats:
+        """Refine block ``[start, end)`` until no mask token is left (at most ``len(schedule)`` steps)."""
+        from ..generate import _sync
+
+        block = self.x[0, start:end]  # a view: commits write into x
+        stats = BlockStats(index=len(self.blocks), start=start, masks=int((block == self.mask_id).sum()))
+        engine = self.lm.engine
+        t_block = time.perf_counter()
+        for s, scheduled in enumerate(self.schedule):
+            masked = block == self.mask_id
+            if not bool(masked.any()):
+                break
+            t0 = time.perf_counter()
+            if engine is not None:
+                engine.begin_step(self.request, self.global_step)
+                if hasattr(engine, "begin_diffusion_step"):  # refresh planners (TIDE) need the block and step
+                    engine.begin_diffusion_step(self.request, stats.index, s)
+            if self.on_step is not None:
+                self.on_step(stats.index, s, self.global_step)
+            logits = self.forward(self.x, start, end).clone()
+            logits[:, self.mask_id] = -math.inf  # the mask token is never an output
+            tok, conf = _choose(logits, *self.sampling)
+            chosen = commit_positions(conf, masked, scheduled, self.threshold)
+            block[chosen] = tok[chosen]
+            stats.committed.append(int(chosen.sum()))
+            stats.forward_tokens.append(self.forward.tokens)
+            if self.on_step_end is not None:
+                self.on_step_end(stats.index, s, self.global_step)
+            _sync(self.lm.device)
+            if engine is not None and hasattr(engine, "end_diffusion_step"):
+                engine.end_diffusion_step()
+            self.step_seconds.append(time.perf_counter() - t0)
+            self.global_step += 1
+        stats.seconds = time.perf_counter() - t_block
+        self.blocks.append(stats)
+        return stats
 
 
 def _cut_after_eos(ids: list[int], eos: set[int]) -> list[int]:
@@ -324,7 +293,7 @@ def _cut_after_eos(ids: list[int], eos: set[int]) -> list[int]:
 
 def run_diffusion(lm: LoadedModel, prompts: list[str], max_new_tokens: int, *, block_length: int = 32,
                   steps: int | None = None, threshold: float = 0.95, temperature: float = 0.0, top_p: float = 1.0,
-                  seed: int | None = None, progress: bool = False, recorder=None):
+                  seed: int | None = None, progress: bool = False, recorder=None, prefix_cache: bool = True):
     """Block-diffusion generation for each prompt in turn, with the autoregressive ``generate.run``'s outputs and
     totals so the same reports apply.
 
@@ -332,7 +301,8 @@ def run_diffusion(lm: LoadedModel, prompts: list[str], max_new_tokens: int, *, b
         ``(outputs, run_stats, results)``: ``generate.Output`` per prompt (``ttft_s`` = seconds to the first complete
         block, ``decode_s`` = the rest), ``generate.RunStats`` (engine counters; ``decode_tokens`` = tokens after
         the first block) and the ``DiffusionResult`` per prompt (blocks, steps, tokens per step).
-        ``recorder``: optional ``trace.collect.TraceRecorder``; its ``end_step`` gets the global diffusion step.
+        ``recorder``: optional ``trace.diffusion.DiffusionTraceRecorder``; its ``end_step`` gets the global diffusion
+        step. ``prefix_cache``: see ``diffusion_generate_ids``.
 
     Raises:
         MoeOffloadError: see ``diffusion_generate_ids``; also a checkpoint without a tokenizer.
@@ -348,28 +318,10 @@ def run_diffusion(lm: LoadedModel, prompts: list[str], max_new_tokens: int, *, b
     def one(i, pids):
         res = diffusion_generate_ids(lm, pids, max_new_tokens, block_length=block_length, steps=steps,
                                      threshold=threshold, temperature=temperature, top_p=top_p, seed=seed, request=i,
+                                     prefix_cache=prefix_cache,
                                      on_step_end=(lambda _b, _s, g: recorder.end_step(g)) if recorder else None)
         results.append(res)
         return res.token_ids, res.first_block_s, res.seconds - res.first_block_s, res.decode_tokens(block_length)
 
     outputs, stats = run_requests(lm, prompts, one, progress=progress, recorder=recorder)
     return outputs, stats, results
-
-
-def diffusion_summary(results: list[DiffusionResult], block_length: int, steps: int, threshold: float) -> dict:
-    """Totals over requests for ``--json`` and the text report: blocks, diffusion steps, tokens, tokens per step,
-    mean steps per block, seconds, output tokens per second, diffusion steps per second, and the loop's
-    parameters."""
-    n_steps = sum(r.steps for r in results)
-    committed = sum(sum(r.tokens_per_step) for r in results)
-    blocks = sum(len(r.blocks) for r in results)
-    seconds = sum(r.seconds for r in results)
-    tokens = sum(len(r.token_ids) for r in results)
-    return {"block_length": block_length, "steps": steps, "threshold": threshold, "blocks": blocks,
-            "diffusion_steps": n_steps, "committed_tokens": committed, "output_tokens": tokens,
-            "tokens_per_step": committed / n_steps if n_steps else 0.0,
-            "steps_per_block": n_steps / blocks if blocks else 0.0,
-            "seconds": seconds, "output_tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
-            "steps_per_s": n_steps / seconds if seconds > 0 else 0.0,
-            "tokens_per_step_each": [r.tokens_per_step for r in results],
-            "steps_per_block_each": [r.steps_per_block for r in results]}

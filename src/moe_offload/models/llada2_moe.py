@@ -377,7 +377,9 @@ class LLaDA2MoeModel(LLaDA2MoePreTrainedModel):
 
         ``attention_mask``: see ``prepare_attention_mask`` (None = bidirectional over the cache and the input).
         ``position_ids [B, S]`` default to ``past + arange(S)``. With ``use_cache`` a ``DynamicCache`` keeps the
-        keys/values (autoregressive use; the block-diffusion loop recomputes the sequence and passes none).
+        keys/values (autoregressive use); the block-diffusion loop passes its own block-prefix cache
+        (``models.diffusion_forward.BlockPrefixCache``: ``update`` / ``get_seq_length``), or none with
+        ``--no-prefix-cache``.
         """
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("give exactly one of input_ids and inputs_embeds")

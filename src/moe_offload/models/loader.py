@@ -204,7 +204,7 @@ def load_offloaded(model_dir: str | Path, *, device: str | None = None, dtype: s
             pipeline: "seqmoe" (probabilistic Belady + JSD prefetching, SeqMoE §6-§7) / "seqmoe-infinity" (with
             MoE-Infinity's task ordering): the engine gets a ``runtime.prefetcher.Prefetcher`` (feed it forecasts).
             Or a diffusion refresh planner (TIDE, ``core.refresh``): "reactive", "tide-fixed" (``interval`` steps;
-            or "tide-fixed-T<n>"), "tide" (cost model calibrated at load: ``runtime.refresh_engine.calibrate_costs``);
+            or "tide-fixed-T<n>"), "tide" (cost model calibrated at load: ``runtime.refresh_calibrate.calibrate_costs``);
             the slots are then split into equal per-layer budgets (``ceil(slots / L)`` experts per layer, at least
             top-k) and misses are computed on the host.
         link_epl: with prefetching: the scheduler's transfer budget B_avg, experts per layer compute time.
@@ -274,7 +274,8 @@ def _make_engine(policy: str, refresh: bool, store, pool: SlotPool, mods: list, 
     L, n_total = len(mods), len(mods) * num_experts
     if refresh:
         from ..core.refresh import make_refresh_planner
-        from ..runtime.refresh_engine import RefreshEngine, calibrate_costs
+        from ..runtime.refresh_calibrate import calibrate_costs
+        from ..runtime.refresh_engine import RefreshEngine
 
         transfer = TransferEngine(store, pool, link_gbps=opts["link_gbps"],
                                   seconds_per_expert=opts["seconds_per_expert"])

@@ -119,13 +119,14 @@ class RefreshEngine:
                 hook(request, step)
 
     def begin_diffusion_step(self, request: int, block: int, step: int) -> None:
-        """Diffusion step ``step`` of ``block`` of ``request`` begins: tell the planner (a new block first) and
-        issue its asynchronous prefetches."""
+        """Diffusion step ``step`` of ``block`` of ``request`` begins: tell the planner (a new block first: every
+        block starts at step 0, also when the same request and block numbers come again, e.g. a benchmark's
+        warm-up and its timed run) and issue its asynchronous prefetches."""
         now = time.perf_counter()
         if self._step_t0 is not None:
             self.planner.end_step(now - self._step_t0)
         self._step_t0 = now
-        if (request, block) != self._block:
+        if step == 0 or (request, block) != self._block:
             self._block = (request, block)
             self.planner.begin_block(request, block)
         self._land_ready()
@@ -134,6 +135,40 @@ class RefreshEngine:
         if plan is not None:
             for tr in plan.transfers:
                 self._apply(tr)
+
+    def end_diffusion_step(self) -> None:
+        """The diffusion step begun last finished: the planner gets its wall seconds (``RefreshPlanner.end_step``),
+        so idle time between steps (another request's tokenisation, a benchmark's pause) is never counted."""
+        if self._step_t0 is not None:
+            self.planner.end_step(time.perf_counter() - self._step_t0)
+            self._step_t0 = None
+
+    def restart(self, planner: RefreshPlanner | None = None) -> None:
+        """Start again cold with ``planner`` (a fresh planner of the same geometry and budget; default: a new one
+        of the current planner's name and cost model, ``make_refresh_planner``), as a simulator replay starts:
+        every expert leaves the device (copies in flight are cancelled or waited for), the counters are reset;
+        with a FullLoad-sized budget every expert is loaded again (not counted).
+
+        Raises:
+            MoeOffloadError: a planner of another geometry or budget.
+        """
+        if planner is None:
+            from ..core.refresh import make_refresh_planner
+
+            planner = make_refresh_planner(self.planner.name, self.L, self.num_experts, self.budget,
+                                           costs=getattr(self.planner, "costs", None))
+        if (planner.num_layers, planner.num_experts, planner.budget) != (self.L, self.num_experts, self.budget):
+            raise MoeOffloadError(f"restart with a {planner.num_layers}x{planner.num_experts} planner of budget "
+                                  f"{planner.budget}; the engine has {self.L}x{self.num_experts}, budget {self.budget}")
+        for g in list(self._slot_of):
+            self._release(g // self.num_experts, g % self.num_experts)
+        self.planner = planner
+        self._step_t0 = None
+        self._block = (-1, -1)
+        if self.budget == self.num_experts:
+            for l in range(self.L):
+                self._copy_now(l, list(range(self.num_experts)))
+        self.stats = RefreshStats()
 
     def close(self) -> None:
         """Stop the copy worker (which otherwise keeps the store and the pool alive) and unpin the host store."""
@@ -338,68 +373,3 @@ def host_expert_rows(store, fmt, gid: torch.Tensor, mask: torch.Tensor, eids: li
     if rows is None:
         return ExpertRows(fmt, buf), gid, eids
     return ExpertRows(fmt, buf), torch.where(mask, rows[gid], gid), list(range(len(eids)))
-
-
-def _median_seconds(fn, repeats: int = 5) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
-
-
-def calibrate_costs(module: torch.nn.Module, store: HostStore, pool: SlotPool, transfer: TransferEngine,
-                    num_moe_layers: int, num_experts: int, top_k: int, host_seconds_per_token_expert: float = 0.0,
-                    host_seconds_per_expert: float = 0.0, tokens: int = 32):
-    """Measure the TIDE cost model on this machine at start-up (``core.costs.TideCosts``, seconds):
-
-    * ``swap_s``: one expert's host->device copy through ``transfer`` (its link emulation when set, else the
-      median of 3 real copies into slot 0, before any slot is in use);
-    * ``fallback_expert_s`` / ``fallback_token_s``: host compute of one expert for 1 and for ``tokens`` tokens
-      from the host store (median of 5), split into a per-call and a per-token-expert part; with an emulated
-      host (``host_seconds_per_expert`` / ``host_seconds_per_token_expert``, which ``RefreshEngine`` enforces as a
-      minimum duration) each part is the larger of the measured and the emulated one;
-    * ``device_expert_s`` / ``device_token_s``: the same on the slot pool.
-
-    Raises:
-        RuntimeError: a calibration copy failed.
-    """
-    from ..core.costs import TideCosts
-
-    if transfer.seconds_per_expert is not None:
-        swap_s = transfer.seconds_per_expert
-    else:
-        def copy():
-            transfer.submit(0, 0)
-            got = transfer.wait(0)
-            if got is None or not got.ok:
-                raise RuntimeError("calibration copy failed")
-        swap_s = max(_median_seconds(copy, 3), 1e-9)
-    hidden = int(getattr(module.config, "hidden_size"))
-    dtype = pool.format.compute_dtype
-    host_rows, _, _ = host_expert_rows(store, pool.format, torch.zeros(1, dtype=torch.long),
-                                       torch.ones(1, dtype=torch.bool), [0])
-
-    def per_call(source, n, device):
-        x = torch.randn(n, hidden, dtype=dtype, device=device)
-        rows = torch.zeros(n, dtype=torch.long, device=device)
-        w = torch.ones(n, dtype=dtype, device=device)
-
-        def run():
-            slot_pair_outputs(module, source, x, rows, w, 1, [0])
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-        run()
-        return _median_seconds(run)
-
-    with torch.no_grad():
-        cpu = torch.device("cpu")
-        h1, hn = per_call(host_rows, 1, cpu), per_call(host_rows, tokens, cpu)
-        d1, dn = per_call(pool.rows, 1, pool.device), per_call(pool.rows, tokens, pool.device)
-    return TideCosts(expert_bytes=store.layout.expert_bytes, swap_s=swap_s,
-                     device_expert_s=d1, device_token_s=max(0.0, (dn - d1) / (tokens - 1)),
-                     fallback_expert_s=max(h1, host_seconds_per_expert),
-                     fallback_token_s=max((hn - h1) / (tokens - 1), host_seconds_per_token_expert, 0.0),
-                     num_moe_layers=num_moe_layers, num_experts=num_experts, top_k=top_k,
-                     provenance={"all": "measured at start-up (runtime.refresh_engine.calibrate_costs)"})

@@ -38,7 +38,7 @@ class ServeState:
         model_name: the name clients pass as ``model``.
         max_context: most tokens (prompt + new) one request may use.
         plan: ``serve.memory.MemoryPlan`` of this model.
-        diffusion: block-diffusion parameters (``block_length``, ``steps``, ``threshold``) or None.
+        diffusion: block-diffusion parameters (``block_length``, ``steps``, ``threshold``, ``prefix_cache``) or None.
         tracker: CPU memory tracker (``serve.memory.DeviceTierTracker``) or None.
     """
 

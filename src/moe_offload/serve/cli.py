@@ -38,6 +38,8 @@ def _add_common(p: argparse.ArgumentParser, positive_int, float_) -> None:
     p.add_argument("--block-length", type=int, help="diffusion models: positions per block (default 32)")
     p.add_argument("--steps", type=int, help="diffusion models: diffusion steps per block (default: block length)")
     p.add_argument("--threshold", type=float_, help="diffusion models: commit confidence in (0, 1] (default 0.95)")
+    p.add_argument("--no-prefix-cache", action="store_true", help="diffusion models: recompute the whole prefix at "
+                   "every diffusion step instead of caching the committed blocks' keys and values (same tokens)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
@@ -71,6 +73,7 @@ def _config(args):
                        device=args.device, dtype=args.dtype, policy=args.policy, residency=args.residency,
                        slots=args.slots, memory_budget_gb=args.memory_budget, max_context=args.max_context,
                        block_length=args.block_length, steps=args.steps, threshold=args.threshold,
+                       prefix_cache=not args.no_prefix_cache,
                        track_memory=getattr(args, "track_memory", False), progress=not args.quiet,
                        host_store=args.host_store, max_batch=args.max_batch)
 
@@ -122,4 +125,6 @@ def _command(args) -> str:
             parts.append(f"--{name.replace('_', '-')} {v}")
     if args.no_track_memory:
         parts.append("--no-track-memory")
+    if args.no_prefix_cache:
+        parts.append("--no-prefix-cache")
     return " ".join(parts)

@@ -215,7 +215,9 @@ def _profile_autoregressive(lm, max_context: int) -> int:
 
 
 def _profile_diffusion(lm, max_context: int, block_length: int) -> int:
-    """One sampled diffusion step over ``max_context`` rounded up to whole blocks (no KV cache: returns 0)."""
+    """One sampled diffusion step over ``max_context`` rounded up to whole blocks: its forward covers the whole
+    context either way (with the block-prefix KV cache, the prompt's blocks are computed in that first step and
+    their key/value buffers are part of the measured peak); returns 0 (no KV cache counted apart)."""
     from ..models.diffusion import diffusion_generate_ids
 
     padded = -(-max_context // block_length) * block_length

@@ -38,6 +38,7 @@ class ServeConfig:
             memory, on the CPU residency 1.0.
         max_context: most tokens (prompt + completion) per request (default min(1024, max_position_embeddings)).
         block_length / steps / threshold: diffusion models (defaults 32 / block length / 0.95).
+        prefix_cache: diffusion models: the block-prefix KV cache (default) or the reference loop (False).
         track_memory: on the CPU, measure the device tier during requests (``DeviceTierTracker``; slows decoding).
         progress: progress bars while loading.
         host_store: "pinned" or "mmap" (``models.loader.load_offloaded``).
@@ -57,6 +58,7 @@ class ServeConfig:
     block_length: int | None = None
     steps: int | None = None
     threshold: float | None = None
+    prefix_cache: bool = True
     track_memory: bool = False
     progress: bool = False
     host_store: str = "pinned"
@@ -129,7 +131,7 @@ class GracefulServer(uvicorn.Server):
 def _diffusion_params(cfg: ServeConfig, arch) -> dict | None:
     from ..models.diffusion import loop_params
 
-    return loop_params(arch, cfg.block_length, cfg.steps, cfg.threshold)
+    return loop_params(arch, cfg.block_length, cfg.steps, cfg.threshold, prefix_cache=cfg.prefix_cache)
 
 
 def load_for_serving(cfg: ServeConfig, log=_log):

@@ -331,7 +331,8 @@ class Worker:
             d = self.diffusion
             res = diffusion_generate_ids(lm, job.prompt_ids, p.max_tokens, block_length=d["block_length"],
                                          steps=d["steps"], threshold=d["threshold"], temperature=p.temperature,
-                                         top_p=p.top_p, seed=p.seed, request=request, on_block=on_tokens)
+                                         top_p=p.top_p, seed=p.seed, request=request, on_block=on_tokens,
+                                         prefix_cache=d.get("prefix_cache", True))
             new, ttft, dec = res.token_ids, res.first_block_s, res.seconds - res.first_block_s
             decode_tokens = res.decode_tokens(d["block_length"])
         self._complete(job, detok, new, ttft, dec, decode_tokens, started)

@@ -20,6 +20,8 @@ def add_parser(sub) -> None:
     tc.add_argument("--router-probs", action="store_true", help="also record softmax router probabilities")
     tc.add_argument("--max-prompt-chars", type=positive_int, default=2000,
                     help="skip prompts longer than this (ShareGPT has very long turns)")
+    tc.add_argument("--no-prefix-cache", action="store_true", help="diffusion models: record the reference loop, "
+                    "which recomputes the whole prefix at every step (default: the block-prefix KV cache)")
     ti = trsub.add_parser("info", help="summary statistics of a trace")
     ti.add_argument("file", help="a trace file (routing or diffusion)")
     ti.add_argument("--json", action="store_true", help="one JSON object instead of text")
@@ -76,7 +78,8 @@ def _collect(args) -> int:
         from ..models.loader import load_full
         from .diffusion import DiffusionTraceRecorder
 
-        params = loop_params(read_config(path)[2], None, None, None, args.max_new_tokens, str(path))
+        params = loop_params(read_config(path)[2], None, None, None, args.max_new_tokens, str(path),
+                             prefix_cache=not args.no_prefix_cache)
         lm = load_full(path, device=args.device, dtype=args.dtype)
         with DiffusionTraceRecorder(lm, params["block_length"], source=f"moe-offload trace collect on {path}") as rec:
             _, _, results = run_diffusion(lm, prompts, args.max_new_tokens, progress=not args.quiet, recorder=rec,

@@ -3,8 +3,10 @@ tokens of the step's forward the router sent to each expert. One safetensors fil
 pickle.
 
 A masked-diffusion LLM (LLaDA2.0) generates a block of ``block_length`` masked tokens by refining it over several
-*diffusion steps*; each step is one forward of the model over the block (and, without a KV cache, the prefix) and
-commits some tokens. TIDE refreshes the device working set per block at intervals of steps, so the planner's input
+*diffusion steps*; each step is one forward of the model over the block and commits some tokens. With the
+block-prefix KV cache (``models.diffusion_forward``, the default) a forward covers the block, plus at a block's first
+step the block committed just before (at a request's first step the prompt's complete blocks); without it, the whole
+prefix. ``tokens`` records what each step's forward routed, so the simulator replays either loop as it ran. TIDE refreshes the device working set per block at intervals of steps, so the planner's input
 is, per step and layer, a count vector over the layer's experts (``core.refresh``).
 
 Arrays (one row per diffusion step, rows ordered by request, then block, then step):
@@ -460,8 +462,11 @@ class DiffusionTraceRecorder(HookedRecorder):
         return hook
 
     def start_request(self, index: int, prompt_ids: list[int]) -> None:
-        """Request ``index`` begins (its prompt ids are not stored: diffusion traces hold counts only)."""
+        """Request ``index`` begins (its prompt ids are not stored: diffusion traces hold counts only). Routing the
+        hooks saw outside a recorded run (e.g. a warm-up request before it) is dropped."""
         self._request = index
+        self._cur[:] = 0
+        self._seen[:] = False
 
     def end_step(self, step: int) -> None:
         """A diffusion step's forward finished: its counts become one row.
