@@ -21,12 +21,7 @@ LENGTHS = (5, 9, 3, 12, 7, 4, 10)
 NEW = 10
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _prompts(lm, lengths=LENGTHS):

@@ -106,6 +106,9 @@ class BatchDecoder:
         self.cache_kw = "cache" if "cache" in params else "past_key_values"
         self.keep_last = "logits_to_keep" in params
         self.kv = BatchCache()
+        # a per-sequence predictor feed (predictor.batch_feed.BatchForecastFeed) among the engine's observers
+        observers = lm.engine.observers if lm.engine is not None else ()
+        self.feed = next((o for o in observers if hasattr(o, "begin_pass")), None)
         self.seqs: list[Sequence] = []
         self.stats = BatchStats()
         self.decode_steps = 0
@@ -158,6 +161,9 @@ class BatchDecoder:
         if eng is not None:
             eng.begin_step(seqs[0].request, 0)
         ids, kw, pads = self._prefill_inputs(seqs)
+        if self.feed is not None:
+            width = ids.shape[1]
+            self.feed.begin_pass([(s.request, 0, b * width + p, width - p) for b, (s, p) in enumerate(zip(seqs, pads))])
         out = lm.model(input_ids=ids, use_cache=True, **kw)
         logits = out.logits[:, -1]
         cache = out.get(self.cache_kw)
@@ -202,6 +208,8 @@ class BatchDecoder:
         if eng is not None:
             eng.begin_step(self.seqs[0].request, self.decode_steps)
         ids = torch.tensor([[s.new[-1]] for s in self.seqs], dtype=torch.long, device=dev)
+        if self.feed is not None:
+            self.feed.begin_pass([(s.request, len(s.new), b, 1) for b, s in enumerate(self.seqs)])
         kw = {self.cache_kw: self.kv.cache}
         mask = self.kv.attention_mask(dev)
         if mask is not None:
@@ -229,6 +237,8 @@ class BatchDecoder:
         if len(keep) == len(self.seqs):
             return
         self.kv.select(keep)
+        if self.feed is not None:
+            self.feed.forget([s.request for s in self.seqs if id(s) in gone])
         self.seqs = [self.seqs[i] for i in keep]
         if not self.seqs and self.lm.engine is not None:
             self.lm.engine.end_step()
