@@ -79,7 +79,9 @@ def run_compare(base_cfg, residencies: list[float], batches: list[int], prompts:
         for b in sorted(batches):
             log(f"bench serve: residency {r}, max batch {b}")
             cfg = dataclasses.replace(base_cfg, residency=r, slots=None, memory_budget_gb=None, max_batch=b)
-            rows[(r, b)] = _one(cfg, prompts, max_tokens, track_memory, log)
+            row = rows[(r, b)] = _one(cfg, prompts, max_tokens, track_memory, log)
+            log(f"bench serve: residency {r}, max batch {b}: {row['tok_s']:.2f} tok/s, TTFT p95 "
+                f"{_f(row['ttft_p95'])} s, {row['errors']} errors")
             gc.collect()  # the previous configuration's model and pool
     return _report(rows, residencies, sorted(batches), prompts, max_tokens, command)
 
