@@ -1,12 +1,12 @@
 """The continuous-batching worker (issue 18): one thread runs up to ``max_batch`` requests at once.
 
-Each turn of its loop: admit waiting requests (FIFO) into the free rows of the decode batch — several per
-prefill pass, left-padded, up to ``prefill_tokens`` padded tokens (``batching.prefill_group``,
-``BatchDecoder.admit_many``); each streams its first token as soon as its pass ends —, then run one decode step
-for every admitted request (``BatchDecoder.step``), stream each row's token, and retire the rows that ended (EOS,
-``max_tokens``, a stop sequence, a client that went away: its KV rows are freed before the next step). The other
-rows go on. Tokens per request follow ``generate_ids`` (greedy rows equal it alone up to near ties; each sampled
-row draws from its own seeded generator), see ``batching``.
+Each turn of its loop: take waiting requests (FIFO) into the free rows of the decode batch and prefill them —
+shortest prompt first, several per prefill pass, left-padded, up to ``prefill_tokens`` padded tokens
+(``batching.prefill_group``, ``BatchDecoder.admit_many``); each streams its first token as soon as its pass ends
+—, then run one decode step for every admitted request (``BatchDecoder.step``), stream each row's token, and
+retire the rows that ended (EOS, ``max_tokens``, a stop sequence, a client that went away: its KV rows are freed
+before the next step). The other rows go on. Tokens per request follow ``generate_ids`` (greedy rows equal it
+alone up to near ties; each sampled row draws from its own seeded generator), see ``batching``.
 
 Shutdown and cancellation keep ``serve.worker.Worker``'s contract (a request stops after its current token; at
 shutdown waiting ones get 503 at once, running ones after the grace period).
@@ -97,6 +97,10 @@ class BatchWorker(Worker):
 
     @torch.no_grad()
     def _turn(self, admits: list[Job]) -> None:
+        # every request taken this turn is prefilled before the next decode step; shortest prompts first: the
+        # groups need the least padding and the mean wait for a first token is the least (no request waits for a
+        # later turn, so none starves)
+        admits = sorted(admits, key=lambda j: len(j.prompt_ids))
         while admits:
             n = prefill_group([len(j.prompt_ids) for j in admits], len(admits), self.prefill_tokens)
             self._admit(admits[:n])

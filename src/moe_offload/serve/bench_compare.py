@@ -97,6 +97,14 @@ def _identical(rows: dict, r: float, b: int, ref_r: float) -> str:
     return "yes" if bad == 0 else f"NO ({bad} differ)"
 
 
+def _ratio(r: float, b: int, row: dict, one: dict) -> str:
+    """The line comparing max batch ``b`` (``row``) with batch 1 (``one``) at residency ``r``."""
+    if one["tok_s"] <= 0:
+        return f"- residency {r:g}: batch 1 made 0 tok/s"
+    return (f"- residency {r:g}: max batch {b} / batch 1 = {row['tok_s'] / one['tok_s']:.2f}x aggregate tok/s "
+            f"({row['tok_s']:.2f} vs {one['tok_s']:.2f}); TTFT p95 {_f(row['ttft_p95'])} s vs {_f(one['ttft_p95'])} s")
+
+
 def _report(rows, residencies, batches, prompts, max_tokens, command) -> str:
     from ..report import format_table
 
@@ -115,10 +123,7 @@ def _report(rows, residencies, batches, prompts, max_tokens, command) -> str:
                       "-" if peak is None else f"{peak / 1e6:,.0f}", f"{budget / 1e6:,.0f}",
                       "-" if peak is None else ("yes" if peak <= budget else "NO")])
         if b != 1:
-            base = rows[(r, 1)]["tok_s"]
-            ratios.append(f"- residency {r:g}: max batch {b} / batch 1 = {row['tok_s'] / base:.2f}x aggregate tok/s "
-                          f"({row['tok_s']:.2f} vs {base:.2f}); TTFT p95 {_f(row['ttft_p95'])} s vs "
-                          f"{_f(rows[(r, 1)]['ttft_p95'])} s" if base > 0 else f"- residency {r:g}: batch 1 made 0 tok/s")
+            ratios.append(_ratio(r, b, row, rows[(r, 1)]))
     head = ["residency", "max batch", "slots", "completed", "errors", "tokens identical", "aggregate tok/s",
             "TTFT p50 s", "TTFT p95 s", "per-token ms", "hit rate", "B loaded / token", "peak MB",
             "budget MB", "peak <= budget"]

@@ -50,7 +50,8 @@ def add_parsers(sub, bench_sub, positive_int, nonneg_int, float_) -> None:
     s.add_argument("--replicas", type=positive_int, metavar="N",
                    help="run N engine replicas behind this one endpoint on Ray Serve (a private local Ray instance, "
                    "one CPU per replica; Ray routes and health-checks them; needs pip install 'ray[serve]'). "
-                   "On a cluster use `serve run moe_offload.serve.replicas:build` (README)")
+                   "On a cluster use `serve run moe_offload.serve.replicas:build` (README; default: one engine, no "
+                   "Ray)")
     s.add_argument("--track-memory", action="store_true",
                    help="on the CPU: measure the device-tier peak during requests (shown in /v1/stats; about 1.6x "
                    "slower decoding). On CUDA it is always measured")
@@ -67,7 +68,7 @@ def add_parsers(sub, bench_sub, positive_int, nonneg_int, float_) -> None:
                    help="compare configurations in one run: load the server at each residency (fractions in (0, 1]) "
                    "with each --batches size and print one table (tok/s, TTFT, per-token latency, hit rate, bytes "
                    "per token, peak memory) with the batched / batch-1 ratios. Replaces --residency/--slots/"
-                   "--memory-budget/--max-batch")
+                   "--memory-budget/--max-batch (default: one configuration, those options)")
     b.add_argument("--batches", metavar="B[,B...]",
                    help="with --residencies: max batch sizes to compare, including 1 (default 1,32)")
     b.add_argument("--out", help="also write the report (markdown) to this new file (default: stdout only)")
