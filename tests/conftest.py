@@ -21,3 +21,32 @@ def tiny_dirs(tmp_path_factory):
     hf_logging.disable_progress_bar()
     root = tmp_path_factory.mktemp("tiny")
     return {arch: make_tiny(arch, root / arch) for arch in CORE_ARCHS}
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread for the test (the exact-token rules of batching hold at OMP_NUM_THREADS=1)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def random_pset():
+    """``make(lm, seed)``: an untrained two-range predictor set for a loaded model (weights from ``seed``)."""
+    import torch
+
+    from moe_offload.predictor.model import PredictorHeader, PredictorSet, PredictorSpec, default_ranges
+
+    def make(lm, seed: int):
+        h = PredictorHeader(model_id=lm.model_id, model_type=lm.model.config.model_type,
+                            num_moe_layers=lm.num_moe_layers, num_experts=lm.num_experts, top_k=lm.top_k,
+                            specs=[PredictorSpec(layers=r, hidden_size=32, state_size=16, head_dim=16)
+                                   for r in default_ranges(lm.num_moe_layers, 2)])
+        torch.manual_seed(seed)
+        return PredictorSet(h).eval()
+
+    return make

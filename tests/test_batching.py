@@ -10,7 +10,7 @@ arithmetic per token-expert pair does not depend on where the experts sit).
 import pytest
 import torch
 
-from moe_offload.batching import BatchDecoder, Sequence, batch_reason, generate_batch_ids
+from moe_offload.batching import BatchDecoder, Sequence, batch_reason, generate_batch_ids, prefill_group
 from moe_offload.generate import generate_ids
 from moe_offload.models.loader import load_offloaded
 from moe_offload.runtime.batch_cache import BatchCache
@@ -21,12 +21,7 @@ LENGTHS = (5, 9, 3, 12, 7, 4, 10)
 NEW = 10
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _prompts(lm, lengths=LENGTHS):
@@ -49,29 +44,34 @@ def near_ties(seqs, refs) -> list[tuple[int, int, float]]:
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_batched_tokens_equal_alone(tiny_dirs, arch):
-    """Max batch 4 over 7 prompts (prefills admitted one per decode step, finished sequences leave): every
-    sequence's tokens equal ``generate_ids`` alone, up to near ties (reported)."""
+@pytest.mark.parametrize("admit", [dict(admit_per_step=1), dict(prefill_tokens=30)], ids=["alone", "batched-prefill"])
+def test_batched_tokens_equal_alone(tiny_dirs, arch, admit):
+    """Max batch 4 over 7 prompts, finished sequences leave; prefills admitted one per decode step, or several per
+    prefill pass (left-padded, at most 30 padded tokens: the first pass takes 3 prompts): every sequence's
+    tokens equal ``generate_ids`` alone, up to near ties (reported)."""
     lm = load_offloaded(tiny_dirs[arch], device="cpu", residency=1.0, progress=False)
     prompts = _prompts(lm)
     refs = [generate_ids(lm, p, NEW)[0] for p in prompts]
-    seqs = generate_batch_ids(lm, prompts, NEW, 4, admit_per_step=1, keep_logits=True)
+    seqs = generate_batch_ids(lm, prompts, NEW, 4, keep_logits=True, **admit)
     ties = near_ties(seqs, refs)
     assert all(gap < TIE for _, _, gap in ties), ties
     assert len(ties) == 0, f"{len(ties)} near-tie flips (allowed, reported): {ties}"
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
-def test_residency_does_not_change_batched_tokens(tiny_dirs, arch):
-    """The same batch composition at residency 1.0, 0.5, 0.3 and the minimum pool (top-k slots: every decode step
-    runs in rounds): identical tokens — no near-tie flip is allowed here. The logits agree to 1e-5, not always
+@pytest.mark.parametrize("prefill_tokens", [None, 30])
+def test_residency_does_not_change_batched_tokens(tiny_dirs, arch, prefill_tokens):
+    """The same batch composition (prompts prefilled alone, or several per pass) at residency 1.0, 0.5, 0.3 and
+    the minimum pool (top-k slots: every decode step runs in rounds): identical tokens — no near-tie flip is
+    allowed here. The logits agree to 1e-5, not always
     bitwise: where a layer runs in rounds, torch's CPU grouped GEMM over another group layout can change the last
     bit of a one-row group (measured: 3.6e-7 on one token-expert pair of one step)."""
     runs = []
     probe = load_offloaded(tiny_dirs[arch], device="cpu", residency=1.0, progress=False)
     for kw in ({"residency": 1.0}, {"residency": 0.5}, {"residency": 0.3}, {"slots": probe.top_k}):
         lm = load_offloaded(tiny_dirs[arch], device="cpu", progress=False, **kw)
-        seqs = generate_batch_ids(lm, _prompts(lm), NEW, 5, admit_per_step=2, keep_logits=True)
+        seqs = generate_batch_ids(lm, _prompts(lm), NEW, 5, admit_per_step=2, prefill_tokens=prefill_tokens,
+                                  keep_logits=True)
         runs.append((seqs, lm.engine.stats))
     ref = runs[0][0]
     for seqs, _ in runs[1:]:
@@ -113,6 +113,38 @@ def test_dropped_rows_free_their_kv_cache(tiny_dirs):
     assert dec.kv.pads == [3, 0] and dec.kv.length == 7 and dec.kv.nbytes() == full * 2 * 7 // (3 * 12)
     dec.drop([a, c])
     assert dec.kv.cache is None and dec.kv.nbytes() == 0 and dec.seqs == []
+
+
+def test_prefill_groups():
+    """FIFO prefixes: at most the free rows, padded size (count x longest) within the bound, at least one."""
+    assert prefill_group([5, 9, 3, 12], 4, 30) == 3
+    assert prefill_group([5, 9, 3, 12], 2, 30) == 2
+    assert prefill_group([40, 2], 4, 30) == 1
+    assert prefill_group([5, 9], 4, None) == 1
+    assert prefill_group([], 4, 30) == 0 and prefill_group([5], 0, 30) == 0
+
+
+def test_batched_prefill_rows_join_left_padded(tiny_dirs):
+    """Three prompts in one prefill pass next to a running row: each row's padding columns are zeros, the pads
+    follow the prompt lengths, and every sequence still gets its alone tokens."""
+    lm = load_offloaded(tiny_dirs["qwen3_moe"], device="cpu", residency=1.0, progress=False)
+    p = _prompts(lm, (6, 3, 11, 7))
+    refs = [generate_ids(lm, q, NEW)[0] for q in p]
+    dec = BatchDecoder(lm, 4)
+    seqs = [Sequence(i, q, NEW) for i, q in enumerate(p)]
+    dec.admit(seqs[0])
+    dec.step()
+    assert dec.admit_many(seqs[1:]) == [refs[i][0] for i in (1, 2, 3)]
+    assert dec.kv.pads == [4, 8, 0, 4] and dec.kv.length == 11 and dec.stats.prefill_passes == {1: 1, 3: 1}
+    for layer in dec.kv.cache.layers:
+        for b, pad in enumerate(dec.kv.pads):
+            assert layer.keys[b, :, :pad].abs().sum() == 0 and layer.values[b, :, :pad].abs().sum() == 0
+    while dec.seqs:
+        dec.step()
+        dec.drop([s for s in dec.seqs if dec.done(s)])
+    assert [s.new for s in seqs] == refs
+    with pytest.raises(ValueError):
+        BatchDecoder(lm, 2).admit_many(seqs[:3])
 
 
 def test_batch_cache_positions_and_mask():

@@ -184,16 +184,6 @@ def test_save_load_round_trip_and_errors(tmp_path):
         default_ranges(2, 3)
 
 
-def _random_pset(lm, seed: int) -> PredictorSet:
-    """An untrained two-range predictor set for a loaded model (weights from ``seed``)."""
-    h = PredictorHeader(model_id=lm.model_id, model_type=lm.model.config.model_type, num_moe_layers=lm.num_moe_layers,
-                        num_experts=lm.num_experts, top_k=lm.top_k,
-                        specs=[PredictorSpec(layers=r, hidden_size=32, state_size=16, head_dim=16)
-                               for r in default_ranges(lm.num_moe_layers, 2)])
-    torch.manual_seed(seed)
-    return PredictorSet(h).eval()
-
-
 def test_runner_rolls_the_horizon_forward_between_rollouts():
     """rollout_every = 3: a recursive rollout at the prefill and at decode steps 3, 6, ...; in between a forecast is
     the fresh one-step row followed by the last rollout's rows still ahead (row j of a rollout made d steps earlier
@@ -228,7 +218,7 @@ def test_runner_rolls_the_horizon_forward_between_rollouts():
         PredictorRunner(pset, rollout=4, rollout_every=0)
 
 
-def test_runtime_runner_matches_trace_features_and_keeps_tokens(tiny_dirs):
+def test_runtime_runner_matches_trace_features_and_keeps_tokens(tiny_dirs, random_pset):
     """With a predictor attached the tokens are unchanged, and its prefill forecast equals the predictor applied
     (parallel mode) to the trace of the same run: the runtime feeds exactly the training features."""
     from moe_offload.generate import run
@@ -238,7 +228,7 @@ def test_runtime_runner_matches_trace_features_and_keeps_tokens(tiny_dirs):
 
     lm = load_offloaded(tiny_dirs["qwen3_moe"], residency=0.5, progress=False)
     ref, _ = run(lm, ["hello world", "the cat"], 6)
-    pset = _random_pset(lm, seed=0)
+    pset = random_pset(lm, seed=0)
     runner = PredictorRunner(pset, rollout=3)
     lm.engine.observers.append(runner)
     with TraceRecorder(lm) as rec:
@@ -291,7 +281,7 @@ def test_cli_train_eval_generate_and_errors(tmp_path, capsys, tiny_dirs):
                           capsys.readouterr().err, "was trained for model")
 
 
-def test_seqmoe_cacheonly_runtime_equals_simulator(tiny_dirs):
+def test_seqmoe_cacheonly_runtime_equals_simulator(tiny_dirs, random_pset):
     """Probabilistic Belady fed by a predictor: the runtime's hits/misses equal the simulator's replay of the
     trace recorded in the same run (forecasts recomputed from the trace by ``forecast_stream``)."""
     from moe_offload.generate import run
@@ -302,7 +292,7 @@ def test_seqmoe_cacheonly_runtime_equals_simulator(tiny_dirs):
     from moe_offload.trace.collect import TraceRecorder
 
     lm = load_offloaded(tiny_dirs["mixtral"], residency=0.5, policy="seqmoe-cacheonly", progress=False)
-    pset = _random_pset(lm, seed=1)
+    pset = random_pset(lm, seed=1)
     ref, _ = run(load_offloaded(tiny_dirs["mixtral"], residency=1.0, progress=False), ["a b c", "hello"], 8)
     with TraceRecorder(lm) as rec:
         lm.engine.observers.append(ForecastFeed(PredictorRunner(pset, rollout=7), lm.engine.table.policy))
@@ -336,7 +326,7 @@ def test_cli_forecast_policy_needs_predictor(tiny_dirs, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("policy", ["seqmoe", "seqmoe-infinity"])
-def test_seqmoe_prefetching_is_lossless_on_every_architecture(tiny_dirs, policy):
+def test_seqmoe_prefetching_is_lossless_on_every_architecture(tiny_dirs, policy, random_pset):
     """Forecasts -> JSD/MoE-Infinity tasks -> asynchronous prefetch copies over an emulated slow link: the tokens
     equal FullLoad's for every architecture, and prefetches happened (some landed, some were waited for)."""
     from moe_offload.generate import run
@@ -349,7 +339,7 @@ def test_seqmoe_prefetching_is_lossless_on_every_architecture(tiny_dirs, policy)
         ref, _ = run(load_full(d), prompts, 8)
         lm = load_offloaded(d, residency=0.5, policy=policy, progress=False, link_epl=2.0, seconds_per_expert=2e-4)
         pf = lm.engine.prefetcher
-        lm.engine.observers.append(ForecastFeed(PredictorRunner(_random_pset(lm, seed=2), rollout=7),
+        lm.engine.observers.append(ForecastFeed(PredictorRunner(random_pset(lm, seed=2), rollout=7),
                                                 lm.engine.table.policy, pf))
         outs, st = run(lm, prompts, 8)
         assert [o.token_ids for o in outs] == [o.token_ids for o in ref], arch
@@ -360,7 +350,7 @@ def test_seqmoe_prefetching_is_lossless_on_every_architecture(tiny_dirs, policy)
 
 
 @pytest.mark.parametrize("residency", [0.5, 0.75])
-def test_seqmoe_async_runtime_close_to_simulator(tiny_dirs, residency):
+def test_seqmoe_async_runtime_close_to_simulator(tiny_dirs, residency, random_pset):
     """Asynchronous prefetching (JSD) with prefill offloading (SeqMoE §8.4): the runtime's hits/misses are within
     5% of all accesses of the simulator's replay of the trace recorded in the same run (same forecasts, same
     scheduler, policy and slot table objects; the simulator's link moves 2 experts per layer time, the runtime's
@@ -376,7 +366,7 @@ def test_seqmoe_async_runtime_close_to_simulator(tiny_dirs, residency):
     prompts = ["hello world how are you", "the cat sat on the mat", "a b c d e"]
     ref, _ = run(load_full(d), prompts, 12)
     lm = load_offloaded(d, residency=residency, policy="seqmoe", progress=False, link_epl=2.0, seconds_per_expert=1e-4)
-    pset = _random_pset(lm, seed=3)
+    pset = random_pset(lm, seed=3)
     pop = [[float(e + layer) for e in range(lm.num_experts)] for layer in range(lm.num_moe_layers)]
     pf = lm.engine.prefetcher
     pf.set_prefill_popularity(pop)

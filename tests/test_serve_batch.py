@@ -120,3 +120,39 @@ def test_diffusion_runs_batch_one_and_says_why(tiny_dirs):
     st = state.stats()
     assert st["batch_size"] == 1 and state.plan.batch == 1 and "diffusion" in st["batching"]["note"]
     assert st["scheduling"].startswith("queued")
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["serve", "--residencies", "1.0,x"], "--residencies must be a comma-separated list of numbers"),
+    (["serve", "--residencies", "1.5"], "--residencies must be fractions in (0, 1]"),
+    (["serve", "--residencies", "1.0", "--max-batch", "4"], "replace --residency"),
+    (["serve", "--batches", "0,4"], "--batches must be positive integers"),
+    (["replicas", "--replicas", "0"], "--replicas must be positive integers"),
+])
+def test_bench_compare_bad_options_are_one_line_errors(tiny_dirs, capsys, argv, msg):
+    """``bench serve --residencies/--batches`` and ``bench replicas``: bad lists are one-line errors, exit 2."""
+    from moe_offload.cli import main
+
+    assert main(["bench", *argv, "--model", str(tiny_dirs["qwen3_moe"]), "--clients", "2", "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert msg in err[-1] and "Traceback" not in "".join(err)
+
+
+def test_bench_compare_table(tiny_dirs):
+    """One run, one table: batch 1 and batch 4 at two residencies; every configuration's tokens equal the batch-1
+    server's (``generate_ids`` alone), 0 errors, and the batched / batch-1 ratio line for each residency."""
+    from moe_offload.serve.bench_compare import run_compare
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        cfg = ServeConfig(tiny_dirs["qwen3_moe"], model_name="tiny", max_context=64, progress=False)
+        prompts = [" ".join(["word"] * n) for n in (3, 7, 2, 5)]
+        report = run_compare(cfg, [1.0, 0.5], [1, 4], prompts, 6, track_memory=False, log=lambda m: None)
+    finally:
+        torch.set_num_threads(threads)
+    rows = [line.split(" | ") for line in report.splitlines() if line.startswith("| 1 |") or line.startswith("| 0.5 |")]
+    assert [(r[0].strip("| "), r[1], r[3], r[4], r[5]) for r in rows] == [
+        ("1", "1", "4", "0", "reference"), ("1", "4", "4", "0", "yes"), ("0.5", "1", "4", "0", "yes"),
+        ("0.5", "4", "4", "0", "yes")]
+    assert "residency 1: max batch 4 / batch 1 =" in report and "residency 0.5: max batch 4 / batch 1 =" in report

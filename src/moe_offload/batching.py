@@ -4,7 +4,9 @@
 
 - ``admit(seq)`` prefills one sequence alone (batch 1: the very forward pass and token choice of
   ``generate.generate_ids``, so its first token is the one it gets alone) and adds its KV cache as a new row of
-  the batch cache (``runtime.batch_cache.BatchCache``: rows left-padded to one length);
+  the batch cache (``runtime.batch_cache.BatchCache``: rows left-padded to one length); ``admit_many(seqs)``
+  prefills several waiting sequences in one forward pass (left-padded prompts; ``prefill_group`` bounds its
+  padded tokens), so a burst of new requests gets its first tokens sooner;
 - ``step()`` runs one decode forward pass over every row (``input_ids [B, 1]``, each row's own position, a
   padding mask when rows differ in length): each MoE layer sees the ``B`` tokens of the batch, so the engine plans
   the union of their experts through the one slot table (rounds when the union exceeds the pool) and runs one
@@ -58,7 +60,8 @@ class Sequence:
 class BatchStats:
     """Per batch size B (sequences in a decode step): ``steps[B]`` decode steps, ``tokens[B]`` tokens they made,
     ``distinct[B]`` distinct experts summed over their MoE layer executions, ``layer_calls[B]`` those executions,
-    ``hits[B]`` / ``misses[B]`` the engine's counters over them; ``prefills`` sequences prefilled."""
+    ``hits[B]`` / ``misses[B]`` the engine's counters over them; ``prefills`` sequences prefilled,
+    ``prefill_passes[P]`` prefill forward passes of P sequences."""
 
     steps: collections.Counter = field(default_factory=collections.Counter)
     tokens: collections.Counter = field(default_factory=collections.Counter)
@@ -67,6 +70,7 @@ class BatchStats:
     hits: collections.Counter = field(default_factory=collections.Counter)
     misses: collections.Counter = field(default_factory=collections.Counter)
     prefills: int = 0
+    prefill_passes: collections.Counter = field(default_factory=collections.Counter)
 
     def as_dict(self) -> dict:
         """Per batch size (as string keys, ascending): steps, tokens, distinct experts per layer per step (mean),
@@ -98,8 +102,13 @@ class BatchDecoder:
         self.max_batch = max_batch
         self.keep_logits = keep_logits
         self.eos = _eos_ids(lm)
-        self.cache_kw = "cache" if "cache" in inspect.signature(lm.model.forward).parameters else "past_key_values"
+        params = inspect.signature(lm.model.forward).parameters
+        self.cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.keep_last = "logits_to_keep" in params
         self.kv = BatchCache()
+        # a per-sequence predictor feed (predictor.batch_feed.BatchForecastFeed) among the engine's observers
+        observers = lm.engine.observers if lm.engine is not None else ()
+        self.feed = next((o for o in observers if hasattr(o, "begin_pass")), None)
         self.seqs: list[Sequence] = []
         self.stats = BatchStats()
         self.decode_steps = 0
@@ -121,27 +130,70 @@ class BatchDecoder:
         seq.new.append(tok)
         return tok
 
-    @torch.no_grad()
     def admit(self, seq: Sequence) -> int:
-        """Prefill ``seq`` alone and add it to the batch; returns its first token.
+        """Prefill ``seq`` alone (``generate``'s very prefill) and add it to the batch; returns its first token.
 
         Raises:
             ValueError: the batch is full, or the model's cache cannot be batched (``unsupported_reason``).
         """
-        if not self.free:
-            raise ValueError(f"the batch is full ({self.max_batch} sequences)")
+        return self.admit_many([seq])[0]
+
+    @torch.no_grad()
+    def admit_many(self, seqs: list[Sequence]) -> list[int]:
+        """Prefill ``seqs`` in one forward pass and add them to the batch; returns their first tokens (in order).
+
+        One sequence runs ``generate``'s prefill exactly. Several are left-padded to the longest prompt
+        (``input_ids [P, L]`` int64, a ``[P, L]`` padding mask, each row's own ``position_ids``; only the last
+        position's logits are computed when the model takes ``logits_to_keep``); their padding columns of the KV
+        cache are zeroed before the rows join the batch cache. Each MoE layer sees the ``P x L`` tokens at once:
+        the union of their experts, one grouped GEMM per projection. The caller bounds ``P x L`` (activations grow
+        with it; ``serve.batch_worker`` keeps it within the memory plan's prefill).
+
+        Raises:
+            ValueError: ``seqs`` is empty or does not fit the free rows, or the model's cache cannot be batched.
+        """
+        if not seqs or len(seqs) > self.free:
+            raise ValueError(f"cannot admit {len(seqs)} sequences into {self.free} free rows "
+                             f"(max batch {self.max_batch})")
         lm, eng = self.lm, self.lm.engine
-        seq.gen = make_generator(seq.seed)
+        for s in seqs:
+            s.gen = make_generator(s.seed)
         if eng is not None:
-            eng.begin_step(seq.request, 0)
-        out = lm.model(input_ids=torch.tensor([seq.prompt_ids], dtype=torch.long, device=lm.device), use_cache=True)
-        tok = self._choose(seq, out.logits[:, -1])
+            eng.begin_step(seqs[0].request, 0)
+        ids, kw, pads = self._prefill_inputs(seqs)
+        if self.feed is not None:
+            width = ids.shape[1]
+            self.feed.begin_pass([(s.request, 0, b * width + p, width - p) for b, (s, p) in enumerate(zip(seqs, pads))])
+        out = lm.model(input_ids=ids, use_cache=True, **kw)
+        logits = out.logits[:, -1]
         cache = out.get(self.cache_kw)
         del out
-        self.kv.merge(cache)
-        self.seqs.append(seq)
-        self.stats.prefills += 1
-        return tok
+        toks = [self._choose(s, logits[i:i + 1]) for i, s in enumerate(seqs)]
+        if any(pads):
+            for layer in cache.layers:
+                for b, p in enumerate(pads):
+                    layer.keys[b, :, :p] = 0
+                    layer.values[b, :, :p] = 0
+        self.kv.merge(cache, pads)
+        self.seqs += seqs
+        self.stats.prefills += len(seqs)
+        self.stats.prefill_passes[len(seqs)] += 1
+        return toks
+
+    def _prefill_inputs(self, seqs: list[Sequence]) -> tuple[torch.Tensor, dict, list[int]]:
+        """``(input_ids [P, L], forward kwargs, left pads)`` of a prefill of ``seqs`` (see ``admit_many``)."""
+        dev = self.lm.device
+        if len(seqs) == 1:
+            return torch.tensor([seqs[0].prompt_ids], dtype=torch.long, device=dev), {}, [0]
+        width = max(len(s.prompt_ids) for s in seqs)
+        pads = [width - len(s.prompt_ids) for s in seqs]
+        ids = torch.tensor([[s.prompt_ids[0]] * p + s.prompt_ids for s, p in zip(seqs, pads)], dtype=torch.long,
+                           device=dev)
+        mask = (torch.arange(width, device=dev).unsqueeze(0) >= torch.tensor(pads, device=dev).unsqueeze(1)).long()
+        kw = {"attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)}
+        if self.keep_last:
+            kw["logits_to_keep"] = 1
+        return ids, kw, pads
 
     @torch.no_grad()
     def step(self) -> list[tuple[Sequence, int]]:
@@ -156,6 +208,8 @@ class BatchDecoder:
         if eng is not None:
             eng.begin_step(self.seqs[0].request, self.decode_steps)
         ids = torch.tensor([[s.new[-1]] for s in self.seqs], dtype=torch.long, device=dev)
+        if self.feed is not None:
+            self.feed.begin_pass([(s.request, len(s.new), b, 1) for b, s in enumerate(self.seqs)])
         kw = {self.cache_kw: self.kv.cache}
         mask = self.kv.attention_mask(dev)
         if mask is not None:
@@ -183,6 +237,8 @@ class BatchDecoder:
         if len(keep) == len(self.seqs):
             return
         self.kv.select(keep)
+        if self.feed is not None:
+            self.feed.forget([s.request for s in self.seqs if id(s) in gone])
         self.seqs = [self.seqs[i] for i in keep]
         if not self.seqs and self.lm.engine is not None:
             self.lm.engine.end_step()
@@ -203,10 +259,26 @@ def batch_reason(lm: LoadedModel) -> str | None:
     return None if why is None else f"{lm.arch.name}: {why}"
 
 
+def prefill_group(lengths: list[int], free: int, max_tokens: int | None) -> int:
+    """How many of the waiting prompts (FIFO; ``lengths`` their token counts, oldest first) one prefill pass takes:
+    the longest prefix of at most ``free`` prompts whose padded size (count x longest) is at most ``max_tokens``;
+    at least one when any waits and a row is free (a prompt longer than ``max_tokens`` goes alone). ``max_tokens``
+    None: one prompt per pass."""
+    n, width = 0, 0
+    for length in lengths[:free]:
+        width = max(width, length)
+        if n and (max_tokens is None or (n + 1) * width > max_tokens):
+            break
+        n += 1
+    return n
+
+
 def generate_batch_ids(lm: LoadedModel, prompts: list[list[int]], max_new_tokens: int, max_batch: int, *,
-                       admit_per_step: int | None = None, keep_logits: bool = False) -> list[Sequence]:
+                       admit_per_step: int | None = None, prefill_tokens: int | None = None,
+                       keep_logits: bool = False) -> list[Sequence]:
     """Greedy continuous batching over ``prompts`` in FIFO order: before each decode step, admit waiting prompts
-    into free rows (at most ``admit_per_step`` per step; None: as many as fit); finished sequences leave after the
+    into free rows (at most ``admit_per_step`` per step; None: as many as fit), several per prefill pass up to
+    ``prefill_tokens`` padded tokens (``prefill_group``; None: each alone); finished sequences leave after the
     step that made their last token. Deterministic: the same prompts and settings give the same batch composition
     at every step (tests compare residencies on it).
 
@@ -217,10 +289,11 @@ def generate_batch_ids(lm: LoadedModel, prompts: list[list[int]], max_new_tokens
     seqs = [Sequence(i, list(p), max_new_tokens) for i, p in enumerate(prompts)]
     waiting = collections.deque(seqs)
     while waiting or dec.seqs:
-        n = 0
-        while waiting and dec.free and (admit_per_step is None or n < admit_per_step):
-            dec.admit(waiting.popleft())
-            n += 1
+        room = dec.free if admit_per_step is None else min(dec.free, admit_per_step)
+        while waiting and room:
+            n = prefill_group([len(s.prompt_ids) for s in waiting], room, prefill_tokens)
+            dec.admit_many([waiting.popleft() for _ in range(n)])
+            room -= n
         dec.drop([s for s in dec.seqs if dec.done(s)])
         dec.step()
         dec.drop([s for s in dec.seqs if dec.done(s)])

@@ -201,7 +201,7 @@ def _diffusion_params(args, path: Path) -> dict | None:
 def _dispatch(args) -> int:
     if args.cmd == "generate":
         return _cmd_generate(args)
-    if args.cmd == "serve" or getattr(args, "bench_cmd", None) == "serve":
+    if args.cmd == "serve" or getattr(args, "bench_cmd", None) in ("serve", "replicas"):
         from .serve.cli import run
     elif args.cmd == "testbed":
         from .testbed.cli import run

@@ -1,7 +1,8 @@
 """The KV cache of a decode batch: transformers' ``DynamicCache`` with its rows left-padded to one length.
 
-Each sequence is prefilled alone (batch 1, exactly ``generate``'s prefill) into a cache of its own; ``merge`` adds
-that cache as a new row of the batch cache, left-padding whichever side is shorter with zeros; ``select`` keeps
+Sequences are prefilled into a cache of their own (one alone: exactly ``generate``'s prefill; several together:
+left-padded to one length, padding columns zeroed); ``merge`` adds its rows to the batch cache, left-padding
+whichever side is shorter with zeros; ``select`` keeps
 some rows (a finished or cancelled sequence leaves: its KV cache is freed) and trims the leading columns that are
 padding in every row left. ``pads[b]`` counts row b's padding columns; they are masked out of attention by the
 2D attention mask (``attention_mask``), and row b's next position is ``length - pads[b]``.
@@ -66,27 +67,34 @@ class BatchCache:
             return 0
         return sum(t.numel() * t.element_size() for layer in self.cache.layers for t in (layer.keys, layer.values))
 
-    def merge(self, single) -> None:
-        """Append the one-row cache ``single`` (a prefilled sequence's ``DynamicCache``) as the last row.
+    def merge(self, new, pads: list[int] | None = None) -> None:
+        """Append the rows of ``new`` (a prefill's ``DynamicCache``: one sequence, or several left-padded to one
+        length, whose padding columns are zeros) as the last rows.
 
+        Args:
+            new: the cache (``[P, heads, S, head_dim]`` per layer).
+            pads: leading padding columns of each of its P rows (None: no padding).
         Raises:
-            ValueError: ``single`` is not a one-row cache of plain ``DynamicLayer`` layers.
+            ValueError: ``new`` is not a cache of plain ``DynamicLayer`` layers, or ``pads`` has not one entry per
+                row.
         """
-        why = unsupported_reason(single)
+        why = unsupported_reason(new)
         if why is not None:
             raise ValueError(why)
-        if single.layers[0].keys.shape[0] != 1:
-            raise ValueError(f"a sequence's cache must have one row, got {single.layers[0].keys.shape[0]}")
-        s = single.get_seq_length()
+        rows = new.layers[0].keys.shape[0]
+        pads = [0] * rows if pads is None else list(pads)
+        if len(pads) != rows:
+            raise ValueError(f"{len(pads)} padding counts for a cache of {rows} rows")
+        s = new.get_seq_length()
         if self.cache is None:
-            self.cache, self.pads = single, [0]
+            self.cache, self.pads = new, pads
             return
         big = self.length
         width = max(big, s)
-        for mine, new in zip(self.cache.layers, single.layers):
-            mine.keys = torch.cat([_pad_left(mine.keys, width - big), _pad_left(new.keys, width - s)], dim=0)
-            mine.values = torch.cat([_pad_left(mine.values, width - big), _pad_left(new.values, width - s)], dim=0)
-        self.pads = [p + width - big for p in self.pads] + [width - s]
+        for mine, add in zip(self.cache.layers, new.layers):
+            mine.keys = torch.cat([_pad_left(mine.keys, width - big), _pad_left(add.keys, width - s)], dim=0)
+            mine.values = torch.cat([_pad_left(mine.values, width - big), _pad_left(add.values, width - s)], dim=0)
+        self.pads = [p + width - big for p in self.pads] + [p + width - s for p in pads]
 
     def select(self, keep: list[int]) -> None:
         """Keep rows ``keep`` (in that order) and drop the columns that are padding in all of them; an empty

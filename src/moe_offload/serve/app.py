@@ -55,7 +55,7 @@ class ServeState:
         if max_batch > 1:
             from .batch_worker import BatchWorker
 
-            self.worker = BatchWorker(lm, max_batch, tracker)
+            self.worker = BatchWorker(lm, max_batch, tracker, prefill_tokens=max(1, max_context - 1))
         else:
             self.worker = Worker(lm, diffusion, tracker)
         self.created = int(time.time())

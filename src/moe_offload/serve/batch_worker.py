@@ -1,11 +1,12 @@
 """The continuous-batching worker (issue 18): one thread runs up to ``max_batch`` requests at once.
 
-Each turn of its loop: admit waiting requests (FIFO) into the free rows of the decode batch — each is prefilled
-alone and streams its first token at once (``batching.BatchDecoder.admit``) —, then run one decode step for every
-admitted request (``BatchDecoder.step``), stream each row's token, and retire the rows that ended (EOS,
-``max_tokens``, a stop sequence, a client that went away: its KV rows are freed before the next step). The other
-rows go on. Tokens per request follow ``generate_ids`` (greedy rows equal it alone up to near ties; each sampled
-row draws from its own seeded generator), see ``batching``.
+Each turn of its loop: take waiting requests (FIFO) into the free rows of the decode batch and prefill them —
+shortest prompt first, several per prefill pass, left-padded, up to ``prefill_tokens`` padded tokens
+(``batching.prefill_group``, ``BatchDecoder.admit_many``); each streams its first token as soon as its pass ends
+—, then run one decode step for every admitted request (``BatchDecoder.step``), stream each row's token, and
+retire the rows that ended (EOS, ``max_tokens``, a stop sequence, a client that went away: its KV rows are freed
+before the next step). The other rows go on. Tokens per request follow ``generate_ids`` (greedy rows equal it
+alone up to near ties; each sampled row draws from its own seeded generator), see ``batching``.
 
 Shutdown and cancellation keep ``serve.worker.Worker``'s contract (a request stops after its current token; at
 shutdown waiting ones get 503 at once, running ones after the grace period).
@@ -19,11 +20,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..batching import BatchDecoder, Sequence
+from ..batching import BatchDecoder, Sequence, prefill_group
 from .worker import Delta, Detokenizer, Failed, Job, Worker
 
-SCHEDULING = ("continuous batching: prefills admitted between decode steps (FIFO), up to max_batch sequences "
-              "decode together through one slot pool")
+SCHEDULING = ("continuous batching: prefills admitted between decode steps (FIFO, several prompts per prefill "
+              "pass), up to max_batch sequences decode together through one slot pool")
 
 
 @dataclass
@@ -45,15 +46,18 @@ class BatchWorker(Worker):
         lm: the loaded model (autoregressive, batchable: ``batching.batch_reason(lm)`` is None).
         max_batch: most requests decoding at once (>= 2 to batch; 1 works too).
         tracker: ``serve.memory.DeviceTierTracker`` entered around every turn of the loop, or None.
+        prefill_tokens: most padded tokens (prompts x longest prompt) in one prefill pass; the server passes
+            ``max_context - 1``, the prefill its memory plan measured (None: each prompt alone).
     Attributes:
         decoder: the ``batching.BatchDecoder`` (its ``stats`` are the per-batch-size counters).
     """
 
     scheduling = SCHEDULING
 
-    def __init__(self, lm, max_batch: int, tracker=None):
+    def __init__(self, lm, max_batch: int, tracker=None, prefill_tokens: int | None = None):
         super().__init__(lm, None, tracker)
         self.max_batch = max_batch
+        self.prefill_tokens = prefill_tokens
         self.decoder = BatchDecoder(lm, max_batch)
         self._rows: list[_Row] = []
 
@@ -93,8 +97,14 @@ class BatchWorker(Worker):
 
     @torch.no_grad()
     def _turn(self, admits: list[Job]) -> None:
-        for job in admits:
-            self._admit(job)
+        # every request taken this turn is prefilled before the next decode step; shortest prompts first: the
+        # groups need the least padding and the mean wait for a first token is the least (no request waits for a
+        # later turn, so none starves)
+        admits = sorted(admits, key=lambda j: len(j.prompt_ids))
+        while admits:
+            n = prefill_group([len(j.prompt_ids) for j in admits], len(admits), self.prefill_tokens)
+            self._admit(admits[:n])
+            admits = admits[n:]
         self._retire()
         if not self._rows:
             return
@@ -108,24 +118,31 @@ class BatchWorker(Worker):
             self._emit(row, tok)
         self._retire()
 
-    def _admit(self, job: Job) -> None:
-        p = job.params
-        seq = Sequence(self._request, job.prompt_ids, p.max_tokens, p.temperature, p.top_p, p.seed)
-        self._request += 1
-        row = _Row(job, seq, Detokenizer(self.lm.tokenizer, p.stop), time.perf_counter())
+    def _admit(self, jobs: list[Job]) -> None:
+        """Prefill ``jobs`` in one pass and stream their first tokens; a failure fails these requests only."""
+        rows = []
+        for job in jobs:
+            p = job.params
+            seq = Sequence(self._request, job.prompt_ids, p.max_tokens, p.temperature, p.top_p, p.seed)
+            self._request += 1
+            rows.append(_Row(job, seq, Detokenizer(self.lm.tokenizer, p.stop), time.perf_counter()))
         try:
-            tok = self.decoder.admit(seq)
-        except Exception as e:  # this request only
-            self.stats.requests_failed += 1
+            toks = self.decoder.admit_many([r.seq for r in rows])
+        except Exception as e:  # these requests only
             traceback.print_exc()
-            job.push(Failed(f"{e.__class__.__name__}: {e}"))
-            job.finished = True
+            for r in rows:
+                self.stats.requests_failed += 1
+                r.job.push(Failed(f"{e.__class__.__name__}: {e}"))
+                r.job.finished = True
             return
-        row.first_at = time.perf_counter()
-        row.prefill_s = row.first_at - row.started
+        now = time.perf_counter()
+        for r in rows:
+            r.first_at = now
+            r.prefill_s = now - r.started
         with self._cv:
-            self._rows.append(row)
-        self._emit(row, tok)
+            self._rows += rows
+        for r, tok in zip(rows, toks):
+            self._emit(r, tok)
 
     def _emit(self, row: _Row, tok: int) -> None:
         job = row.job

@@ -49,6 +49,11 @@ def add_parsers(sub, bench_sub, positive_int, nonneg_int, float_) -> None:
     _add_common(s, positive_int, float_)
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     s.add_argument("--port", type=nonneg_int, default=8000, help="TCP port (default 8000)")
+    s.add_argument("--replicas", type=positive_int, metavar="N",
+                   help="run N engine replicas behind this one endpoint on Ray Serve (a private local Ray instance, "
+                   "one CPU per replica; Ray routes and health-checks them; needs pip install 'ray[serve]'). "
+                   "On a cluster use `serve run moe_offload.serve.replicas:build` (README; default: one engine, no "
+                   "Ray)")
     s.add_argument("--track-memory", action="store_true",
                    help="on the CPU: measure the device-tier peak during requests (shown in /v1/stats; about 1.6x "
                    "slower decoding). On CUDA it is always measured")
@@ -61,7 +66,23 @@ def add_parsers(sub, bench_sub, positive_int, nonneg_int, float_) -> None:
                    help="prompts: the first --clients ShareGPT human turns at most this long (default 300)")
     b.add_argument("--no-track-memory", action="store_true",
                    help="skip the pass with the CPU device-tier tracker (on CUDA memory is always measured)")
+    b.add_argument("--residencies", metavar="R[,R...]",
+                   help="compare configurations in one run: load the server at each residency (fractions in (0, 1]) "
+                   "with each --batches size and print one table (tok/s, TTFT, per-token latency, hit rate, bytes "
+                   "per token, peak memory) with the batched / batch-1 ratios. Replaces --residency/--slots/"
+                   "--memory-budget/--max-batch (default: one configuration, those options)")
+    b.add_argument("--batches", metavar="B[,B...]",
+                   help="with --residencies: max batch sizes to compare, including 1 (default 1,32)")
     b.add_argument("--out", help="also write the report (markdown) to this new file (default: stdout only)")
+    r = bench_sub.add_parser("replicas", help="aggregate throughput of N engine replicas on Ray Serve vs one "
+                             "(concurrent streaming clients; needs pip install 'ray[serve]')")
+    _add_common(r, positive_int, float_)
+    r.add_argument("--replicas", default="1,2", metavar="N[,N...]", help="replica counts to compare (default 1,2)")
+    r.add_argument("--clients", type=positive_int, default=64, help="concurrent streaming clients (default 64)")
+    r.add_argument("--max-tokens", type=positive_int, default=32, help="completion tokens per request (default 32)")
+    r.add_argument("--max-prompt-chars", type=positive_int, default=300,
+                   help="prompts: the first --clients ShareGPT human turns at most this long (default 300)")
+    r.add_argument("--out", help="also write the report (markdown) to this new file (default: stdout only)")
 
 
 def _config(args):
@@ -84,12 +105,16 @@ def run(args) -> int:
     Raises:
         MoeOffloadError: any bad option or checkpoint (printed as one line by ``moe_offload.cli.main``).
     """
-    if getattr(args, "bench_cmd", None) == "serve":
+    if getattr(args, "bench_cmd", None) in ("serve", "replicas"):
         if args.out and Path(args.out).exists():
             raise MoeOffloadError(f"{args.out} already exists; choose a new --out")
+        if args.bench_cmd == "replicas":
+            return _bench_replicas(args)
         from .loadtest import run_load_test, prompts_for
 
         prompts = prompts_for(args.clients, args.max_prompt_chars)
+        if args.residencies or args.batches:
+            return _compare(args, prompts)
         cfg = _config(args)
         cfg.track_memory = True  # the tracker is switched on only for its own pass
         from .server import load_for_serving
@@ -97,12 +122,15 @@ def run(args) -> int:
         state = load_for_serving(cfg)
         report = run_load_test(state, prompts, max_tokens=args.max_tokens, track_memory=not args.no_track_memory,
                                command=_command(args))
-        print(report)
-        if args.out:
-            Path(args.out).write_text(report + "\n")
+        _emit(report, args.out)
         return 0
     if not 0 <= args.port <= 65535:
         raise MoeOffloadError(f"--port must be in [0, 65535], got {args.port}")
+    if args.replicas:
+        from .replicas import run_replicas
+
+        run_replicas(_config(args), args.replicas, args.host, args.port)
+        return 0
     from .server import bind_socket, load_for_serving, serve_forever
 
     sock = bind_socket(args.host, args.port)  # a busy port fails before the model loads
@@ -114,16 +142,65 @@ def run(args) -> int:
     return 0
 
 
+def _bench_replicas(args) -> int:
+    """``bench replicas`` (``serve.bench_replicas``)."""
+    from .bench_replicas import run_replicas_bench
+    from .loadtest import prompts_for
+
+    counts = _list(args.replicas, int, "--replicas")
+    if not counts or any(n < 1 for n in counts):
+        raise MoeOffloadError(f"--replicas must be positive integers, got {args.replicas!r}")
+    prompts = prompts_for(args.clients, args.max_prompt_chars)
+    report = run_replicas_bench(_config(args), counts, prompts, args.max_tokens,
+                                command=_command(args).replace("bench serve", "bench replicas"))
+    _emit(report, args.out)
+    return 0
+
+
+def _emit(report: str, out: str | None) -> None:
+    """Print ``report`` and write it to ``out`` (when given)."""
+    print(report)
+    if out:
+        Path(out).write_text(report + "\n")
+
+
+def _list(text: str, kind, name: str) -> list:
+    """``text`` ("a,b,...") as a list of ``kind``; raises MoeOffloadError naming ``name`` on bad input."""
+    try:
+        return [kind(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise MoeOffloadError(f"{name} must be a comma-separated list of numbers, got {text!r}") from None
+
+
+def _compare(args, prompts) -> int:
+    """``bench serve --residencies ... [--batches ...]`` (``serve.bench_compare``)."""
+    from .bench_compare import run_compare
+
+    if args.residency is not None or args.slots is not None or args.memory_budget is not None or args.max_batch:
+        raise MoeOffloadError("--residencies/--batches replace --residency, --slots, --memory-budget and --max-batch")
+    res = _list(args.residencies or "1.0", float, "--residencies")
+    batches = _list(args.batches or "1,32", int, "--batches")
+    if not res or any(not 0 < r <= 1 for r in res):
+        raise MoeOffloadError(f"--residencies must be fractions in (0, 1], got {args.residencies!r}")
+    if not batches or any(b < 1 for b in batches):
+        raise MoeOffloadError(f"--batches must be positive integers, got {args.batches!r}")
+    report = run_compare(_config(args), res, batches, prompts, args.max_tokens,
+                         track_memory=not args.no_track_memory, command=_command(args))
+    _emit(report, args.out)
+    return 0
+
+
 def _command(args) -> str:
     """The ``bench serve`` command line that reproduces this run."""
     parts = ["moe-offload bench serve"]
-    for name in ("model", "policy", "residency", "slots", "memory_budget", "max_context", "max_batch", "clients",
+    for name in ("model", "policy", "residency", "slots", "memory_budget", "residencies", "batches", "replicas",
+                 "max_context", "max_batch", "clients",
                  "max_tokens",
                  "max_prompt_chars", "device", "dtype", "block_length", "steps", "threshold"):
         v = getattr(args, name, None)
         if v is not None and not (name == "policy" and v == "auto"):
             parts.append(f"--{name.replace('_', '-')} {v}")
-    if args.no_track_memory:
+    if getattr(args, "no_track_memory", False):
         parts.append("--no-track-memory")
     if args.no_prefix_cache:
         parts.append("--no-prefix-cache")

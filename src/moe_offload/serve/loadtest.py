@@ -76,7 +76,7 @@ async def _client(client, model: str, prompt: str, max_tokens: int) -> dict:
             ids += new
             if c.delta.content:
                 text.append(c.delta.content)
-    return {"ttft": ttft, "ids": ids, "text": "".join(text), "end": time.perf_counter(), "usage": usage}
+    return {"ttft": ttft, "ids": ids, "text": "".join(text), "start": t0, "end": time.perf_counter(), "usage": usage}
 
 
 async def _concurrent(base_url: str, model: str, prompts: list[str], max_tokens: int) -> dict:
