@@ -348,3 +348,19 @@ def test_prefetch_yields_the_emulated_link_to_an_on_demand_copy(parts, engines):
     assert urgent.ok and prefetch.ok and (prefetch.eid, prefetch.tag) == (0, 10)
     assert urgent.finished_at < prefetch.finished_at   # it did not queue behind the 0.2 s prefetch
     assert torch.equal(pool.buf[0], store.buf[0]) and torch.equal(pool.buf[1], store.buf[5])
+
+
+def test_wait_returns_its_own_copy_not_an_unpolled_cancelled_one(parts, engines):
+    """A copy cancelled and not yet polled, then the same expert copied again: wait() returns the new copy's landing
+    (the cancelled one stays for poll). The refresh engine releases and re-copies an expert within one step."""
+    store, pool = parts
+    te = new(engines, store, pool, seconds_per_expert=0.05)
+    te.submit(0, 0, 1)                 # occupies the worker
+    te.submit(3, 1, 2)
+    assert te.cancel(3)                # landing (ok=False, "cancelled") waits for poll
+    te.submit(3, 2, 3)
+    got = te.wait(3)
+    assert got.ok and (got.slot, got.tag) == (2, 3)
+    assert torch.equal(pool.buf[2], store.buf[3])
+    stale = [l for l in collect(te, 2) if l.eid == 3]
+    assert len(stale) == 1 and not stale[0].ok and stale[0].error == "cancelled"

@@ -282,7 +282,10 @@ class TransferEngine(CopyWorker):
                 if rem is not None and rem <= 0:
                     raise TimeoutError(f"copy of expert {eid} not complete after {timeout} s")
                 self._cond.wait(rem)
-            return self._take_done(eid)
+            # this job's own landing: an older one of the same expert (a cancelled copy not polled yet) stays
+            # for poll
+            self._done = [landing for landing in self._done if landing is not job.landing]
+            return job.landing
 
     def cancel(self, eid: int) -> bool:
         """Drop the queued (not yet started) copy of ``eid``.
