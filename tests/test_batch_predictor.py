@@ -10,7 +10,7 @@ from moe_offload.generate import generate_ids
 from moe_offload.models.loader import load_offloaded
 from moe_offload.predictor.batch_feed import BatchForecastFeed, attach_batch_predictor
 from moe_offload.predictor.batch_forecast import union_probs
-from moe_offload.predictor.runtime import ForecastFeed, PredictorRunner
+from moe_offload.predictor.runtime import ROLLOUT_EVERY, ForecastFeed, PredictorRunner
 
 ARCH = "mixtral"
 PROMPTS = [[5, 9, 3, 12, 7], [4, 10, 2], [8, 8, 1, 6, 11, 3, 2], [7, 1]]
@@ -41,7 +41,8 @@ def test_batch_of_one_is_the_single_sequence_feed(tiny_dirs, random_pset):
             lm.engine.observers.append(BatchForecastFeed(pset, lm.engine.table.policy, spy, rollout=7))
             toks = [s.new for s in generate_batch_ids(lm, PROMPTS, NEW, 1)]
         else:
-            lm.engine.observers.append(ForecastFeed(PredictorRunner(pset, rollout=7), lm.engine.table.policy, spy))
+            runner = PredictorRunner(pset, rollout=7, rollout_every=ROLLOUT_EVERY)
+            lm.engine.observers.append(ForecastFeed(runner, lm.engine.table.policy, spy))
             toks = [generate_ids(lm, p, NEW, request=i)[0] for i, p in enumerate(PROMPTS)]
         runs.append((toks, spy.seen, lm.engine.stats.hits, lm.engine.stats.misses))
     (tb, fb, hb, mb), (ts, fs, hs, ms) = runs
