@@ -195,7 +195,8 @@ def test_runner_rolls_the_horizon_forward_between_rollouts():
                                                chunk_size=8)])
     torch.manual_seed(0)
     pset = PredictorSet(hdr).eval()
-    every, rolled = PredictorRunner(pset, rollout=4, rollout_every=3), PredictorRunner(pset, rollout=4)
+    every = PredictorRunner(pset, rollout=4, rollout_every=3)
+    rolled = PredictorRunner(pset, rollout=4, rollout_every=1)
     gen = torch.Generator().manual_seed(1)
     ids = [torch.stack([torch.randperm(6, generator=gen)[:2] for _ in range(3 if s == 0 else 1)]) for s in range(8)]
     w = [torch.full(i.shape, 0.5) for i in ids]
@@ -229,7 +230,7 @@ def test_runtime_runner_matches_trace_features_and_keeps_tokens(tiny_dirs, rando
     lm = load_offloaded(tiny_dirs["qwen3_moe"], residency=0.5, progress=False)
     ref, _ = run(lm, ["hello world", "the cat"], 6)
     pset = random_pset(lm, seed=0)
-    runner = PredictorRunner(pset, rollout=3)
+    runner = PredictorRunner(pset, rollout=3, rollout_every=1)
     lm.engine.observers.append(runner)
     with TraceRecorder(lm) as rec:
         outs, _ = run(lm, ["hello world", "the cat"], 6, recorder=rec)

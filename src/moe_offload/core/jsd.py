@@ -92,7 +92,7 @@ class JSDScheduler(PrefetchScheduler):
         c0, b = max(1.0, self._b_cur), self._b_avg
         return [int(c0 + b * (d - pos - 1)) for d in sorted(self._by_ddl)]
 
-    def _greedy(self, pos: int) -> tuple[list, list]:
+    def _greedy(self, pos: int) -> tuple[list, list, bool]:
         """Algorithm 1 lines 5-10 over the queue's entries by ascending deadline. Capacities only grow with the
         deadline, so "push, then pop the minimum while over ``C(ddl)``" is one ``heappushpop`` once the heap holds
         ``floor(C(ddl))`` entries. Returns (kept entries in EDF order, the best few rejected entries, best first,

@@ -202,7 +202,7 @@ def measure_overhead(model: str, pset: PredictorSet, num_prompts: int = 4, max_n
     def measure(rollout_steps):
         runner = None
         if rollout_steps is not None:
-            runner = PredictorRunner(pset, rollout=rollout_steps)
+            runner = PredictorRunner(pset, rollout=rollout_steps, rollout_every=1)
             lm.engine.observers.append(runner)
         try:
             run(lm, prompts[:1], 4)                                             # warm-up

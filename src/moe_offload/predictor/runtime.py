@@ -67,13 +67,14 @@ class PredictorRunner:
     Args:
         pset: the predictors (on the model's device).
         rollout: c, recursive steps after each one-step prediction (SeqMoE uses c = 8 for eviction; 0 = none).
-        rollout_every: R >= 1, decode steps between recursive rollouts (1: every step).
+        rollout_every: R >= 1, decode steps between recursive rollouts (1: every step; default ``ROLLOUT_EVERY``,
+            the setting every runtime and simulator path uses unless told otherwise).
     Attributes:
         forecasts: ``forecasts[i]`` is predictor i's latest ``Forecast`` (None before its first trigger).
         stats: ``PredictorStats``.
     """
 
-    def __init__(self, pset: PredictorSet, rollout: int = 0, rollout_every: int = 1):
+    def __init__(self, pset: PredictorSet, rollout: int = 0, rollout_every: int = ROLLOUT_EVERY):
         if rollout < 0:
             raise MoeOffloadError(f"rollout must be >= 0, got {rollout}")
         if rollout_every < 1:
