@@ -20,7 +20,7 @@ import torch
 
 from .batch_forecast import combine
 from .model import PredictorSet
-from .runtime import ROLLOUT, ROLLOUT_EVERY, Forecast, PredictorRunner
+from .runtime import ROLLOUT, ROLLOUT_EVERY, Forecast, PredictorRunner, connect_feed, forecast_consumers
 
 
 class BatchForecastFeed:
@@ -97,12 +97,9 @@ def attach_batch_predictor(engine, pset: PredictorSet, rollout_every: int = ROLL
     Raises:
         ValueError: the engine has neither a forecast-driven policy nor a prefetcher (nothing would use them).
     """
-    policy = engine.table.policy
-    consumers = [c for c in (policy if hasattr(policy, "observe") else None, engine.prefetcher) if c is not None]
+    consumers = forecast_consumers(engine)
     if not consumers:
         raise ValueError(f"policy {engine.policy_name!r} takes no forecasts (use a seqmoe* policy)")
     feed = BatchForecastFeed(pset, *consumers, rollout=ROLLOUT, rollout_every=rollout_every)
-    engine.observers.append(feed)
-    if engine.prefetcher is not None:
-        engine.prefetcher.set_prefill_popularity(pset.header.prefill_popularity)
+    connect_feed(engine, pset, feed)
     return feed

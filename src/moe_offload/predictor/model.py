@@ -145,8 +145,8 @@ class SeqPredictor(nn.Module):
         ``logits [n, e]`` for the next step.
 
         Runs each Mamba2 block's recurrent update directly on the cache's tensors (``predictor.recurrent``: the
-        computation of ``forward(x, cache=state)`` to float32 rounding, which a test checks, at a third of its cost:
-        this runs every decode step)."""
+        computation of ``forward(x, cache=state)`` to float32 rounding, which a test checks, without the generic
+        path's overhead: this runs every decode step)."""
         x = x.view(1, -1)
         h = self.inp(x)
         for i, block in enumerate(self.backbone.layers):

@@ -2,10 +2,10 @@
 recursive prediction run this every decode step).
 
 ``transformers``' ``Mamba2Mixer`` computes the same update through its generic path: a depthwise ``conv1d`` over the
-concatenated window (on CPU an mkldnn convolution of ~0.1 ms for four taps), dtype round trips, expanded copies of
-B and C per head, and the cache's bookkeeping; together ~0.5 ms per position for a 128-wide predictor, which made
-the predictor the largest overhead of a decode step (issue 17). Here the window update is a shift and the four
-taps a product-sum, the state update broadcasts, and the cache's tensors are updated in place. The arithmetic is
+concatenated window (on CPU an mkldnn convolution for four taps), dtype round trips, expanded copies of B and C per
+head, and the cache's bookkeeping; together they made the predictor the largest overhead of a decode step (issue
+17). Here the window update is a shift and the four taps a product-sum, the state update broadcasts, and the
+cache's tensors are updated in place. The arithmetic is
 the mixer's (``causal_conv1d_update`` + ``mamba2_selective_state_update`` + ``MambaRMSNormGated``); only the order of
 the four-tap sum may differ, so results agree with ``Mamba2Model.forward`` to float32 rounding (tested).
 """

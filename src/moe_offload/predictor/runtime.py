@@ -204,14 +204,26 @@ def attach_predictor(engine, pset: PredictorSet, rollout: int = 0,
     Raises:
         MoeOffloadError: ``rollout < 0`` or ``rollout_every < 1``.
     """
-    policy = engine.table.policy
-    consumers = [c for c in (policy if hasattr(policy, "observe") else None, engine.prefetcher) if c is not None]
+    consumers = forecast_consumers(engine)
     if not consumers:
         runner = PredictorRunner(pset, rollout=rollout, rollout_every=rollout_every)
         engine.observers.append(runner)
         return runner
     runner = PredictorRunner(pset, rollout=max(rollout, ROLLOUT), rollout_every=rollout_every)
-    engine.observers.append(ForecastFeed(runner, *consumers))
+    connect_feed(engine, pset, ForecastFeed(runner, *consumers))
+    return runner
+
+
+def forecast_consumers(engine) -> list:
+    """What in ``engine`` takes forecasts, in the order it gets them: its eviction policy when forecast-driven (one
+    with ``observe``, e.g. probabilistic Belady, SeqMoE §7.1), then its prefetcher (§6); empty when neither."""
+    policy = engine.table.policy
+    return [c for c in (policy if hasattr(policy, "observe") else None, engine.prefetcher) if c is not None]
+
+
+def connect_feed(engine, pset: PredictorSet, feed) -> None:
+    """Register ``feed`` (a forecast feed over ``forecast_consumers(engine)``) as an engine observer and give the
+    prefetcher, if any, the predictor's prefill popularity (prefill offloading, SeqMoE §8.4)."""
+    engine.observers.append(feed)
     if engine.prefetcher is not None:
         engine.prefetcher.set_prefill_popularity(pset.header.prefill_popularity)
-    return runner

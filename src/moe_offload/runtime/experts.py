@@ -81,7 +81,7 @@ def _looped_linear(x, weights: _SlotViews, bounds: list[int], bias, is_transpose
 #: most groups one grouped GEMM is given (torch's CUDA grouped GEMM refuses 1024 or more)
 MAX_GROUPS = 1023
 #: a slot window is used as the GEMM's groups only while it is at most this many times wider than the slots it
-#: serves: every group, empty or not, costs the grouped GEMM a fixed overhead (~1.3 us per group and GEMM on CPU).
+#: serves: every group, empty or not, costs the grouped GEMM a fixed overhead.
 #: A layer whose experts lie scattered across a large pool is computed instead with one GEMM per slot on views of
 #: the pool (CPU, ``_looped_linear``: no empty groups, no gathered copy), or from gathered rows (CUDA). Issue 17:
 #: at residency 0.45 on testbed-sparse, windows ~400 slots wide for ~11 experts doubled the expert time, and
