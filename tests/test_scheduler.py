@@ -274,6 +274,39 @@ def test_prob_belady_victim_and_pinned():
     assert pb.victim(set()) == 0
 
 
+def test_prob_belady_ranked_victims_equal_a_full_scan():
+    """The victim ranking reused between accesses picks exactly the resident, unpinned expert with the lowest
+    (score, last use, id), over a random mix of forecasts, accesses, inserts, evictions and pinned sets."""
+    rng = np.random.default_rng(7)
+    pb = ProbabilisticBelady(num_experts=4, horizon=3)
+    last, seq = {}, 0
+    for _ in range(3000):
+        op = rng.integers(6)
+        if op == 0:
+            pb.update_forecast((0, 3), np.round(rng.random((3, 3, 4)), 1))  # rounded: score ties happen
+        elif op == 1 and pb.resident:
+            e = int(rng.choice(sorted(pb.resident)))
+            pb.on_access(e, 0)
+            seq += 1
+            last[e] = seq
+        elif op == 2:
+            e = int(rng.integers(14))
+            if e not in pb.resident:
+                pb.on_insert(e, 0)
+                seq += 1
+                last[e] = seq
+        elif op == 3 and pb.resident:
+            pb.on_evict(int(rng.choice(sorted(pb.resident))))
+        elif op == 4 and rng.random() < 0.05:
+            pb.on_step(request=0, step=0)
+        elif pb.resident:
+            pinned = {int(e) for e in sorted(pb.resident) if rng.random() < 0.4}
+            free = [e for e in pb.resident if e not in pinned]
+            if free:
+                want = min(free, key=lambda e: (pb.score(e), last[e], e))
+                assert pb.victim(pinned) == want
+
+
 def test_prob_belady_in_slot_table():
     # 2 slots; experts 1 then 0 are loaded, then 2 misses: LRU would evict 1, the forecast evicts 0 (2.5 < 2.7)
     pb = make_pb()

@@ -364,3 +364,26 @@ def test_wait_returns_its_own_copy_not_an_unpolled_cancelled_one(parts, engines)
     assert torch.equal(pool.buf[2], store.buf[3])
     stale = [l for l in collect(te, 2) if l.eid == 3]
     assert len(stale) == 1 and not stale[0].ok and stale[0].error == "cancelled"
+
+
+def test_copy_now_copies_on_the_calling_thread_while_the_link_is_free(parts, engines):
+    """An on-demand copy with the link free runs on the caller (no landing reported, the emulated link time held,
+    nothing the worker starts meanwhile); with a prefetch in flight it refuses and leaves everything as it was."""
+    store, pool = parts
+    te = new(engines, store, pool, seconds_per_expert=0.05)
+    te.pause()
+    te.submit(1, 2, 7)                        # queued behind the pause
+    threading.Timer(0.02, te.resume).start()  # resumed while the caller holds the link: still must not start
+    t0 = time.perf_counter()
+    assert te.copy_now([3, 6], [0, 1])
+    assert time.perf_counter() - t0 >= 2 * 0.05
+    assert torch.equal(pool.buf[0], store.buf[3]) and torch.equal(pool.buf[1], store.buf[6])
+    landing = collect(te, 1)[0]               # only the worker's copy lands; after the caller's copies
+    assert (landing.eid, landing.tag, landing.ok) == (1, 7, True) and landing.started_at >= t0 + 2 * 0.05
+    assert te.stats.copies == 3 and te.stats.bytes_copied == 3 * store.layout.expert_bytes
+    te.submit(0, 3, 8)                        # a prefetch in flight: the link is busy
+    wait_until(lambda: te.in_flight() == [0])
+    before = pool.buf[2].clone()
+    assert te.copy_now([4], [2]) is False and torch.equal(pool.buf[2], before)
+    with pytest.raises(MoeOffloadError):
+        te.copy_now([N_EXPERTS], [0])

@@ -19,6 +19,11 @@ from ..errors import MoeOffloadError
 from .policies import EvictionPolicy
 
 
+#: experts accessed or inserted since the victim ranking was made beyond which ``victim`` ranks again (each call
+#: compares those experts one by one)
+_FRESH_MAX = 16
+
+
 class ProbabilisticBelady(EvictionPolicy):
     """Forecast-driven eviction policy (SeqMoE §7.1; defaults ``c = 8``, ``lambda = 0.5`` from §9.1).
 
@@ -45,7 +50,12 @@ class ProbabilisticBelady(EvictionPolicy):
     Raises:
         MoeOffloadError: ``num_experts < 1``, ``horizon < 1`` or ``lam`` outside ``(0, 1)``.
 
-    Cost: ``update_forecast`` O(c * n * e) (vectorised); ``victim`` O(resident).
+    Cost: ``update_forecast`` O(c * n * e) (vectorised). ``victim``: the resident experts are ranked by
+    (score, last use, id) once (one vectorised sort) and the ranking serves every later ``victim`` until a score
+    changes (``update_forecast``, a new request) or more than ``_FRESH_MAX`` experts were accessed or inserted
+    since; each call walks the ranking from the front past pinned, evicted and such "fresh" experts and compares
+    it with the fresh ones (whose last use is newer than the ranking's) one by one. The decode steps' ~120
+    victims (testbed-sparse at residency 0.25, issue 17) then cost a few sorts, not one vectorised pass each.
     """
 
     name = "prob-belady"
@@ -68,6 +78,8 @@ class ProbabilisticBelady(EvictionPolicy):
         self._last = np.empty(0, dtype=np.int64)
         self._in = np.empty(0, dtype=bool)
         self._seq = 0
+        self._ranking: list[int] | None = None  # resident experts by (score, last use, id) when ranked; None: stale
+        self._fresh: set[int] = set()           # experts inserted since the ranking was made (not ranked by it)
 
     def _grow(self, n: int) -> None:
         """Make the per-expert arrays hold ids ``< n`` (new entries: no forecast, never used, not resident)."""
@@ -75,6 +87,7 @@ class ProbabilisticBelady(EvictionPolicy):
         if n <= old:
             return
         n = max(n, 2 * old, self.num_experts)
+        self._ranking = None
         self._score = np.concatenate([self._score, np.full(n - old, self.no_forecast_score)])
         self._last = np.concatenate([self._last, np.zeros(n - old, dtype=np.int64)])
         self._in = np.concatenate([self._in, np.zeros(n - old, dtype=bool)])
@@ -112,6 +125,7 @@ class ProbabilisticBelady(EvictionPolicy):
         E = self.num_experts
         self._grow(hi * E)
         self._score[lo * E:hi * E] = scores.reshape(-1)
+        self._ranking = None
 
     def observe(self, forecast) -> None:
         """``update_forecast(forecast.layers, forecast.probs)`` for a ``predictor.runtime.Forecast``."""
@@ -124,11 +138,15 @@ class ProbabilisticBelady(EvictionPolicy):
     def on_step(self, request: int, step: int) -> None:
         if step == 0:
             self._score.fill(self.no_forecast_score)
+            self._ranking = None
 
     def on_access(self, eid: int, tick: int, tokens: int = 1) -> None:
         if eid in self.resident:
             self._seq += 1
             self._last[eid] = self._seq
+            self._fresh.add(eid)  # ranked by its old last use: compared apart until the next ranking
+            if len(self._fresh) > _FRESH_MAX:
+                self._ranking = None
 
     def on_insert(self, eid: int, tick: int) -> None:
         super().on_insert(eid, tick)
@@ -136,6 +154,7 @@ class ProbabilisticBelady(EvictionPolicy):
         self._seq += 1
         self._last[eid] = self._seq
         self._in[eid] = True
+        self._fresh.add(eid)  # its ranked position (if it was resident when ranked) is stale
 
     def on_evict(self, eid: int) -> None:
         super().on_evict(eid)
@@ -149,16 +168,26 @@ class ProbabilisticBelady(EvictionPolicy):
         Raises:
             RuntimeError: every resident expert is pinned (the slot table never asks then).
         """
-        cand = self._in.copy()
-        if pinned:
-            idx = np.fromiter(pinned, dtype=np.int64, count=len(pinned))
-            cand[idx[idx < cand.size]] = False
-        if not cand.any():
+        if self._ranking is None:
+            ids = np.flatnonzero(self._in)
+            self._ranking = ids[np.lexsort((ids, self._last[ids], self._score[ids]))].tolist()
+            self._fresh = set()
+        resident, fresh = self.resident, self._fresh
+        best = -1
+        for e in self._ranking:  # the first ranked expert still resident, not pinned and not re-inserted since
+            if e in resident and e not in pinned and e not in fresh:
+                best = e
+                break
+        if fresh:
+            key = (lambda e: (self._score[e], self._last[e], e))  # noqa: E731
+            cands = [e for e in fresh if e in resident and e not in pinned]
+            if cands:
+                f = min(cands, key=key)
+                if best < 0 or key(f) < key(best):
+                    best = f
+        if best < 0:
             raise RuntimeError("no evictable expert")
-        score = np.where(cand, self._score, np.inf)
-        cand &= score == score.min()
-        last = np.where(cand, self._last, np.iinfo(np.int64).max)
-        return int(np.argmin(last))  # the first minimum: the smallest id among equal (score, last use)
+        return best
 
     def reset(self) -> None:
         super().reset()
@@ -166,3 +195,5 @@ class ProbabilisticBelady(EvictionPolicy):
         self._last.fill(0)
         self._in.fill(False)
         self._seq = 0
+        self._ranking = None
+        self._fresh = set()

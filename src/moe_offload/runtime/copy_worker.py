@@ -58,7 +58,7 @@ class CopyWorker:
     def _next_job(self) -> _Job | None:
         """Block until a copy may start (lock held); None when the worker should exit."""
         while True:
-            if self._queue and (not self._paused or self._stop or self._queue[0].urgent):
+            if self._queue and not self._held and (not self._paused or self._stop or self._queue[0].urgent):
                 job = self._queue.popleft()
                 job.state = _RUNNING
                 self._current = job
@@ -109,8 +109,8 @@ class CopyWorker:
         with the link time it had left — the order ``sim.prefetch_sim`` replays. The worker sleeps on the condition,
         never spins (it must not take the GIL from the computing thread)."""
         if not (self._cpu and self.seconds_per_expert is not None) or job.urgent:
-            _sleep_until(job.deadline, spin=False)
-            return
+            _sleep_until(job.deadline, spin=job.urgent)  # the main thread waits for an urgent copy: spinning
+            return                                       # takes the GIL from no computation
         chunk = self.seconds_per_expert / LINK_CHUNKS
         with self._cond:
             while True:
@@ -146,7 +146,7 @@ class CopyWorker:
                 job.deadline = job.started_at + self.seconds_per_expert
             try:
                 self._copy(job)
-                _sleep_until(job.deadline, spin=False)
+                _sleep_until(job.deadline)  # urgent: the main thread is waiting, so spin for accuracy
                 err = None
             except Exception as e:
                 err = f"{type(e).__name__}: {e}"

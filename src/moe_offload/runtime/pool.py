@@ -45,6 +45,9 @@ class SlotPool:
         # of a few hundred KB across its intra-op threads, which costs far more than the copy when the cores are
         # busy (measured: 20 us vs 6 ms per 330 KB expert with another process on both cores)
         self._bytes = self.buf.numpy() if self.device.type == "cpu" else None
+        # on the CPU the lookup table is written through a numpy view: a torch indexed write of a few ids costs
+        # tens of microseconds of dispatch, paid per landing and per eviction (issue 17, management time)
+        self._lookup_np = self.lookup.numpy() if self.device.type == "cpu" else None
 
     @property
     def nbytes(self) -> int:
@@ -69,7 +72,11 @@ class SlotPool:
     def set_lookup(self, eids: list[int], slots: list[int]) -> None:
         """``lookup[eids[i]] = slots[i]`` (-1: not resident) in one indexed write, host lists staged without blocking
         the host. ``eids`` must be distinct (an indexed write with repeated indices keeps an unspecified one)."""
-        if eids:
-            from .experts import device_index
+        if not eids:
+            return
+        if self._lookup_np is not None:
+            self._lookup_np[eids] = slots
+            return
+        from .experts import device_index
 
-            self.lookup[device_index(eids, self.device)] = device_index(slots, self.device)
+        self.lookup[device_index(eids, self.device)] = device_index(slots, self.device)

@@ -102,7 +102,8 @@ class Prefetcher:
         self._flush_lookup()
 
     def load_on_demand(self, loads: list[Load]) -> None:
-        """Copy missed experts now (through the link, ahead of queued prefetches, new ones paused: §8.3)."""
+        """Copy missed experts now (through the link, ahead of queued prefetches, new ones paused: §8.3): on this
+        thread when the link is free (``TransferEngine.copy_now``), else by the worker ahead of its queue."""
         if not loads:
             return
         self.transfer.pause()
@@ -110,6 +111,11 @@ class Prefetcher:
             for ld in loads:
                 if ld.evicted >= 0:
                     self._set_lookup(ld.evicted, -1)
+            if self.transfer.copy_now([ld.eid for ld in loads], [ld.slot for ld in loads]):
+                for ld in loads:
+                    self._set_lookup(ld.eid, ld.slot)
+                return
+            for ld in loads:
                 self.transfer.submit(ld.eid, ld.slot, ld.tag)
             for ld in loads:
                 got = self.transfer.wait(ld.eid)
@@ -130,7 +136,7 @@ class Prefetcher:
 
     def _issue(self, layer: int) -> None:
         te = self.transfer
-        busy = lambda: len(te.queued()) + len(te.in_flight()) >= self.max_outstanding  # noqa: E731
+        busy = lambda: te.outstanding() >= self.max_outstanding  # noqa: E731
         if self.step == 0 and self.prefill is not None:
             reserve = min(self.E, self.table.num_slots)
             for eid in self.prefill.candidates(layer):

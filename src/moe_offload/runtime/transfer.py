@@ -173,6 +173,7 @@ class TransferEngine(CopyWorker):
         self._current: _Job | None = None    # the running job
         self._done: list[Landing] = []       # landings not yet reported
         self._paused = False
+        self._held = False                   # the main thread holds the link (copy_now): the worker starts nothing
         self._closed = False                 # no more submissions
         self.fatal: str | None = None        # why the worker died (then every copy lands failed)
         self._stop = False                   # worker exits once the queue is empty
@@ -322,6 +323,55 @@ class TransferEngine(CopyWorker):
     def paused(self) -> bool:
         """Whether ``pause`` is in effect."""
         return self._paused
+
+    def copy_now(self, eids: list[int], slots: list[int]) -> bool:
+        """On-demand copies on the calling thread, when the link is free: CPU pool, no copy in flight and none
+        queued that ``wait`` promoted. The worker starts no copy meanwhile; each copy holds the (emulated) link
+        for its ``seconds_per_expert`` (the calling thread sleeps, then yields the GIL until then, as the
+        non-prefetching engine's emulated loads do), and no landing is reported (the caller knows they are done).
+
+        Why: handing an on-demand copy to the worker costs two thread wake-ups per miss on a busy machine, time
+        the link model (``sim.prefetch_sim``) does not charge (issue 17, runtime vs simulator).
+
+        Args:
+            eids, slots: experts and their destination slots (same length, distinct experts).
+        Returns:
+            True when copied; False (nothing done) when the link is busy, the pool is not on the CPU, or the engine
+            is closed: the caller then ``submit``s and ``wait``s as for any on-demand copy.
+        Raises:
+            MoeOffloadError: an expert or slot out of range.
+        """
+        if not self._cpu:
+            return False
+        for eid, slot in zip(eids, slots):
+            if not 0 <= eid < self.store.num_experts_total or not 0 <= slot < self.pool.num_slots:
+                raise MoeOffloadError(f"expert {eid} / slot {slot} out of range")
+        with self._cond:
+            if self._closed or self._current is not None or (self._queue and self._queue[0].urgent):
+                return False
+            self._held = True
+        busy = 0.0
+        try:
+            for eid, slot in zip(eids, slots):
+                start = time.perf_counter()
+                self.store.copy_to(eid, self._dst[slot])
+                if self.seconds_per_expert is not None:
+                    _sleep_until(start + self.seconds_per_expert)
+                busy += time.perf_counter() - start
+        finally:
+            with self._cond:
+                self._held = False
+                st = self.stats
+                st.busy_s += busy
+                st.copies += len(eids)
+                st.bytes_copied += len(eids) * self.expert_bytes
+                self._cond.notify_all()
+        return True
+
+    def outstanding(self) -> int:
+        """Number of copies queued or in flight (``len(queued()) + len(in_flight())``, without building lists)."""
+        with self._cond:
+            return len(self._active)
 
     def in_flight(self) -> list[int]:
         """Expert ids whose copy has started and not completed (at most one: copies run one at a time)."""
