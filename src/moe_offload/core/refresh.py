@@ -61,9 +61,9 @@ from .refresh_planner import RefreshPlanner
 from .stability import StabilityEstimator
 from .tide_planner import TidePlanner
 
-__all__ = ["ActivationTracker", "IntervalChoice", "IntervalOptimiser", "LayerDecision", "PLANNERS", "ReactivePlanner",
-           "RefreshPlan", "RefreshPlanner", "Round", "StabilityEstimator", "TideFixedPlanner", "TidePlanner", "Transfer",
-           "make_refresh_planner", "select_top"]
+__all__ = ["ActivationTracker", "IntervalChoice", "IntervalOptimiser", "LayerDecision", "PLANNERS",
+           "ReactivePlanner", "RefreshPlan", "RefreshPlanner", "Round", "StabilityEstimator", "TideFixedPlanner",
+           "TidePlanner", "Transfer", "make_refresh_planner", "select_top"]
 
 
 class ReactivePlanner(RefreshPlanner):

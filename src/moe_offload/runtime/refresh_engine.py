@@ -207,16 +207,22 @@ class RefreshEngine:
         return slot
 
     def _copy_now(self, layer: int, experts: list[int]) -> None:
-        gids = []
-        for e in experts:
-            g = self._gid(layer, e)
-            self.transfer.submit(g, self._take(layer, e))
-            gids.append(g)
-        for g in gids:
-            got = self.transfer.wait(g)
-            if got is None or not got.ok:
-                raise RuntimeError(f"copy of expert {g} failed: {got and got.error}")
-            self._set_lookup(g, got.slot)
+        gids = [self._gid(layer, e) for e in experts]
+        self._load_blocking(gids, [self._take(layer, e) for e in experts])
+
+    def _load_blocking(self, gids: list[int], slots: list[int]) -> None:
+        """Copy experts ``gids`` into pool ``slots`` before returning and point the lookup table at them: on this
+        thread when the link is free (``TransferEngine.copy_now``: no hand-off to the copy worker, whose wake-ups
+        the simulator's link model does not charge), else through the worker ahead of its queue."""
+        if not self.transfer.copy_now(gids, slots):
+            for g, slot in zip(gids, slots):
+                self.transfer.submit(g, slot)
+            for g in gids:
+                got = self.transfer.wait(g)
+                if got is None or not got.ok:
+                    raise RuntimeError(f"copy of expert {g} failed: {got and got.error}")
+        for g, slot in zip(gids, slots):
+            self._set_lookup(g, slot)
 
     def _apply(self, tr: Transfer) -> None:
         for e in tr.evict:
@@ -341,13 +347,8 @@ class RefreshEngine:
                 for ld in rnd.loads:
                     if ld.evicted >= 0:
                         self._set_lookup(self._gid(layer, ld.evicted), -1)
-                    self.transfer.submit(self._gid(layer, ld.eid), base + ld.slot)
-                for ld in rnd.loads:
-                    g = self._gid(layer, ld.eid)
-                    got = self.transfer.wait(g)
-                    if got is None or not got.ok:
-                        raise RuntimeError(f"on-demand copy of expert {g} failed: {got and got.error}")
-                    self._set_lookup(g, base + ld.slot)
+                self._load_blocking([self._gid(layer, ld.eid) for ld in rnd.loads],
+                                    [base + ld.slot for ld in rnd.loads])
                 self.stats.load_time_s += time.perf_counter() - t0
                 self.stats.blocking_loads += len(rnd.loads)
                 self.stats.bytes_loaded += len(rnd.loads) * self.store.layout.expert_bytes
