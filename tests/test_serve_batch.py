@@ -14,6 +14,7 @@ import torch
 from moe_offload.generate import generate_ids
 from moe_offload.models.loader import load_offloaded
 from moe_offload.serve.batch_memory import DEFAULT_MAX_BATCH, choose_max_batch
+from moe_offload.serve.memory import non_expert_bytes
 from moe_offload.serve.server import ServeConfig, ServerThread, load_for_serving
 
 BUDGET_GB = 0.0048  # tiny Qwen3-MoE: as tests/test_serve.py, now with the batch's KV cache in the plan
@@ -156,3 +157,25 @@ def test_bench_compare_table(tiny_dirs):
         ("1", "1", "4", "0", "reference"), ("1", "4", "4", "0", "yes"), ("0.5", "1", "4", "0", "yes"),
         ("0.5", "4", "4", "0", "yes")]
     assert "residency 1: max batch 4 / batch 1 =" in report and "residency 0.5: max batch 4 / batch 1 =" in report
+
+
+@pytest.mark.parametrize("max_batch", [1, 4])
+def test_seqmoe_serves_with_a_predictor(tiny_dirs, random_pset, tmp_path, max_batch):
+    """``serve --policy seqmoe --predictor DIR``: the forecasts drive prefetching and eviction (per sequence,
+    combined for the batch), the predictor's bytes are in the plan, and every client's tokens equal
+    ``generate_ids`` alone on a fully loaded engine."""
+    d = tiny_dirs["qwen3_moe"]
+    probe = load_offloaded(d, residency=1.0, device="cpu", progress=False)
+    pset = random_pset(probe, seed=3)
+    pset.save(tmp_path / "pred")
+    state = load_for_serving(ServeConfig(d, model_name="tiny", residency=0.5, max_context=CONTEXT, policy="seqmoe",
+                                         predictor=str(tmp_path / "pred"), max_batch=max_batch), log=lambda m: None)
+    assert state.plan.non_expert_bytes == non_expert_bytes(state.lm) + pset.parameter_bytes()
+    prompts = [" ".join(["word"] * n) + f" {n}" for n in (3, 7, 2, 5)]
+    with ServerThread(state) as srv:
+        got = asyncio.run(_clients(srv, prompts, 10))
+        _wait_idle(srv)
+    refs = [generate_ids(probe, probe.tokenizer(p)["input_ids"], 10)[0] for p in prompts]
+    assert got == refs
+    pf = state.lm.engine.prefetcher
+    assert pf is not None and pf.prefetches > 0 and state.lm.engine.stats.misses > 0

@@ -15,8 +15,12 @@ def _add_common(p: argparse.ArgumentParser, positive_int, float_) -> None:
     p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: the checkpoint's")
     p.add_argument("--policy", default="auto", help="eviction policy: auto (default: the best of lru, lfu, lfru-H "
-                   "simulated on the first request's own routing), lru, lfu, lfru[-H], prefill-hot; diffusion "
-                   "models also reactive, tide-fixed[-T<n>], tide")
+                   "simulated on the first request's own routing), lru, lfu, lfru[-H], prefill-hot; with "
+                   "--predictor seqmoe-cacheonly, seqmoe, seqmoe-infinity; diffusion models also reactive, "
+                   "tide-fixed[-T<n>], tide")
+    p.add_argument("--predictor", metavar="DIR", help="a trained SeqMoE predictor (`predictor train`) for the "
+                   "forecast-driven policies seqmoe-cacheonly, seqmoe, seqmoe-infinity; with batching, the batch's "
+                   "per-sequence forecasts are combined into one demand per expert (1 - prod(1 - p))")
     size = p.add_mutually_exclusive_group()
     size.add_argument("--residency", type=float_, help="device slots as a fraction of all routed experts, (0, 1] "
                       "(default: see --memory-budget)")
@@ -96,7 +100,7 @@ def _config(args):
                        block_length=args.block_length, steps=args.steps, threshold=args.threshold,
                        prefix_cache=not args.no_prefix_cache,
                        track_memory=getattr(args, "track_memory", False), progress=not args.quiet,
-                       host_store=args.host_store, max_batch=args.max_batch)
+                       host_store=args.host_store, max_batch=args.max_batch, predictor=args.predictor)
 
 
 def run(args) -> int:
@@ -193,7 +197,7 @@ def _compare(args, prompts) -> int:
 def _command(args) -> str:
     """The ``bench serve`` command line that reproduces this run."""
     parts = ["moe-offload bench serve"]
-    for name in ("model", "policy", "residency", "slots", "memory_budget", "residencies", "batches", "replicas",
+    for name in ("model", "policy", "predictor", "residency", "slots", "memory_budget", "residencies", "batches", "replicas",
                  "max_context", "max_batch", "clients",
                  "max_tokens",
                  "max_prompt_chars", "device", "dtype", "block_length", "steps", "threshold"):

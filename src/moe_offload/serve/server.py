@@ -44,6 +44,8 @@ class ServeConfig:
         host_store: "pinned" or "mmap" (``models.loader.load_offloaded``).
         max_batch: most sequences decoding together (None: chosen by the memory plan, ``serve.batch_memory``;
             diffusion models and sliding-window / recurrent caches run batch 1).
+        predictor: a trained SeqMoE predictor directory for the forecast-driven policies (``seqmoe*``); its
+            parameters count as non-expert bytes in the memory plan.
     """
 
     model_dir: Path
@@ -63,6 +65,7 @@ class ServeConfig:
     progress: bool = False
     host_store: str = "pinned"
     max_batch: int | None = None
+    predictor: str | None = None
 
 
 SHUTDOWN_GRACE_S = 2  # seconds a running request gets to finish after Ctrl-C / SIGTERM
@@ -150,9 +153,11 @@ def load_for_serving(cfg: ServeConfig, log=_log):
     from .app import ServeState
 
     path, config, arch = read_config(cfg.model_dir)
-    if cfg.policy in FORECAST_RUNTIME_POLICIES:
-        raise MoeOffloadError(f"--policy {cfg.policy} needs a predictor, which serve does not run; use lru, lfu or "
-                              "prefill-hot (diffusion models also reactive, tide-fixed, tide)")
+    if cfg.policy in FORECAST_RUNTIME_POLICIES and not cfg.predictor:
+        raise MoeOffloadError(f"--policy {cfg.policy} needs --predictor DIR (a trained SeqMoE predictor)")
+    if cfg.predictor and cfg.policy not in FORECAST_RUNTIME_POLICIES:
+        raise MoeOffloadError(f"--predictor is used by the forecast-driven policies "
+                              f"({', '.join(sorted(FORECAST_RUNTIME_POLICIES))}), not --policy {cfg.policy}")
     diffusion = _diffusion_params(cfg, arch)
     max_pos = getattr(config, "max_position_embeddings", None)
     max_context = cfg.max_context or min(DEFAULT_MAX_CONTEXT, max_pos or DEFAULT_MAX_CONTEXT)
@@ -183,7 +188,8 @@ def load_for_serving(cfg: ServeConfig, log=_log):
             + (" per MoE layer" if is_refresh_policy(cfg.policy) else "") + ") for the profile run")
         lm = load_offloaded(path, slots=top_k, **load)
         layers, n_total = lm.num_moe_layers, lm.num_moe_layers * lm.num_experts
-        base = non_expert_bytes(lm) + lookup_bytes(lm)
+        pset = _load_predictor(cfg, lm)
+        base = non_expert_bytes(lm) + _predictor_bytes(pset) + lookup_bytes(lm)
         slots_for_budget(budget, base, lm.expert_bytes, n_total, top_k,  # weights alone too big: fail early
                          layers if is_refresh_policy(cfg.policy) else None, weights_only=True)
         log(f"profile run: the largest request ({max_context} tokens, sampled)")
@@ -200,6 +206,7 @@ def load_for_serving(cfg: ServeConfig, log=_log):
         lm = load_offloaded(path, slots=slots, **load)
     else:
         lm = load_offloaded(path, residency=cfg.residency, slots=cfg.slots, **load)
+        pset = _load_predictor(cfg, lm)
         source = ("--slots" if cfg.slots is not None else "--residency" if cfg.residency is not None
                   else "--residency 1.0 (default)")
         log(f"profile run: the largest request ({max_context} tokens, sampled)")
@@ -207,7 +214,12 @@ def load_for_serving(cfg: ServeConfig, log=_log):
         batch, note, kv, act = plan_batch(lm, cfg.max_batch, None, 0, prof, max_context)
     if lm.tokenizer is None:
         raise MoeOffloadError(f"{path} has no tokenizer: cannot encode prompts")
-    plan = MemoryPlan(budget, source, non_expert_bytes(lm), lookup_bytes(lm), kv, act, lm.expert_bytes,
+    if pset is not None:
+        _attach(lm, pset, batch)
+        log(f"predictor {cfg.predictor}: {_predictor_bytes(pset) / 1e6:.1f} MB, forecasts "
+            + ("per sequence, one demand per expert for the batch" if batch > 1 else "for one sequence"))
+    plan = MemoryPlan(budget, source, non_expert_bytes(lm) + _predictor_bytes(pset), lookup_bytes(lm), kv, act,
+                      lm.expert_bytes,
                       lm.engine.pool.num_slots, lm.num_moe_layers * lm.num_experts, top_k, max_context, batch)
     for line in plan.lines():
         log(line)
@@ -217,6 +229,36 @@ def load_for_serving(cfg: ServeConfig, log=_log):
         + (f", block diffusion {diffusion}" if diffusion else ""))
     tracker = DeviceTierTracker(lm.device) if cfg.track_memory and lm.device.type != "cuda" else None
     return ServeState(lm, cfg.model_name or str(cfg.model_dir), max_context, plan, diffusion, tracker, note)
+
+
+def _load_predictor(cfg: ServeConfig, lm):
+    """``cfg.predictor`` loaded for ``lm`` (a ``predictor.model.PredictorSet``), or None without one.
+
+    Raises:
+        MoeOffloadError: the directory is not a predictor of this model (``load_predictor``)."""
+    if not cfg.predictor:
+        return None
+    from ..predictor.model import load_predictor
+
+    return load_predictor(cfg.predictor, model_id=lm.model_id, device=lm.device)
+
+
+def _predictor_bytes(pset) -> int:
+    """Bytes of the predictor's parameters on the device (0 without one)."""
+    return 0 if pset is None else pset.parameter_bytes()
+
+
+def _attach(lm, pset, batch: int) -> None:
+    """Feed the predictor's forecasts to ``lm``'s forecast-driven policy and prefetcher: per sequence and combined
+    for a batch (``predictor.batch_feed``), or for the one sequence of a batch-1 server."""
+    if batch > 1:
+        from ..predictor.batch_feed import attach_batch_predictor
+
+        attach_batch_predictor(lm.engine, pset)
+    else:
+        from ..predictor.runtime import attach_predictor
+
+        attach_predictor(lm.engine, pset)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
