@@ -366,9 +366,9 @@ def test_wait_returns_its_own_copy_not_an_unpolled_cancelled_one(parts, engines)
     assert len(stale) == 1 and not stale[0].ok and stale[0].error == "cancelled"
 
 
-def test_copy_now_copies_on_the_calling_thread_while_the_link_is_free(parts, engines):
-    """An on-demand copy with the link free runs on the caller (no landing reported, the emulated link time held,
-    nothing the worker starts meanwhile); with a prefetch in flight it refuses and leaves everything as it was."""
+def test_copy_now_copies_on_the_calling_thread(parts, engines):
+    """On-demand copies on the caller (no landing reported, the emulated link time held, nothing the worker starts
+    meanwhile); a prefetch holding the emulated link yields it at a chunk and completes afterwards, intact."""
     store, pool = parts
     te = new(engines, store, pool, seconds_per_expert=0.05)
     te.pause()
@@ -381,9 +381,15 @@ def test_copy_now_copies_on_the_calling_thread_while_the_link_is_free(parts, eng
     landing = collect(te, 1)[0]               # only the worker's copy lands; after the caller's copies
     assert (landing.eid, landing.tag, landing.ok) == (1, 7, True) and landing.started_at >= t0 + 2 * 0.05
     assert te.stats.copies == 3 and te.stats.bytes_copied == 3 * store.layout.expert_bytes
-    te.submit(0, 3, 8)                        # a prefetch in flight: the link is busy
+    te.submit(0, 3, 8)                        # a prefetch holding the emulated link: it yields at a chunk
     wait_until(lambda: te.in_flight() == [0])
-    before = pool.buf[2].clone()
-    assert te.copy_now([4], [2]) is False and torch.equal(pool.buf[2], before)
+    te.pause()
+    assert te.copy_now([4], [2])
+    done = time.perf_counter()
+    te.resume()
+    assert torch.equal(pool.buf[2], store.buf[4])
+    prefetch = collect(te, 1)[0]              # resumed after the caller's copy, with the link time it had left
+    assert (prefetch.eid, prefetch.ok) == (0, True) and prefetch.finished_at >= done
+    assert prefetch.finished_at - prefetch.started_at >= 0.05 - 1e-3 and torch.equal(pool.buf[3], store.buf[0])
     with pytest.raises(MoeOffloadError):
         te.copy_now([N_EXPERTS], [0])

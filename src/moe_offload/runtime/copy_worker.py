@@ -58,7 +58,8 @@ class CopyWorker:
     def _next_job(self) -> _Job | None:
         """Block until a copy may start (lock held); None when the worker should exit."""
         while True:
-            if self._queue and not self._held and (not self._paused or self._stop or self._queue[0].urgent):
+            if (self._queue and not (self._held or self._want)
+                    and (not self._paused or self._stop or self._queue[0].urgent)):
                 job = self._queue.popleft()
                 job.state = _RUNNING
                 self._current = job
@@ -104,34 +105,52 @@ class CopyWorker:
 
     def _link_time(self, job: _Job) -> None:
         """Hold the emulated link until ``job.deadline``. On the CPU a prefetch yields it (SeqMoE §8.3 pause): when
-        an urgent copy (an on-demand load the main thread waits for) reaches the front of the queue, the prefetch's
-        current chunk (``1 / LINK_CHUNKS`` of a copy) completes, the urgent copies run, and the prefetch resumes
-        with the link time it had left — the order ``sim.prefetch_sim`` replays. The worker sleeps on the condition,
-        never spins (it must not take the GIL from the computing thread)."""
+        an urgent copy (an on-demand load the main thread waits for) reaches the front of the queue, or the main
+        thread asks for the link to copy on-demand experts itself (``TransferEngine.copy_now``), the prefetch's
+        current chunk (``1 / LINK_CHUNKS`` of a copy) completes, the urgent copies run (or the main thread's), and
+        the prefetch resumes with the link time it had left — the order ``sim.prefetch_sim`` replays. The worker
+        sleeps on the condition, never spins (it must not take the GIL from the computing thread)."""
         if not (self._cpu and self.seconds_per_expert is not None) or job.urgent:
             _sleep_until(job.deadline, spin=job.urgent)  # the main thread waits for an urgent copy: spinning
             return                                       # takes the GIL from no computation
         chunk = self.seconds_per_expert / LINK_CHUNKS
         with self._cond:
-            while True:
-                rem = job.deadline - time.perf_counter()
-                if rem <= 0:
-                    return
-                if not (self._queue and self._queue[0].urgent):
-                    self._cond.wait(rem)
-                    continue
-                after = math.floor(rem / chunk) * chunk    # link time left once the current chunk is through
-                self._cond.release()
-                try:
-                    _sleep_until(job.deadline - after, spin=False)
-                    paused_at = time.perf_counter()
-                    self._run_urgent()
-                finally:
-                    self._cond.acquire()
-                now = time.perf_counter()
-                job.deadline = now + after
-                job.started_at += now - paused_at  # the link time of the urgent copies is not this copy's
-                self._current = job
+            self._linkjob = job
+            try:
+                while True:
+                    rem = job.deadline - time.perf_counter()
+                    if rem <= 0:
+                        return
+                    if not (self._want or (self._queue and self._queue[0].urgent)):
+                        self._cond.wait(rem)
+                        continue
+                    after = math.floor(rem / chunk) * chunk    # link time left once the current chunk is through
+                    self._cond.release()
+                    try:
+                        _sleep_until(job.deadline - after, spin=False)
+                        paused_at = time.perf_counter()
+                        self._run_urgent()
+                        self._park()
+                    finally:
+                        self._cond.acquire()
+                    now = time.perf_counter()
+                    job.deadline = now + after
+                    job.started_at += now - paused_at  # the link time of the urgent copies is not this copy's
+                    self._current = job
+            finally:
+                self._linkjob = None
+                self._cond.notify_all()
+
+    def _park(self) -> None:
+        """Leave the link to the main thread's own copies while it asks for it (lock not held)."""
+        with self._cond:
+            if not self._want:
+                return
+            self._yielded = True
+            self._cond.notify_all()
+            while self._want:
+                self._cond.wait()
+            self._yielded = False
 
     def _run_urgent(self) -> None:
         """Run the urgent copies at the front of the queue to completion (lock not held)."""

@@ -174,6 +174,9 @@ class TransferEngine(CopyWorker):
         self._done: list[Landing] = []       # landings not yet reported
         self._paused = False
         self._held = False                   # the main thread holds the link (copy_now): the worker starts nothing
+        self._want = False                   # the main thread asks the emulated prefetch in flight to yield the link
+        self._yielded = False                # ... and the worker has parked that prefetch at a chunk boundary
+        self._linkjob: _Job | None = None    # the copy whose emulated link time the worker is holding (CPU)
         self._closed = False                 # no more submissions
         self.fatal: str | None = None        # why the worker died (then every copy lands failed)
         self._stop = False                   # worker exits once the queue is empty
@@ -325,21 +328,25 @@ class TransferEngine(CopyWorker):
         return self._paused
 
     def copy_now(self, eids: list[int], slots: list[int]) -> bool:
-        """On-demand copies on the calling thread, when the link is free: CPU pool, no copy in flight and none
-        queued that ``wait`` promoted. The worker starts no copy meanwhile; each copy holds the (emulated) link
-        for its ``seconds_per_expert`` (the calling thread sleeps, then yields the GIL until then, as the
-        non-prefetching engine's emulated loads do), and no landing is reported (the caller knows they are done).
+        """On-demand copies on the calling thread (CPU pool): with the link free at once; with a prefetch holding the
+        emulated link, after it yields at its next ``1 / LINK_CHUNKS`` chunk (SeqMoE §8.3's pause; it resumes with
+        the link time it had left once these copies are done, the order ``sim.prefetch_sim`` replays). The worker
+        starts no copy meanwhile; each copy holds the (emulated) link for its ``seconds_per_expert`` (the calling
+        thread sleeps, then yields the GIL until then, as the non-prefetching engine's emulated loads do), and no
+        landing is reported (the caller knows they are done).
 
-        Why: handing an on-demand copy to the worker costs two thread wake-ups per miss on a busy machine, time
-        the link model (``sim.prefetch_sim``) does not charge (issue 17, runtime vs simulator).
+        Why: handing an on-demand copy to the worker costs two thread wake-ups per miss on a busy machine, time the
+        link model does not charge (issue 17, runtime vs simulator).
 
         Args:
             eids, slots: experts and their destination slots (same length, distinct experts).
         Returns:
-            True when copied; False (nothing done) when the link is busy, the pool is not on the CPU, or the engine
-            is closed: the caller then ``submit``s and ``wait``s as for any on-demand copy.
+            True when copied; False (nothing done) when the pool is not on the CPU, the engine is closed, a copy the
+            main thread waits for is queued, or a copy without emulated link time is in flight: the caller then
+            ``submit``s and ``wait``s as for any on-demand copy.
         Raises:
             MoeOffloadError: an expert or slot out of range.
+            RuntimeError: a copy failed (``"on-demand copy of expert E failed: <error>"``); the link is released.
         """
         if not self._cpu:
             return False
@@ -347,20 +354,30 @@ class TransferEngine(CopyWorker):
             if not 0 <= eid < self.store.num_experts_total or not 0 <= slot < self.pool.num_slots:
                 raise MoeOffloadError(f"expert {eid} / slot {slot} out of range")
         with self._cond:
-            if self._closed or self._current is not None or (self._queue and self._queue[0].urgent):
+            if self._closed or (self._queue and self._queue[0].urgent):
                 return False
+            if self._current is not None:
+                if self._current is not self._linkjob:
+                    return False
+                self._want = True
+                self._cond.notify_all()
+                while not self._yielded and self._linkjob is not None:
+                    self._cond.wait()
             self._held = True
         busy = 0.0
         try:
             for eid, slot in zip(eids, slots):
                 start = time.perf_counter()
-                self.store.copy_to(eid, self._dst[slot])
+                try:
+                    self.store.copy_to(eid, self._dst[slot])
+                except Exception as e:  # as a worker's failed copy is reported to the waiting caller
+                    raise RuntimeError(f"on-demand copy of expert {eid} failed: {type(e).__name__}: {e}") from e
                 if self.seconds_per_expert is not None:
                     _sleep_until(start + self.seconds_per_expert)
                 busy += time.perf_counter() - start
         finally:
             with self._cond:
-                self._held = False
+                self._held = self._want = False
                 st = self.stats
                 st.busy_s += busy
                 st.copies += len(eids)
