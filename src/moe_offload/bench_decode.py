@@ -69,11 +69,11 @@ def bench_decode(path: Path, prompts: list[str], residencies: list[float], *, ma
         MoeOffloadError: as ``load_offloaded``; a forecast-driven policy without ``predictor``.
     """
     from .errors import MoeOffloadError
-    from .models.loader import FORECAST_RUNTIME_POLICIES
+    from .models.loader import PREDICTOR_POLICIES
 
     policies = [p.strip() for p in policy.split(",") if p.strip()]
-    if any(p in FORECAST_RUNTIME_POLICIES for p in policies) and not predictor:
-        raise MoeOffloadError("--policy " + ",".join(p for p in policies if p in FORECAST_RUNTIME_POLICIES)
+    if any(p in PREDICTOR_POLICIES for p in policies) and not predictor:
+        raise MoeOffloadError("--policy " + ",".join(p for p in policies if p in PREDICTOR_POLICIES)
                               + " needs --predictor DIR")
     full = load_full(path, device=device, dtype=dtype)
     ref_out, ref = _measure(full, prompts, max_new_tokens, progress)
@@ -94,7 +94,8 @@ def bench_decode(path: Path, prompts: list[str], residencies: list[float], *, ma
             rows.append(row)
             breakdowns.append((row.policy, r, bd))
     if link_epl:
-        trace = _record_routing(path, prompts, max_new_tokens, device, dtype)
+        trace = _record_routing(path, prompts, max_new_tokens, device, dtype,
+                                xl=any(p in ("xl", "seqmoe-xl") for p in policies))
         _simulate_rows(rows[1:], trace, link_epl, predictor, rollout_every)
     regime = (f"; emulated link: {link_epl} experts per layer time = {1e6 * spe:.0f} us per expert copy "
               f"(FullLoad layer time {1e6 * t_layer:.0f} us)" if spe else "")
@@ -114,16 +115,17 @@ def _measure_policy(path, prompts, max_new_tokens, pol, r, device, dtype, progre
     """Load the offloaded model with policy ``pol`` at residency ``r`` (the predictor attached when it needs one,
     the link emulated when ``spe``), measure it, and return its row (``ratio`` left for the caller) and its
     time breakdown."""
-    from .models.loader import FORECAST_RUNTIME_POLICIES
+    from .models.loader import FORECAST_RUNTIME_POLICIES, PREDICTOR_POLICIES
+    from .predictor.cross_layer import attach_forecasts
     from .predictor.model import load_predictor
-    from .predictor.runtime import attach_predictor
 
     lm = load_offloaded(path, device=device, dtype=dtype, residency=r, policy=pol, progress=False,
                         link_epl=link_epl or 2.0, seconds_per_expert=spe)
     try:
         if pol in FORECAST_RUNTIME_POLICIES:
-            attach_predictor(lm.engine, load_predictor(predictor, model_id=lm.model_id, device=lm.device),
-                             rollout_every=rollout_every)
+            pset = load_predictor(predictor, model_id=lm.model_id, device=lm.device) if pol in PREDICTOR_POLICIES \
+                else None
+            attach_forecasts(lm, pol, pset, rollout_every=rollout_every)
         if spe is not None and lm.engine.prefetcher is None:  # a prefetcher's TransferEngine paces its copies
             _emulate_on_demand(lm, spe)
         outs, s = _measure(lm, prompts, max_new_tokens, progress)
@@ -152,14 +154,16 @@ class _Renumbered:
         self.rec.end_step(step)
 
 
-def _record_routing(path, prompts, max_new_tokens, device, dtype):
+def _record_routing(path, prompts, max_new_tokens, device, dtype, xl: bool = False):
     """The routing of every measured run — the warm-up request, then the prompts — recorded once on an unmeasured
-    offloaded run at residency 1.0 (a lossless run routes identically at any residency and policy)."""
+    offloaded run at residency 1.0 (a lossless run routes identically at any residency and policy); with ``xl`` also
+    the cross-layer forecasts (``trace collect --xl-forecasts``)."""
+    from .predictor.cross_layer import XL_DEPTH
     from .trace.collect import TraceRecorder
 
     lm = load_offloaded(path, device=device, dtype=dtype, residency=1.0, policy="lru", progress=False)
     try:
-        with TraceRecorder(lm, source="bench decode") as rec:
+        with TraceRecorder(lm, source="bench decode", xl_depth=XL_DEPTH if xl else 0) as rec:
             run(lm, prompts[:1], min(8, max_new_tokens), recorder=rec)
             run(lm, prompts, max_new_tokens, recorder=_Renumbered(rec, 1))
             return rec.trace()
@@ -170,24 +174,29 @@ def _record_routing(path, prompts, max_new_tokens, device, dtype):
 def _simulate_rows(rows: list[DecodeRow], trace, link_epl: float, predictor: str | None, rollout_every: int) -> None:
     """Fill each row's ``simulated``: the replay of ``trace`` with the row's policy and slot count under the link
     model of ``sim.prefetch_sim`` at ``link_epl``, the predictor's forecasts replayed with the runtime's settings."""
-    from .models.loader import FORECAST_RUNTIME_POLICIES
+    from .models.loader import PREDICTOR_POLICIES
+    from .sim.forecasts import forecast_stream, xl_stream
     from .sim.prefetch_sim import replay_policy
     from .sim.simulator import layer_needs
 
     needs = layer_needs(trace)
-    forecasts = popularity = None
-    if any(r.requested in FORECAST_RUNTIME_POLICIES for r in rows):
+    streams, pset = {}, None
+    wanted = {r.requested for r in rows}
+    if wanted & set(PREDICTOR_POLICIES):
         from .predictor.model import load_predictor
-        from .sim.forecasts import forecast_stream
 
         pset = load_predictor(predictor, model_id=trace.header["model_id"])
-        forecasts = forecast_stream(pset, trace, rollout_every=rollout_every)
-        popularity = pset.header.prefill_popularity
+        streams = dict.fromkeys(wanted & set(PREDICTOR_POLICIES) - {"seqmoe-xl"},
+                                forecast_stream(pset, trace, rollout_every=rollout_every))
+    for p in wanted & {"xl", "seqmoe-xl"}:
+        streams[p] = xl_stream(trace, pset if p == "seqmoe-xl" else None, rollout_every=rollout_every)
     for row in rows:
         if row.requested == "auto" or not row.same:  # auto starts from its own simulation's state
             continue
-        _, row.simulated = replay_policy(trace, row.requested, row.slots, link_epl, forecasts=forecasts,
-                                         prefill_popularity=popularity, needs=needs)
+        popularity = pset.header.prefill_popularity if pset is not None and row.requested != "xl" else None
+        _, row.simulated = replay_policy(trace, row.requested, row.slots, link_epl,
+                                         forecasts=streams.get(row.requested), prefill_popularity=popularity,
+                                         needs=needs)
 
 
 def _table(rows: list[DecodeRow]) -> list[str]:

@@ -58,6 +58,9 @@ def _add_generate_parser(sub) -> None:
     g.add_argument("--rollout", type=nonneg_int, default=0,
                    help="with --predictor: recursive forecast steps per decode step (default 0; the seqmoe* policies "
                    "use at least 7: SeqMoE's c = 8 CacheScore rows)")
+    g.add_argument("--xl-depth", type=positive_int, default=3, metavar="D",
+                   help="with --policy xl / seqmoe-xl: later MoE layers each layer's cross-layer forecast covers "
+                   "(default 3)")
     g.add_argument("--link-gbps", type=float_, help="with --policy seqmoe*: emulate a host->device link of X GB/s "
                    "(every expert copy takes at least expert bytes / X; default: no emulation)")
     g.add_argument("--block-length", type=int, help="diffusion models (LLaDA2): positions per block (default 32)")
@@ -116,27 +119,27 @@ def _attach_predictor(args, lm):
     if args.rollout and not args.predictor:
         raise MoeOffloadError("--rollout needs --predictor")
     forecast_policy = lm.engine is not None and hasattr(getattr(lm.engine.table, "policy", None), "observe")
-    if forecast_policy and not args.predictor:
+    if forecast_policy and not args.predictor and args.policy != "xl":
         raise MoeOffloadError(f"--policy {args.policy} needs --predictor DIR (it evicts by the predictor's forecast)")
-    if not args.predictor:
+    if not args.predictor and (args.policy != "xl" or lm.engine is None):
         return None
     if lm.engine is None:
         raise MoeOffloadError("--predictor needs the offloaded runtime (not --full-load)")
+    from .predictor.cross_layer import attach_forecasts
     from .predictor.model import load_predictor
-    from .predictor.runtime import attach_predictor
 
-    return attach_predictor(lm.engine, load_predictor(args.predictor, model_id=lm.model_id, device=lm.device),
-                            rollout=args.rollout)
+    pset = load_predictor(args.predictor, model_id=lm.model_id, device=lm.device) if args.predictor else None
+    return attach_forecasts(lm, args.policy, pset, rollout=args.rollout, xl_depth=args.xl_depth)
 
 
 def _cmd_generate(args) -> int:
     from .generate import run
-    from .models.loader import FORECAST_RUNTIME_POLICIES
+    from .models.loader import PREDICTOR_POLICIES
     from .report import offload_notes, stats_dict, stats_table
 
     if args.temperature < 0 or not (0 < args.top_p <= 1):
         raise MoeOffloadError("--temperature must be >= 0 and --top-p in (0, 1]")
-    if args.policy in FORECAST_RUNTIME_POLICIES and not args.predictor and not args.full_load:
+    if args.policy in PREDICTOR_POLICIES and not args.predictor and not args.full_load:
         raise MoeOffloadError(f"--policy {args.policy} needs --predictor DIR (it evicts by the predictor's forecast)")
     prompts = load_prompts(args)
     path = resolve_model(args.model, progress=not args.quiet)

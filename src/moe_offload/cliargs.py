@@ -148,8 +148,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default="auto",
                    help="eviction policy: auto (default: the best of lru, lfu, lfru-H, prefill-hot on a simulation "
                    "of the first prompt's own routing), lru, lfu, lfru[-H] (frequency-recency, half-life H decode "
-                   "steps, 8), prefill-hot; with --predictor: seqmoe-cacheonly (probabilistic Belady), seqmoe (+ JSD "
-                   "prefetching), seqmoe-infinity; diffusion models: reactive, tide-fixed-T<n>, tide (auto: lru)")
+                   "steps, 8), prefill-hot, xl (cross-layer forecasts from the model's own routers drive "
+                   "probabilistic Belady + JSD prefetching; no predictor); with --predictor: seqmoe-cacheonly "
+                   "(probabilistic Belady), seqmoe (+ JSD prefetching), seqmoe-infinity, seqmoe-xl (SeqMoE blended "
+                   "with cross-layer forecasts); diffusion models: reactive, tide-fixed-T<n>, tide (auto: lru)")
     p.add_argument("--max-new-tokens", type=positive_int, default=64, help="tokens to generate per prompt at most")
     add_prompt_args(p)
     p.add_argument("--quiet", action="store_true", help="no progress bars")

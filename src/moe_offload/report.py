@@ -16,6 +16,8 @@ POLICY_WORDS = {
     "seqmoe-cacheonly": "evicts by the predictor's forecast (SeqMoE's probabilistic Belady)",
     "seqmoe": "evicts by the predictor's forecast and prefetches over an asynchronous copy engine (SeqMoE)",
     "seqmoe-infinity": "SeqMoE with MoE-Infinity's prefetch order",
+    "xl": "evicts and prefetches by the next layers' routers applied to each layer's hidden state (cross-layer)",
+    "seqmoe-xl": "SeqMoE with its next-layer forecasts blended with the next layers' routers (cross-layer)",
     "reactive": "per-layer budgets, on-demand loads at each diffusion step",
     "tide": "TIDE: per-layer budgets refreshed at I/O-aware intervals; a miss is computed on the host or swapped in",
 }

@@ -161,6 +161,26 @@ def tasks_from_forecast(forecast, num_moe_layers: int, num_experts: int, top_k: 
     return tasks
 
 
+def submit_forecast(scheduler: "PrefetchScheduler", forecast, num_moe_layers: int, num_experts: int, top_k: int,
+                    table=None) -> None:
+    """Queue a forecast's tasks (``tasks_from_forecast``) — the one place the runtime's prefetcher and the simulator
+    turn a forecast into queued tasks.
+
+    A cross-layer forecast (``forecast.cross_layer``, ``predictor.cross_layer``: made inside the step it forecasts,
+    from this token's hidden state) first drops every queued task of its layers' deadlines in that step: it is newer
+    than the SeqMoE forecast or the earlier layer's cross-layer forecast that queued them, and its top-(k+3) replace
+    theirs (deadlines ``position(step, p, L)``, so JSD schedules these near tasks and SeqMoE's far ones together).
+
+    Raises:
+        MoeOffloadError: as ``generate_tasks``.
+    """
+    tasks = tasks_from_forecast(forecast, num_moe_layers, num_experts, top_k, table=table)
+    if getattr(forecast, "cross_layer", False):
+        lo, hi = forecast.layers
+        scheduler.drop_deadlines(position(forecast.step + 1, p, num_moe_layers) for p in range(lo, hi))
+    scheduler.submit(tasks)
+
+
 class PrefetchScheduler(ABC):
     """Prefetch task queue plus the transfer-budget bookkeeping of Algorithm 1; subclasses choose the task.
 
@@ -269,6 +289,18 @@ class PrefetchScheduler(ABC):
         for k in keys:
             self._remove(k)
         return len(keys)
+
+    def drop_deadlines(self, ddls: Iterable[int]) -> int:
+        """Remove every queued task whose deadline is one of ``ddls``; returns how many."""
+        n = 0
+        for d in ddls:
+            group = self._by_ddl.pop(int(d), None)
+            if group:
+                for key in group:
+                    del self._queue[key]
+                n += len(group)
+                self._version += 1
+        return n
 
     def _remove(self, key: tuple[int, int]) -> None:
         del self._queue[key]

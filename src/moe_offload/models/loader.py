@@ -133,7 +133,10 @@ def is_refresh_policy(policy: str) -> bool:
 
 
 # runtime policy names driven by a predictor's forecasts -> their prefetch scheduler (None: no prefetching)
-FORECAST_RUNTIME_POLICIES = {"seqmoe-cacheonly": None, "seqmoe": "jsd", "seqmoe-infinity": "moe-infinity"}
+FORECAST_RUNTIME_POLICIES = {"seqmoe-cacheonly": None, "seqmoe": "jsd", "seqmoe-infinity": "moe-infinity",
+                             "xl": "jsd", "seqmoe-xl": "jsd"}
+#: of those, the ones a trained predictor must drive (``xl`` runs on the model's own routers, predictor.cross_layer)
+PREDICTOR_POLICIES = ("seqmoe-cacheonly", "seqmoe", "seqmoe-infinity", "seqmoe-xl")
 
 
 def _check_policy(policy: str, arch: Architecture, interval: int) -> bool:
@@ -202,7 +205,9 @@ def load_offloaded(model_dir: str | Path, *, device: str | None = None, dtype: s
         policy: eviction policy name ("lru", "lfu", "prefill-hot", or "seqmoe-cacheonly": probabilistic Belady,
             which needs a predictor's forecasts fed through ``predictor.runtime.ForecastFeed``), or a full SeqMoE
             pipeline: "seqmoe" (probabilistic Belady + JSD prefetching, SeqMoE §6-§7) / "seqmoe-infinity" (with
-            MoE-Infinity's task ordering): the engine gets a ``runtime.prefetcher.Prefetcher`` (feed it forecasts).
+            MoE-Infinity's task ordering) / "xl" (the same fed cross-layer forecasts, ``predictor.cross_layer``) /
+            "seqmoe-xl" (fed SeqMoE's forecasts blended with cross-layer ones, ``predictor.blend``): the engine gets
+            a ``runtime.prefetcher.Prefetcher`` (feed it forecasts, e.g. ``predictor.cross_layer.attach_forecasts``).
             Or a diffusion refresh planner (TIDE, ``core.refresh``): "reactive", "tide-fixed" (``interval`` steps;
             or "tide-fixed-T<n>"), "tide" (cost model calibrated at load: ``runtime.refresh_calibrate.calibrate_costs``);
             the slots are then split into equal per-layer budgets (``ceil(slots / L)`` experts per layer, at least

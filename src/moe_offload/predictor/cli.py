@@ -45,6 +45,10 @@ def add_parser(sub, positive_int, nonneg_int, fl) -> None:
     e.add_argument("--overhead-prompts", type=positive_int, default=4, help="prompts of the overhead run")
     e.add_argument("--max-new-tokens", type=positive_int, default=32, help="tokens per prompt in the overhead run")
     e.add_argument("--rollout", type=nonneg_int, default=8, help="recursive steps in the overhead run (default 8)")
+    e.add_argument("--xl-weights", metavar="W1,W2,...",
+                   help="traces collected with --xl-forecasts: blend weights of the cross-layer forecast at layer "
+                   "distance 1, 2, ... for the Seq-1+XL-j rows (default: the seqmoe-xl policy's, "
+                   "predictor.blend.XL_WEIGHTS)")
     e.add_argument("--json", action="store_true", help="one JSON object instead of tables")
     e.add_argument("--quiet", action="store_true", help="no progress bars")
 
@@ -151,8 +155,15 @@ def cmd_eval(args) -> int:
     fit_on = [seqs[i] for i in train_idx] if train_idx else test
     markov = MarkovPredictor(h.num_moe_layers, h.num_experts).fit(fit_on)
     pop = popularity_counts(fit_on, h.num_moe_layers, h.num_experts)
+    weights = None
+    if args.xl_weights:
+        from ..cliargs import split_floats
+
+        weights = split_floats(args.xl_weights, "--xl-weights")
+        if not all(0.0 <= w <= 1.0 for w in weights):
+            raise MoeOffloadError(f"--xl-weights must be in [0, 1], got {args.xl_weights}")
     res = evaluate_predictor(pset, test, horizon=args.horizon, long_threshold=args.long_threshold, markov=markov,
-                             popularity=pop, control=control, progress=not args.quiet)
+                             popularity=pop, control=control, progress=not args.quiet, xl_weights=weights)
     head, rows = recall_table(res)
     out = {"requests": note, "top_k": h.top_k, "num_experts": h.num_experts, "long_requests": res.long_requests,
            "recall": {r[0]: {"top_k_plus_3": r[1], "top_k": r[2], "pairs": r[3]} for r in rows},

@@ -14,6 +14,10 @@ Rows of the table:
   the experts of the step h before (what Seq-h competes with);
 - ``Seq-1 (all positions)`` vs ``Shuffled control``: the ordered model and the model trained on step-shuffled
   sequences, each over every position of (ordered resp. shuffled) test requests (SeqMoE §3.1 fig. 2);
+- ``XL-j`` (traces collected with ``--xl-forecasts``): the cross-layer forecast of layer ``l + j`` made at layer ``l``
+  of the same decode step (``predictor.cross_layer``: layer ``l + j``'s router on layer ``l``'s router input), for
+  the same decode steps; ``Seq-1+XL-j``: Seq-1 blended with it as the policy ``seqmoe-xl`` blends them
+  (``predictor.blend.mix``, weight ``w_j``);
 - ``Chance``: (k+3)/e resp. k/e.
 """
 
@@ -79,7 +83,7 @@ class EvalResult:
 def evaluate_predictor(pset: PredictorSet, seqs: list[Sequence], *, horizon: int = 8, long_threshold: int = 512,
                        markov: MarkovPredictor | None = None, popularity: torch.Tensor | None = None,
                        control: PredictorSet | None = None, shuffle_seed: int = 1234,
-                       progress: bool = False) -> EvalResult:
+                       progress: bool = False, xl_weights=None) -> EvalResult:
     """Evaluate on held-out sequences.
 
     Args:
@@ -91,12 +95,16 @@ def evaluate_predictor(pset: PredictorSet, seqs: list[Sequence], *, horizon: int
         popularity: float ``[L, e]`` activation counts for the ``Last`` baseline's top-up (row omitted if None).
         control: the shuffled-control predictors (row omitted if None).
         shuffle_seed: seed of the test sequences' shuffling for the control.
+        xl_weights: the blend weights of the ``Seq-1+XL-j`` rows (default ``predictor.blend.XL_WEIGHTS``).
 
     Returns:
         ``EvalResult``.
     """
     from tqdm.auto import tqdm
 
+    from .blend import XL_WEIGHTS
+
+    xl_weights = tuple(xl_weights) if xl_weights is not None else XL_WEIGHTS
     h = pset.header
     k, E = h.top_k, h.num_experts
     res = EvalResult(top_k=k, num_experts=E, horizon=horizon, long_threshold=long_threshold)
@@ -125,6 +133,8 @@ def evaluate_predictor(pset: PredictorSet, seqs: list[Sequence], *, horizon: int
             nxt, state = p.prefill(x[:P])
             for t in range(P, T):
                 res.row("Seq-1").add(nxt.unsqueeze(0), ids[t:t + 1], k)
+                if seq.xl is not None:
+                    _blend_rows(res, seq, t, (lo, hi), nxt, xl_weights)
                 if is_long:
                     res.row("Seq-L1").add(nxt.unsqueeze(0), ids[t:t + 1], k)
                 if horizon > 1 and t + horizon - 1 < T:
@@ -133,6 +143,8 @@ def evaluate_predictor(pset: PredictorSet, seqs: list[Sequence], *, horizon: int
                 if t + 1 < T:
                     nxt = p.step(x[t], state)
         dec = slice(max(P, 1), T)
+        if seq.xl is not None and P >= 1:
+            _xl_rows(res, seq)
         if markov is not None and dec.start < T:
             res.row("Markov").add(markov.predict(seq.ids[dec.start - 1:T - 1], seq.weights[dec.start - 1:T - 1]),
                                   seq.ids[dec], k)
@@ -144,6 +156,29 @@ def evaluate_predictor(pset: PredictorSet, seqs: list[Sequence], *, horizon: int
                     prev = torch.zeros(T - first, h.num_moe_layers, E).scatter_(-1, seq.ids[first - lag:T - lag], 1.0)
                     res.row(name).add(prev + pop, seq.ids[first:T], k)
     return res
+
+
+def _xl_rows(res: EvalResult, seq: Sequence) -> None:
+    """Rows ``XL-j``: the cross-layer forecasts of every decode step of ``seq`` against its true experts."""
+    P, L, d = seq.prompt_len, seq.ids.shape[1], seq.xl.shape[2]
+    for j in range(1, min(d, L - 1) + 1):
+        res.row(f"XL-{j}").add(seq.xl[:, :L - j, j - 1], seq.ids[P:, j:], res.top_k)
+
+
+def _blend_rows(res: EvalResult, seq: Sequence, t: int, layers: tuple[int, int], logits: torch.Tensor,
+                weights) -> None:
+    """Rows ``Seq-1+XL-j`` at position ``t`` for one predictor's ``layers``: its one-step ``logits [n, E]`` (softmax:
+    the runtime's forecast) blended with the cross-layer forecast of each layer from ``j`` layers before."""
+    from .blend import mix
+
+    lo, hi = layers
+    xl = seq.xl[t - seq.prompt_len]                       # [L, d, E]
+    probs = torch.softmax(logits, dim=-1)
+    for j in range(1, xl.shape[1] + 1):
+        ps = torch.arange(max(lo, j), hi)
+        if len(ps):
+            b = mix(xl[ps - j, j - 1], probs[ps - lo], weights, [j] * len(ps))
+            res.row(f"Seq-1+XL-{j}").add(b.unsqueeze(0), seq.ids[t:t + 1, ps], res.top_k)
 
 
 def popularity_counts(seqs: list[Sequence], num_moe_layers: int, num_experts: int) -> torch.Tensor:
@@ -158,8 +193,9 @@ def recall_table(res: EvalResult) -> tuple[list[str], list[list[str]]]:
     """Header and rows for printing: name, recall@top-(k+3), recall@top-k, positions."""
     k, E = res.top_k, res.num_experts
     head = ["forecast", f"recall@top-{k + 3}", f"recall@top-{k}", "(position, layer) pairs"]
-    order = ["Seq-1", f"Seq-{res.horizon}", "Seq-L1", "Markov", "Last", f"Last-{res.horizon}", "Seq-1 (all positions)",
-             "Shuffled control (all positions)"]
+    xl = sorted((n for n in res.rows if n.startswith(("XL-", "Seq-1+XL-"))), key=lambda n: (n[0] == "S", n))
+    order = ["Seq-1", f"Seq-{res.horizon}", "Seq-L1", *xl, "Markov", "Last", f"Last-{res.horizon}",
+             "Seq-1 (all positions)", "Shuffled control (all positions)"]
     rows = []
     for name in order:
         r = res.rows.get(name)

@@ -71,12 +71,15 @@ class Sequence:
         weights: float32 ``[T, L, k]`` their routing weights.
         prompt_len: number of prompt positions P (rows ``[0, P)``; row ``P + i - 1`` is decode step i).
         key: ``(trace_index, request)`` identity of the request.
+        xl: float32 ``[T - P, L, d, E]`` or None: the cross-layer forecasts recorded at each decode step
+            (``Trace.xl_probs``; row ``i - 1`` = decode step i).
     """
 
     ids: torch.Tensor
     weights: torch.Tensor
     prompt_len: int
     key: tuple[int, int]
+    xl: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.ids.shape[0]
@@ -95,6 +98,7 @@ class Sequence:
 def trace_sequences(trace: Trace, trace_index: int = 0) -> list[Sequence]:
     """Split a trace into per-request sequences (rows in trace order: the prompt's tokens, then decode steps)."""
     req = trace.request
+    dec = trace.decode_rows() if trace.xl_probs is not None else None
     out = []
     bounds = np.flatnonzero(np.diff(req)) + 1
     starts = np.concatenate([[0], bounds]).astype(int)
@@ -103,9 +107,13 @@ def trace_sequences(trace: Trace, trace_index: int = 0) -> list[Sequence]:
         if e <= s:
             continue
         steps = trace.step[s:e]
+        xl = None
+        if dec is not None:
+            rows = dec[s:e]
+            xl = torch.from_numpy(trace.xl_probs[rows[rows >= 0]])
         out.append(Sequence(ids=torch.from_numpy(trace.expert_ids[s:e].astype(np.int64)),
                             weights=torch.from_numpy(trace.expert_weights[s:e].astype(np.float32)),
-                            prompt_len=int((steps == 0).sum()), key=(trace_index, int(req[s]))))
+                            prompt_len=int((steps == 0).sum()), key=(trace_index, int(req[s])), xl=xl))
     return out
 
 

@@ -30,12 +30,16 @@ class Forecast:
         layers: ``(l, l')``, the MoE layers forecast.
         probs: float32 ``[1 + c, n, e]``: row j is the per-layer probability of each expert being activated at
             step ``step + 1 + j`` (row 0 is the one-step prediction, rows 1.. the recursive rollout).
+        cross_layer: made inside step ``step + 1`` by the later layers' routers (``predictor.cross_layer``): row 0
+            forecasts the current step's next layers; its prefetch tasks replace the queued ones of the same
+            deadlines (``core.prefetch.submit_forecast``).
     """
 
     request: int
     step: int
     layers: tuple[int, int]
     probs: torch.Tensor
+    cross_layer: bool = False
 
 
 @dataclass

@@ -22,7 +22,7 @@ import math
 
 import torch
 
-from ..core.prefetch import PrefetchScheduler, position, tasks_from_forecast
+from ..core.prefetch import PrefetchScheduler, position, submit_forecast
 from ..core.prefill_prefetch import PrefillPrefetch
 from ..core.slots import Load, SlotTable
 from .pool import SlotPool
@@ -69,8 +69,9 @@ class Prefetcher:
             self.scheduler.reset()
 
     def observe(self, forecast) -> None:
-        """Turn a one-step forecast into prefetch tasks (SeqMoE §6.1: k + 3 per layer, conf, ddl)."""
-        self.scheduler.submit(tasks_from_forecast(forecast, self.L, self.E, self.k, table=self.table))
+        """Turn a one-step (or cross-layer) forecast into prefetch tasks (SeqMoE §6.1: k + 3 per layer, conf, ddl;
+        ``core.prefetch.submit_forecast``)."""
+        submit_forecast(self.scheduler, forecast, self.L, self.E, self.k, table=self.table)
 
     def _set_lookup(self, eid: int, slot: int) -> None:
         self._lookup_writes[eid] = slot

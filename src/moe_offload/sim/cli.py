@@ -33,9 +33,10 @@ def add_parser(sub) -> None:
                     "speed columns stay empty)")
     sm.add_argument("--model", help="check that every trace was recorded on this checkpoint directory (default: no "
                     "check)")
-    sm.add_argument("--predictor", help="a trained predictor (for seqmoe-cacheonly, seqmoe, seqmoe-infinity, and "
-                    "seqmoe-oracle: its forecasts replaced by the true future, an upper bound); when the traces are "
-                    "its training traces, every policy replays only its held-out requests (default: none)")
+    sm.add_argument("--predictor", help="a trained predictor (for seqmoe-cacheonly, seqmoe, seqmoe-infinity, "
+                    "seqmoe-xl, and seqmoe-oracle: its forecasts replaced by the true future, an upper bound); when "
+                    "the traces are its training traces, every policy replays only its held-out requests (default: "
+                    "none). The policies xl and seqmoe-xl need traces collected with --xl-forecasts")
     sm.add_argument("--rollout-every", type=int_in(1, 64), default=ROLLOUT_EVERY,
                     help="with --predictor: decode steps between the predictor's recursive rollouts, as the runtime "
                     f"runs it (default {ROLLOUT_EVERY}; 1 = every step, as SeqMoE)")
@@ -93,7 +94,7 @@ def _row(name: str, tr, mp, hw, policy: str, r: float, slots: int, res) -> dict:
 def run(args) -> int:
     """``moe-offload simulate``: replays, report files, and the table on stdout. Returns the exit status."""
     from ..trace.format import load_trace
-    from .prefetch_sim import PREFETCH_POLICIES
+    from .prefetch_sim import PREFETCH_POLICIES, XL_POLICIES
     from .report import write_report
     from .simulator import FORECAST_POLICIES, build_policy
 
@@ -114,10 +115,13 @@ def run(args) -> int:
     hw, mp, used = choose_profiles(args, traces)
     print(used)
     tm, no_speed = _time_model(args, hw, mp)
-    forecasts, popularity = {}, None
-    wants = [p for p in policies if p.lower() in FORECAST_POLICIES or p.lower() in PREFETCH_POLICIES]
+    forecasts, popularity, pset = {}, None, None
+    wants = [p for p in policies if (p.lower() in FORECAST_POLICIES or p.lower() in PREFETCH_POLICIES)
+             and p.lower() != "xl"]
     if args.predictor:
-        traces, forecasts, popularity = _predictor_replay_set(args.predictor, traces, bool(wants), args.rollout_every)
+        seq = [p for p in wants if p.lower() not in XL_POLICIES]
+        traces, forecasts, popularity, pset = _predictor_replay_set(args.predictor, traces, bool(seq),
+                                                                    args.rollout_every)
     elif wants:
         raise MoeOffloadError(f"--policy {','.join(wants)} needs --predictor DIR")
     epl = args.link_epl or mp.paper_overlap_experts_per_layer.get(hw.name) or (
@@ -134,6 +138,7 @@ def run(args) -> int:
         for p in policies:  # validate every name before the long loop
             if p.lower() not in PREFETCH_POLICIES:
                 build_policy(p, tr, 1, needs=[])
+    forecasts |= _xl_streams(traces, policies, pset, args.rollout_every)
     rows = _replays(traces, policies, residencies, mp, hw, tm, epl, forecasts, popularity)
     files = write_report(rows, out, f"Expert hit rate and projected decode speed ({mp.name} on {hw.name})")
     print((out / "results.md").read_text())
@@ -159,13 +164,13 @@ def _replays(traces, policies, residencies, mp, hw, tm, epl, forecasts, populari
         for p in policies:
             for r in residencies:
                 slots = max(1, math.ceil(r * n_total - 1e-9))
-                fc = forecasts.get(name)
+                fc = forecasts.get((name, p.lower()), forecasts.get(name))
                 if p.lower().endswith("-oracle") and fc is not None:
                     from .forecasts import oracle_stream
 
                     fc = oracle.setdefault(name, oracle_stream(fc, tr))
-                res, fraction = replay_policy(tr, p, slots, epl, forecasts=fc, prefill_popularity=popularity,
-                                              needs=needs)
+                res, fraction = replay_policy(tr, p, slots, epl, forecasts=fc, needs=needs,
+                                              prefill_popularity=None if p.lower() == "xl" else popularity)
                 row = _row(name, tr, mp, hw, res.policy if p.lower() not in PREFETCH_POLICIES else p.lower(), r,
                            slots, res) | {"link_epl": epl, "decode_fraction_link_model": fraction}
                 if p.lower() in PREFETCH_POLICIES:
@@ -203,4 +208,22 @@ def _predictor_replay_set(predictor: str, traces: list, need_forecasts: bool, ro
         traces = [(name, merged)]
     fc = ({name: forecast_stream(pset, tr, rollout_every=rollout_every, progress=True) for name, tr in traces}
           if need_forecasts else {})
-    return traces, fc, pset.header.prefill_popularity
+    return traces, fc, pset.header.prefill_popularity, pset
+
+
+def _xl_streams(traces: list, policies: list[str], pset, rollout_every: int) -> dict:
+    """``{(trace name, policy): forecast stream}`` for the cross-layer policies among ``policies``
+    (``sim.forecasts.xl_stream``: ``xl`` alone, ``seqmoe-xl`` blended with ``pset``'s forecasts).
+
+    Raises:
+        MoeOffloadError: a trace without cross-layer forecasts.
+    """
+    from .forecasts import xl_stream
+    from .prefetch_sim import XL_POLICIES
+
+    out = {}
+    for p in {p.lower() for p in policies} & set(XL_POLICIES):
+        for name, tr in traces:
+            out[(name, p)] = xl_stream(tr, pset if p == "seqmoe-xl" else None, rollout_every=rollout_every,
+                                       progress=True)
+    return out

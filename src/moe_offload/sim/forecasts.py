@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..errors import MoeOffloadError
 from ..predictor.model import PredictorSet
 from ..predictor.runtime import ROLLOUT, ROLLOUT_EVERY, Forecast, ForecastFeed, PredictorRunner
 from ..trace.format import Trace
@@ -31,28 +32,78 @@ def forecast_stream(pset: PredictorSet, trace: Trace, rollout: int = ROLLOUT, ro
     Returns:
         For each step of ``trace.steps()`` (replay order), the ``(trigger MoE layer, Forecast)`` pairs produced in it.
     """
+    return _replay_feed(ForecastFeed(PredictorRunner(pset, rollout=rollout, rollout_every=rollout_every), _Sink()),
+                        trace, progress)
+
+
+class _Sink:
+    """Records what a feed hands to its consumers, with the MoE layer it was handed over at."""
+
+    def __init__(self):
+        self.layer, self.events = 0, []
+
+    def observe(self, forecast: Forecast) -> None:
+        self.events.append((self.layer, forecast))
+
+
+def _replay_feed(feed, trace: Trace, progress: bool = False, xl=None) -> list[list[tuple[int, Forecast]]]:
+    """Run an engine-observer ``feed`` (whose consumers end with a ``_Sink``) over ``trace``'s routing in the
+    runtime's order: per step ``begin_step``, then every MoE layer; ``xl`` (a ``TraceXL``) follows the steps."""
     from tqdm.auto import tqdm
 
-    class _Sink:  # records what the runtime's ForecastFeed hands to its consumers, with the current layer
-        layer = 0
-        events: list[tuple[int, Forecast]] = []
-
-        @classmethod
-        def observe(cls, forecast: Forecast) -> None:
-            cls.events.append((cls.layer, forecast))
-
-    feed = ForecastFeed(PredictorRunner(pset, rollout=rollout, rollout_every=rollout_every), _Sink)
+    sink = feed.consumers[-1]
     ids = torch.from_numpy(trace.expert_ids.astype(np.int64))
     w = torch.from_numpy(trace.expert_weights.astype(np.float32))
     out = []
     for req, step, a, b in tqdm(trace.steps(), desc="forecasts", disable=not progress, leave=False):
         feed.begin_step(req, step)
-        _Sink.events = []
+        if xl is not None:
+            xl.row = xl.rows[a]
+        sink.events = []
         for layer in range(trace.num_moe_layers):
-            _Sink.layer = layer
+            sink.layer = layer
             feed(layer, ids[a:b, layer], w[a:b, layer])
-        out.append(_Sink.events)
+        out.append(sink.events)
     return out
+
+
+class TraceXL:
+    """The cross-layer forecasts a trace recorded (``trace collect --xl-forecasts``), as the source a
+    ``predictor.cross_layer.CrossLayerFeed`` reads: ``probs(layer)`` of the current decode row (set by
+    ``_replay_feed``) is float32 ``[n, E]``, exactly what the runtime's ``CrossLayerForecaster`` gave.
+
+    Raises:
+        MoeOffloadError: the trace has no cross-layer forecasts.
+    """
+
+    def __init__(self, trace: Trace):
+        if trace.xl_probs is None:
+            raise MoeOffloadError("the xl and seqmoe-xl policies need a trace collected with --xl-forecasts")
+        self.xl = torch.from_numpy(trace.xl_probs)
+        self.rows = trace.decode_rows()
+        self.L, self.depth = trace.num_moe_layers, trace.xl_probs.shape[2]
+        self.row = -1
+
+    def probs(self, layer: int) -> torch.Tensor | None:
+        n = min(self.depth, self.L - 1 - layer)
+        return self.xl[self.row, layer, :n] if self.row >= 0 and n >= 1 else None
+
+
+@torch.no_grad()
+def xl_stream(trace: Trace, pset: PredictorSet | None = None, rollout_every: int = ROLLOUT_EVERY,
+              weights=None, progress: bool = False) -> list[list[tuple[int, Forecast]]]:
+    """The forecasts of the policies ``xl`` (``pset`` None: cross-layer forecasts alone) and ``seqmoe-xl`` (blended
+    with ``pset``'s, ``predictor.blend``) over ``trace``, as ``forecast_stream`` lays them out: the runtime's
+    ``CrossLayerFeed`` run on the trace's recorded cross-layer forecasts.
+
+    Raises:
+        MoeOffloadError: a trace without cross-layer forecasts (``TraceXL``).
+    """
+    from ..predictor.cross_layer import CrossLayerFeed
+
+    src = TraceXL(trace)
+    runner = PredictorRunner(pset, rollout=ROLLOUT, rollout_every=rollout_every) if pset is not None else None
+    return _replay_feed(CrossLayerFeed(src, [_Sink()], runner, weights), trace, progress, xl=src)
 
 
 def oracle_stream(stream: list[list[tuple[int, Forecast]]], trace: Trace) -> list[list[tuple[int, Forecast]]]:

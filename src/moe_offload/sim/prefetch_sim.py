@@ -31,7 +31,7 @@ import heapq
 import math
 from dataclasses import dataclass
 
-from ..core.prefetch import LINK_CHUNKS, make_scheduler, position, tasks_from_forecast
+from ..core.prefetch import LINK_CHUNKS, make_scheduler, position, submit_forecast
 from ..core.prefill_prefetch import PrefillPrefetch
 from ..core.slots import SlotTable
 from ..errors import MoeOffloadError
@@ -40,9 +40,13 @@ from .simulator import ReplayResult, build_policy, layer_needs
 
 
 # policy names of the full SeqMoE pipeline in ``simulate``: (eviction policy, prefetch scheduler)
-# (``-oracle``: the same pipeline fed perfect forecasts, ``sim.forecasts.oracle_stream``: an upper bound)
+# (``-oracle``: the same pipeline fed perfect forecasts, ``sim.forecasts.oracle_stream``: an upper bound; ``xl`` /
+# ``seqmoe-xl``: fed cross-layer forecasts alone / blended with SeqMoE's, ``sim.forecasts.xl_stream``)
 PREFETCH_POLICIES = {"seqmoe": ("seqmoe-cacheonly", "jsd"), "seqmoe-infinity": ("seqmoe-cacheonly", "moe-infinity"),
-                     "seqmoe-oracle": ("seqmoe-cacheonly", "jsd")}
+                     "seqmoe-oracle": ("seqmoe-cacheonly", "jsd"), "xl": ("seqmoe-cacheonly", "jsd"),
+                     "seqmoe-xl": ("seqmoe-cacheonly", "jsd")}
+#: the policies fed cross-layer forecasts (``predictor.cross_layer``); ``xl`` needs no trained predictor
+XL_POLICIES = ("xl", "seqmoe-xl")
 
 
 @dataclass
@@ -134,7 +138,7 @@ def replay_with_prefetch(trace: Trace, num_slots: int, policy: str, link_epl: fl
                     if observe is not None:
                         observe(f)
                     if sched is not None:
-                        sched.submit(tasks_from_forecast(f, L, E, k, table=table))
+                        submit_forecast(sched, f, L, E, k, table=table)
             if prefetched:  # prefetched experts this layer finds resident or in flight
                 res.prefetches_used += sum(1 for e in needed[p]
                                            if e in prefetched and (table.is_resident(e) or table.in_flight(e)))

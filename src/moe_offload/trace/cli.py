@@ -18,6 +18,11 @@ def add_parser(sub) -> None:
     add_model_args(tc)
     tc.add_argument("--out", required=True, help="trace file to write (must not exist)")
     tc.add_argument("--router-probs", action="store_true", help="also record softmax router probabilities")
+    tc.add_argument("--xl-forecasts", action="store_true",
+                    help="also record the cross-layer forecasts of every decode step (the next --xl-depth layers' "
+                    "routers on each MoE layer's router input), for simulate --policy xl,seqmoe-xl and predictor eval")
+    tc.add_argument("--xl-depth", type=positive_int, default=None, metavar="D",
+                    help="with --xl-forecasts: later MoE layers forecast by each layer (default 3)")
     tc.add_argument("--max-prompt-chars", type=positive_int, default=2000,
                     help="skip prompts longer than this (ShareGPT has very long turns)")
     tc.add_argument("--no-prefix-cache", action="store_true", help="diffusion models: record the reference loop, "
@@ -91,7 +96,13 @@ def _collect(args) -> int:
               f"{tr.num_experts} experts, top-{tr.top_k}")
         return 0
     lm = load_offloaded(path, device=args.device, dtype=args.dtype, policy=args.policy, progress=not args.quiet)
-    with TraceRecorder(lm, router_probs=args.router_probs, source=f"moe-offload trace collect on {path}") as rec:
+    if args.xl_depth and not args.xl_forecasts:
+        raise MoeOffloadError("--xl-depth needs --xl-forecasts")
+    from ..predictor.cross_layer import XL_DEPTH
+
+    xl_depth = (args.xl_depth or XL_DEPTH) if args.xl_forecasts else 0
+    with TraceRecorder(lm, router_probs=args.router_probs, source=f"moe-offload trace collect on {path}",
+                       xl_depth=xl_depth) as rec:
         run(lm, prompts, args.max_new_tokens, progress=not args.quiet, recorder=rec)
         tr = rec.trace()
     tr.save(out)

@@ -4,7 +4,9 @@
 ``top_k_weights`` exactly as the offloaded experts receive them; with ``router_probs`` it also hooks each router
 module (``gate``/``router`` beside the experts module; transformers' routers return
 ``(router_logits [T, E], weights, indices)``) and keeps ``softmax(router_logits)``; a router with classes past the
-E experts (Zaya's skip expert, index E, which computes nothing) keeps the experts' columns of that softmax.
+E experts (Zaya's skip expert, index E, which computes nothing) keeps the experts' columns of that softmax. With ``xl_depth = d > 0`` it also records, per decode step and MoE layer, the cross-layer
+forecast of the next d layers (``predictor.cross_layer.CrossLayerForecaster``, the very computation the ``xl`` and
+``seqmoe-xl`` policies run), so the simulator replays what the runtime saw.
 """
 
 from __future__ import annotations
@@ -24,10 +26,14 @@ class TraceRecorder(HookedRecorder):
         lm: an offloaded model (``load_offloaded``); FullLoad has no engine to observe.
         router_probs: also record softmax router probabilities ``[T, E]`` per MoE layer.
         source: free text stored in the header (what produced the trace).
+        xl_depth: d > 0: also record the cross-layer forecasts of the next d MoE layers (``Trace.xl_probs``).
+    Raises:
+        MoeOffloadError: FullLoad (no engine); with ``xl_depth``, a model whose routers cross-layer forecasts cannot
+            call (``CrossLayerForecaster``).
     Call ``close()`` (or use it as a context manager) to remove the hooks.
     """
 
-    def __init__(self, lm: LoadedModel, router_probs: bool = False, source: str = ""):
+    def __init__(self, lm: LoadedModel, router_probs: bool = False, source: str = "", xl_depth: int = 0):
         if lm.engine is None:
             raise MoeOffloadError("trace collection needs the offloaded runtime (not --full-load)")
         self.lm = lm
@@ -41,6 +47,13 @@ class TraceRecorder(HookedRecorder):
         self._requests: list[dict] = []
         self._request = -1
         self._handles = []
+        self.xl = None
+        self._layer_xl: list[torch.Tensor | None] = [None] * self.L
+        self._rows_xl: list[np.ndarray] = []
+        if xl_depth:
+            from ..predictor.cross_layer import CrossLayerForecaster
+
+            self.xl = CrossLayerForecaster(lm.model, experts_modules(lm.model), self.E, xl_depth)
         lm.engine.observers.append(self._observe)
         self.router_probs = router_probs
         if router_probs:
@@ -54,6 +67,12 @@ class TraceRecorder(HookedRecorder):
     def _observe(self, layer: int, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> None:
         self._layer_ids[layer] = top_k_index.detach().to("cpu", torch.int16)
         self._layer_w[layer] = top_k_weights.detach().to("cpu", torch.float16)
+        if self.xl is not None:
+            probs = torch.zeros(self.xl.depth, self.E)
+            got = self.xl.probs(layer)
+            if got is not None:
+                probs[:got.shape[0]] = got.cpu()
+            self._layer_xl[layer] = probs
 
     def _router_hook(self, layer: int):
         def hook(module, args, out):
@@ -81,6 +100,8 @@ class TraceRecorder(HookedRecorder):
         self._rows_step.append(np.full(n, step, np.int32))
         if step > 0:
             self._requests[-1]["decode_steps"] = step
+            if self.xl is not None:
+                self._rows_xl.append(torch.stack(self._layer_xl).unsqueeze(0).numpy())
         self._layer_ids = [None] * self.L
         self._layer_w = [None] * self.L
         self._layer_p = [None] * self.L
@@ -97,10 +118,13 @@ class TraceRecorder(HookedRecorder):
                      cat(self._rows_w, (0, self.L, self.k), np.float16),
                      cat(self._rows_req, (0,), np.int32), cat(self._rows_step, (0,), np.int32),
                      np.array([t for p in self._prompts for t in p], np.int32),
-                     cat(self._rows_p, (0, self.L, self.E), np.float16) if self.router_probs else None)
+                     cat(self._rows_p, (0, self.L, self.E), np.float16) if self.router_probs else None,
+                     cat(self._rows_xl, (0, self.L, self.xl.depth, self.E), np.float32) if self.xl else None)
 
     def close(self) -> None:
         """Remove the engine observer and router hooks."""
         if self._observe in self.lm.engine.observers:
             self.lm.engine.observers.remove(self._observe)
+        if self.xl is not None:
+            self.xl.close()
         super().close()

@@ -10,6 +10,7 @@ Arrays (one row per token position the model processed, requests in order, each 
 | ``step`` | int32 | ``[N]`` | 0 for the prompt's tokens (prefill), i >= 1 for the i-th decode step |
 | ``prompt_ids`` | int32 | ``[sum of prompt lengths]`` | the prompts' token ids, requests concatenated (tokenizer-free) |
 | ``router_probs`` | float16 | ``[N, L, E]`` | optional: softmax of the router logits (``--router-probs``) |
+| ``xl_probs`` | float32 | ``[D, L, d, E]`` | optional (``--xl-forecasts``): per decode row (the D rows with step >= 1, in order), per MoE layer l, the cross-layer forecast of layer ``l + 1 + j`` (``predictor.cross_layer``; zeros past the last layer) |
 
 One *step* is one forward pass: the prefill of a request (all its prompt tokens, one layer execution per MoE
 layer) or one decode token. The runtime and the simulator process a trace step by step and, inside a step,
@@ -18,7 +19,7 @@ MoE layer by MoE layer.
 Header (safetensors metadata key ``moe_offload_trace``, JSON):
 ``format``, ``version``, ``model_id`` (fingerprint of the model's config.json, see ``model_fingerprint``),
 ``model_type``, ``num_moe_layers``, ``num_experts``, ``top_k``, ``synthetic`` (true for generated traces),
-``router_probs`` (bool), ``requests`` (``[{"prompt_tokens": P, "decode_steps": D}]``), ``source`` (free text).
+``router_probs`` (bool), ``xl_depth`` (d of ``xl_probs``, 0 without), ``requests`` (``[{"prompt_tokens": P, "decode_steps": D}]``), ``source`` (free text).
 """
 
 from __future__ import annotations
@@ -115,6 +116,7 @@ class Trace(HeaderGeometry):
     step: np.ndarray
     prompt_ids: np.ndarray
     router_probs: np.ndarray | None = None
+    xl_probs: np.ndarray | None = None
     _bounds: list[tuple[int, int, int, int]] | None = field(default=None, repr=False)
 
     @property
@@ -127,6 +129,11 @@ class Trace(HeaderGeometry):
         if self._bounds is None:
             self._bounds = run_bounds(self.request, self.step)
         return self._bounds
+
+    def decode_rows(self) -> np.ndarray:
+        """int64 ``[N]``: each row's index among the decode rows (into ``xl_probs``), -1 for prefill rows."""
+        dec = self.step > 0
+        return np.where(dec, np.cumsum(dec) - 1, -1)
 
     def check_model(self, fingerprint: str) -> None:
         """Raise MoeOffloadError unless this trace was recorded on the model with ``fingerprint``."""
@@ -148,7 +155,10 @@ class Trace(HeaderGeometry):
                   "prompt_ids": self.prompt_ids.astype(np.int32)}
         if self.router_probs is not None:
             arrays["router_probs"] = self.router_probs.astype(np.float16)
-        header = dict(self.header, format=FORMAT, version=VERSION, router_probs=self.router_probs is not None)
+        if self.xl_probs is not None:
+            arrays["xl_probs"] = self.xl_probs.astype(np.float32)
+        header = dict(self.header, format=FORMAT, version=VERSION, router_probs=self.router_probs is not None,
+                      xl_depth=0 if self.xl_probs is None else int(self.xl_probs.shape[2]))
         return write_arrays_with_header(p, arrays, META_KEY, header)
 
 
@@ -201,8 +211,12 @@ def load_trace(path: str | Path) -> Trace:
     probs = arrays.get("router_probs")
     if probs is not None and probs.shape != (n, L, E):
         raise MoeOffloadError(f"{p}: router_probs of shape {probs.shape}, header says [{n}, {L}, {E}]")
+    xl = arrays.get("xl_probs")
+    if xl is not None and xl.shape != (int((arrays["step"] > 0).sum()), L, header.get("xl_depth"), E):
+        raise MoeOffloadError(f"{p}: xl_probs of shape {xl.shape}, header says [decode rows, {L}, "
+                              f"{header.get('xl_depth')}, {E}]")
     return Trace(header, arrays["expert_ids"], arrays["expert_weights"], arrays["request"], arrays["step"],
-                 arrays["prompt_ids"], probs)
+                 arrays["prompt_ids"], probs, xl)
 
 
 def merge_requests(parts: list[tuple[Trace, list[int]]], source: str = "") -> Trace:
@@ -213,14 +227,15 @@ def merge_requests(parts: list[tuple[Trace, list[int]]], source: str = "") -> Tr
         source: free text for the new header's ``source``.
 
     Returns:
-        A ``Trace`` (router probabilities kept only when every part has them).
+        A ``Trace`` (router probabilities, cross-layer forecasts kept only when every part has them).
 
     Raises:
         MoeOffloadError: no request chosen, traces of different models, or a request index out of range.
     """
-    ids_l, w_l, req_l, step_l, pid_l, probs_l, reqs_meta = [], [], [], [], [], [], []
+    ids_l, w_l, req_l, step_l, pid_l, probs_l, xl_l, reqs_meta = [], [], [], [], [], [], [], []
     first = None
     keep_probs = all(t.router_probs is not None for t, _ in parts)
+    keep_xl = all(t.xl_probs is not None for t, _ in parts)
     for tr, requests in parts:
         if first is None:
             first = tr
@@ -240,9 +255,13 @@ def merge_requests(parts: list[tuple[Trace, list[int]]], source: str = "") -> Tr
             pid_l.append(tr.prompt_ids[pstart[r]:pstart[r + 1]])
             if keep_probs:
                 probs_l.append(tr.router_probs[rows])
+            if keep_xl:
+                dec = tr.decode_rows()[rows]
+                xl_l.append(tr.xl_probs[dec[dec >= 0]])
             reqs_meta.append(dict(tr.header["requests"][r]))
     if not reqs_meta:
         raise MoeOffloadError("no request to merge")
     header = dict(first.header, requests=reqs_meta, source=source or first.header.get("source", ""))
     return Trace(header, np.concatenate(ids_l), np.concatenate(w_l), np.concatenate(req_l), np.concatenate(step_l),
-                 np.concatenate(pid_l), np.concatenate(probs_l) if keep_probs else None)
+                 np.concatenate(pid_l), np.concatenate(probs_l) if keep_probs else None,
+                 np.concatenate(xl_l) if keep_xl else None)

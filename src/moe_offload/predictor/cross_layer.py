@@ -1,0 +1,240 @@
+"""Cross-layer forecasts: the next layers' routers applied to this layer's router input (Fate, arXiv 2502.12224;
+ProMoE; Pre-gated MoE).
+
+The router inputs of adjacent MoE layers differ only by a residual update, so at MoE layer ``l`` of decode step
+``s`` the routers of layers ``l+1 .. l+d``, called on layer ``l``'s router input, forecast the experts those layers
+will choose for the *same* token — no training, the model's own router functions (softmax, sigmoid + bias, group
+limits, ...), called as the model calls them. ``CrossLayerForecaster`` captures each router's input (a forward
+pre-hook) and calls the later routers on it; ``xl_probabilities`` turns a router's output into a probability per
+expert; ``CrossLayerFeed`` (an engine observer) hands the forecasts, alone (policy ``xl``) or blended with SeqMoE's
+multi-step forecasts (``seqmoe-xl``, ``predictor.blend``), to the forecast-driven eviction policy and the
+prefetcher. The simulator replays the forecasts a trace recorded (``trace collect --xl-forecasts``) through the
+same feed (``sim.forecasts.xl_stream``).
+
+Cross-layer forecasts are made in decode steps only (a prefill's many tokens need most experts anyway, and
+SeqMoE's prefill offloading, §8.4, covers it).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from ..errors import MoeOffloadError
+from .runtime import ForecastFeed
+
+#: d, the number of later MoE layers each MoE layer forecasts (default of ``--xl-depth``)
+XL_DEPTH = 3
+
+
+def _router_of(model: torch.nn.Module, experts_name: str) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """``(parent block, router module)`` of the experts module named ``experts_name``: the ``gate`` or ``router``
+    beside it (transformers' MoE blocks)."""
+    parent = model.get_submodule(experts_name.rpartition(".")[0])
+    for attr in ("gate", "router"):
+        router = getattr(parent, attr, None)
+        if isinstance(router, torch.nn.Module):
+            return parent, router
+    raise MoeOffloadError(f"cross-layer forecasts: no router module (gate/router) beside {experts_name}")
+
+
+def _extra_args(parent: torch.nn.Module, router: torch.nn.Module, where: str) -> list[str]:
+    """Names of the router's forward arguments after the hidden states; each must be a tensor (or None) of the MoE
+    block itself (an expert bias the block passes, e.g. AFMoE, LFM2-MoE, HunYuan-V3, MiniMax-M2), else the router
+    depends on more than the hidden state (a hash router's token ids, a previous layer's router state) and cannot
+    be applied to another layer's hidden state."""
+    params = list(inspect.signature(router.forward).parameters.values())[1:]
+    names = []
+    for p in params:
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        val = getattr(parent, p.name, None)
+        if not (val is None and hasattr(parent, p.name)) and not isinstance(val, torch.Tensor):
+            raise MoeOffloadError(f"cross-layer forecasts: the router of {where} ({type(router).__name__}) also "
+                                  f"takes {p.name!r}, which is not the MoE block's own tensor; it cannot be applied "
+                                  "to another layer's hidden state")
+        names.append(p.name)
+    return names
+
+
+def xl_probabilities(router_out, num_experts: int) -> torch.Tensor:
+    """One router output as a probability per expert (what a cross-layer forecast gives the decision core).
+
+    ``p = (1 - eps) * onehot(top_k_index) / k + eps * softmax(router_logits[:, :E])`` with ``eps = 1 / (2(k + 1))``:
+    the router's own top-k first (each at least ``(1 - eps) / k > eps``, so the top-k of ``p`` is exactly the
+    router's, whatever its scoring: softmax, sigmoid + bias, group limits), the rest ranked by the router logits
+    (exact for softmax routers; beyond the top-k an approximation for biased or group-limited ones); sums to 1 over
+    the experts like SeqMoE's forecasts (§5.3), so the two blend and mix in one CacheScore.
+
+    Args:
+        router_out: the router's return value ``(router_logits [T, E'] (E' >= E), top_k_weights [T, k],
+            top_k_index [T, k] int, ...)`` (transformers' router convention; Inkling adds shared-expert gammas).
+        num_experts: E.
+    Returns:
+        float32 ``[T, E]`` on the router's device.
+    Raises:
+        MoeOffloadError: an output that is not such a tuple.
+    """
+    if not (isinstance(router_out, tuple) and len(router_out) >= 3 and isinstance(router_out[2], torch.Tensor)
+            and not router_out[2].is_floating_point()):
+        raise MoeOffloadError("cross-layer forecasts: the router does not return (logits, weights, indices)")
+    logits, _, index = router_out[:3]
+    k = index.shape[-1]
+    eps = 1.0 / (2 * (k + 1))
+    soft = torch.softmax(logits.reshape(-1, logits.shape[-1])[:, :num_experts].float(), dim=-1)
+    index = index.reshape(-1, k).long()
+    sel = torch.zeros_like(soft).scatter_(-1, index, (1.0 - eps) / k)
+    return sel + eps * soft
+
+
+class CrossLayerForecaster:
+    """The model's routers, one per MoE layer, applied to earlier layers' router inputs.
+
+    Args:
+        model: the transformers model (``LoadedModel.model``).
+        experts: ``[(qualified name, experts module)]`` in MoE-layer order (``models.capability.experts_modules``).
+        num_experts: E routed experts per MoE layer.
+        depth: d >= 1, later layers forecast by each layer.
+    Raises:
+        MoeOffloadError: ``depth < 1``; a MoE layer without a router module, or whose router needs more than the
+            hidden state (one line naming the layer and the argument).
+
+    ``probs(layer)`` after the model ran MoE layer ``layer``'s router in the current forward pass gives float32
+    ``[n, E]`` (``n = min(d, L - 1 - layer)``, the token mean of ``xl_probabilities``): row j forecasts MoE layer
+    ``layer + 1 + j``. Call ``close()`` to remove the hooks.
+    """
+
+    def __init__(self, model: torch.nn.Module, experts: list, num_experts: int, depth: int = XL_DEPTH):
+        if depth < 1:
+            raise MoeOffloadError(f"--xl-depth must be >= 1, got {depth}")
+        self.depth, self.E, self.L = depth, num_experts, len(experts)
+        self.routers: list[tuple[torch.nn.Module, torch.nn.Module, list[str]]] = []
+        for layer, (name, _) in enumerate(experts):
+            parent, router = _router_of(model, name)
+            self.routers.append((parent, router, _extra_args(parent, router, f"MoE layer {layer}")))
+        self.inputs: list[torch.Tensor | None] = [None] * self.L
+        self._handles = [r.register_forward_pre_hook(self._capture(i), with_kwargs=True)
+                         for i, (_, r, _) in enumerate(self.routers)]
+
+    def _capture(self, layer: int):
+        def hook(module, args, kwargs):
+            self.inputs[layer] = args[0] if args else kwargs["hidden_states"]
+        return hook
+
+    def route(self, layer: int, hidden_states: torch.Tensor):
+        """MoE layer ``layer``'s router on ``hidden_states [..., H]``, called as its MoE block calls it: the
+        router's output tuple."""
+        parent, router, extra = self.routers[layer]
+        return router(hidden_states, *[getattr(parent, n) for n in extra])
+
+    @torch.no_grad()
+    def probs(self, layer: int) -> torch.Tensor | None:
+        """float32 ``[n, E]`` forecasts of layers ``layer + 1 .. layer + n`` from this pass's router input of
+        ``layer`` (None at the last layer or before the router ran)."""
+        x = self.inputs[layer]
+        n = min(self.depth, self.L - 1 - layer)
+        if x is None or n < 1:
+            return None
+        return torch.stack([xl_probabilities(self.route(layer + 1 + j, x), self.E).mean(0) for j in range(n)])
+
+    def close(self) -> None:
+        """Remove the router hooks."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
+class CrossLayerFeed:
+    """Engine observer for the policies ``xl`` and ``seqmoe-xl``: at each MoE layer of a decode step, the
+    cross-layer forecast of the next layers (from ``source``), alone or blended with a predictor's forecasts
+    (``predictor.blend.blend_forecast``), handed to the consumers before the layer is planned — the order the
+    simulator replays.
+
+    Args:
+        source: ``probs(layer) -> float32 [n, E] | None`` for the current pass (a ``CrossLayerForecaster`` in the
+            runtime, ``sim.forecasts.TraceXL`` in the simulator).
+        consumers: objects with ``observe(forecast)`` (``predictor.runtime.forecast_consumers``), in this order.
+        runner: a ``PredictorRunner`` (``seqmoe-xl``: its own forecasts go to the consumers as ``ForecastFeed``
+            hands them, and the cross-layer ones are blended with them), or None (``xl``).
+        weights: the blend weight of the cross-layer forecast per layer distance (``predictor.blend.XL_WEIGHTS``).
+    """
+
+    def __init__(self, source, consumers: list, runner=None, weights=None):
+        from .blend import XL_WEIGHTS
+
+        self.source, self.consumers, self.runner = source, list(consumers), runner
+        self.weights = tuple(weights) if weights is not None else XL_WEIGHTS
+        self.inner = ForecastFeed(runner, *consumers) if runner is not None else None
+        self.request, self.step = -1, 0
+
+    def begin_step(self, request: int, step: int) -> None:
+        """Before each forward pass (0 = prefill)."""
+        self.request, self.step = request, step
+        if self.inner is not None:
+            self.inner.begin_step(request, step)
+
+    def __call__(self, layer: int, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> None:
+        """At MoE ``layer``: the predictor's new forecasts (if any), then the cross-layer forecast of the next layers
+        (decode steps only)."""
+        from .blend import blend_forecast
+
+        if self.inner is not None:
+            self.inner(layer, top_k_index, top_k_weights)
+        if self.step < 1:
+            return
+        xl = self.source.probs(layer)
+        if xl is None:
+            return
+        f = blend_forecast(self.request, self.step, layer, xl, self.runner, self.weights)
+        for c in self.consumers:
+            c.observe(f)
+
+
+def attach_cross_layer(lm, pset=None, depth: int = XL_DEPTH, rollout_every: int | None = None) -> CrossLayerFeed:
+    """Feed ``lm``'s engine cross-layer forecasts (policy ``xl``) or blended ones (``seqmoe-xl``: with ``pset``'s,
+    which also brings its prefill popularity to the prefetcher, SeqMoE §8.4) and return the feed.
+
+    Args:
+        lm: an offloaded model (``models.loader.load_offloaded``) with a forecast-driven policy.
+        pset: the trained predictors (``seqmoe-xl``) or None (``xl``).
+        depth: d, later layers forecast by each MoE layer.
+        rollout_every: the predictor's rollout interval (default ``predictor.runtime.ROLLOUT_EVERY``).
+    Raises:
+        MoeOffloadError: as ``CrossLayerForecaster``, or the engine has nothing that takes forecasts.
+    """
+    from ..models.capability import experts_modules
+    from .runtime import ROLLOUT, ROLLOUT_EVERY, PredictorRunner, connect_feed, forecast_consumers
+
+    engine = lm.engine
+    consumers = forecast_consumers(engine)
+    if not consumers:
+        raise MoeOffloadError("cross-layer forecasts need a forecast-driven policy (xl, seqmoe-xl)")
+    source = CrossLayerForecaster(lm.model, experts_modules(lm.model), lm.num_experts, depth)
+    runner = None
+    if pset is not None:
+        runner = PredictorRunner(pset, rollout=ROLLOUT, rollout_every=rollout_every or ROLLOUT_EVERY)
+    feed = CrossLayerFeed(source, consumers, runner)
+    if pset is not None:
+        connect_feed(engine, pset, feed)
+    else:
+        engine.observers.append(feed)
+    return feed
+
+
+def attach_forecasts(lm, policy: str, pset=None, rollout: int = 0, rollout_every: int | None = None,
+                     xl_depth: int = XL_DEPTH):
+    """What ``generate`` and ``bench decode`` attach for a runtime ``policy``: cross-layer forecasts for ``xl`` and
+    ``seqmoe-xl`` (``attach_cross_layer``), else ``pset`` through ``predictor.runtime.attach_predictor`` (None when
+    there is no ``pset``). Returns the ``PredictorRunner`` (None for ``xl``).
+
+    Raises:
+        MoeOffloadError: as ``attach_cross_layer`` / ``attach_predictor``.
+    """
+    from .runtime import ROLLOUT_EVERY, attach_predictor
+
+    if policy in ("xl", "seqmoe-xl"):
+        return attach_cross_layer(lm, pset if policy == "seqmoe-xl" else None, xl_depth, rollout_every).runner
+    if pset is None:
+        return None
+    return attach_predictor(lm.engine, pset, rollout=rollout, rollout_every=rollout_every or ROLLOUT_EVERY)
