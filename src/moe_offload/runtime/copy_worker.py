@@ -1,5 +1,7 @@
-"""The worker-thread side of ``runtime.transfer.TransferEngine``: one copy at a time from the host store into a
-pool slot, the emulated link's timing, and a prefetch yielding the emulated link to on-demand copies (SeqMoE §8.3).
+"""The link of ``runtime.transfer.TransferEngine``: the worker thread's side (one copy at a time from the host store
+into a pool slot, the emulated link's timing) and the protocol by which a prefetch yields the emulated link to
+on-demand copies (SeqMoE §8.3): to urgent copies the worker runs itself, or to the main thread's own copies
+(``copy_now``).
 
 ``CopyWorker`` is a mixin: the queue, the condition variable, the stats and ``_finish`` live in ``TransferEngine``.
 Units: seconds (``time.perf_counter``).
@@ -13,6 +15,7 @@ import time
 import torch
 
 from ..core.prefetch import LINK_CHUNKS
+from ..errors import MoeOffloadError
 
 # a sleep shorter than this is replaced by yielding (time.sleep(0), which releases the GIL) until the deadline:
 # Linux sleeps overshoot by ~50-100 us, which would dominate the emulated time of a small expert
@@ -171,6 +174,64 @@ class CopyWorker:
                 err = f"{type(e).__name__}: {e}"
             with self._cond:
                 self._finish(job, err is None, err)
+
+    def copy_now(self, eids: list[int], slots: list[int]) -> bool:
+        """On-demand copies on the calling thread (CPU pool): with the link free at once; with a prefetch holding the
+        emulated link, after it yields at its next ``1 / LINK_CHUNKS`` chunk (SeqMoE §8.3's pause; it resumes with
+        the link time it had left once these copies are done, the order ``sim.prefetch_sim`` replays). The worker
+        starts no copy meanwhile; each copy holds the (emulated) link for its ``seconds_per_expert`` (the calling
+        thread sleeps, then yields the GIL until then, as the non-prefetching engine's emulated loads do), and no
+        landing is reported (the caller knows they are done).
+
+        Why: handing an on-demand copy to the worker costs two thread wake-ups per miss on a busy machine, time the
+        link model does not charge (issue 17, runtime vs simulator).
+
+        Args:
+            eids, slots: experts and their destination slots (same length, distinct experts).
+        Returns:
+            True when copied; False (nothing done) when the pool is not on the CPU, the engine is closed, a copy the
+            main thread waits for is queued, or a copy without emulated link time is in flight: the caller then
+            ``submit``s and ``wait``s as for any on-demand copy.
+        Raises:
+            MoeOffloadError: an expert or slot out of range.
+            RuntimeError: a copy failed (``"on-demand copy of expert E failed: <error>"``); the link is released.
+        """
+        if not self._cpu:
+            return False
+        for eid, slot in zip(eids, slots):
+            if not 0 <= eid < self.store.num_experts_total or not 0 <= slot < self.pool.num_slots:
+                raise MoeOffloadError(f"expert {eid} / slot {slot} out of range")
+        with self._cond:
+            if self._closed or (self._queue and self._queue[0].urgent):
+                return False
+            if self._current is not None:
+                if self._current is not self._linkjob:
+                    return False
+                self._want = True
+                self._cond.notify_all()
+                while not self._yielded and self._linkjob is not None:
+                    self._cond.wait()
+            self._held = True
+        busy = 0.0
+        try:
+            for eid, slot in zip(eids, slots):
+                start = time.perf_counter()
+                try:
+                    self.store.copy_to(eid, self._dst[slot])
+                except Exception as e:  # as a worker's failed copy is reported to the waiting caller
+                    raise RuntimeError(f"on-demand copy of expert {eid} failed: {type(e).__name__}: {e}") from e
+                if self.seconds_per_expert is not None:
+                    _sleep_until(start + self.seconds_per_expert)
+                busy += time.perf_counter() - start
+        finally:
+            with self._cond:
+                self._held = self._want = False
+                st = self.stats
+                st.busy_s += busy
+                st.copies += len(eids)
+                st.bytes_copied += len(eids) * self.expert_bytes
+                self._cond.notify_all()
+        return True
 
     def _copy(self, job: _Job) -> None:
         """Copy ``job``'s expert into its slot; returns when the bytes are all in the slot."""

@@ -46,65 +46,14 @@ import math
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
 
 import torch
 
 from ..errors import MoeOffloadError
 from .copy_worker import _DONE, _QUEUED, _RUNNING, CopyWorker, _Job, _sleep_until
+from .landing import Landing, TransferStats
 from .pool import SlotPool
 from .store import HostStore
-
-@dataclass(frozen=True)
-class Landing:
-    """One finished (or cancelled) copy.
-
-    Attributes:
-        eid: global expert id that was copied.
-        slot: destination slot in the pool.
-        tag: the tag given to ``submit`` (the slot reservation's tag, SeqMoE §8.3), returned unchanged.
-        ok: True when ``pool.buf[slot]`` holds all of expert ``eid``'s bytes; False when the copy was cancelled
-            or failed (the slot's content is then unspecified: it may be partly written).
-        finished_at: ``time.perf_counter()`` seconds when the engine saw the copy complete (and its emulated link
-            time elapse), or when it was cancelled / failed. On CUDA this is when completion was observed
-            (``poll``/``wait``/worker), an upper bound of the DMA's end.
-        started_at: ``time.perf_counter()`` seconds when the copy started; None for a copy cancelled before it
-            started.
-        error: why a copy failed (the exception's text), ``"cancelled"`` for a cancelled copy, None when ok.
-    """
-
-    eid: int
-    slot: int
-    tag: int
-    ok: bool
-    finished_at: float
-    started_at: float | None = None
-    error: str | None = None
-
-
-@dataclass
-class TransferStats:
-    """Counters since construction or ``reset_stats``.
-
-    submitted: ``submit`` calls accepted; copies: copies that landed ok; cancelled: copies dropped before starting;
-    failed: copies that started but raised; bytes_copied: bytes of the ok copies; busy_s: seconds the link was busy
-    (sum over started copies of finish - start, emulated link time included); max_queued: the longest the queue
-    of not-yet-started copies has been.
-    """
-
-    submitted: int = 0
-    copies: int = 0
-    cancelled: int = 0
-    failed: int = 0
-    bytes_copied: int = 0
-    busy_s: float = 0.0
-    max_queued: int = 0
-
-    @property
-    def gbps(self) -> float:
-        """Achieved bandwidth while busy, GB/s (1e9 bytes/s); 0.0 before any copy."""
-        return self.bytes_copied / self.busy_s / 1e9 if self.busy_s > 0 else 0.0
-
 
 def _positive(name: str, value) -> float:
     try:
@@ -326,64 +275,6 @@ class TransferEngine(CopyWorker):
     def paused(self) -> bool:
         """Whether ``pause`` is in effect."""
         return self._paused
-
-    def copy_now(self, eids: list[int], slots: list[int]) -> bool:
-        """On-demand copies on the calling thread (CPU pool): with the link free at once; with a prefetch holding the
-        emulated link, after it yields at its next ``1 / LINK_CHUNKS`` chunk (SeqMoE §8.3's pause; it resumes with
-        the link time it had left once these copies are done, the order ``sim.prefetch_sim`` replays). The worker
-        starts no copy meanwhile; each copy holds the (emulated) link for its ``seconds_per_expert`` (the calling
-        thread sleeps, then yields the GIL until then, as the non-prefetching engine's emulated loads do), and no
-        landing is reported (the caller knows they are done).
-
-        Why: handing an on-demand copy to the worker costs two thread wake-ups per miss on a busy machine, time the
-        link model does not charge (issue 17, runtime vs simulator).
-
-        Args:
-            eids, slots: experts and their destination slots (same length, distinct experts).
-        Returns:
-            True when copied; False (nothing done) when the pool is not on the CPU, the engine is closed, a copy the
-            main thread waits for is queued, or a copy without emulated link time is in flight: the caller then
-            ``submit``s and ``wait``s as for any on-demand copy.
-        Raises:
-            MoeOffloadError: an expert or slot out of range.
-            RuntimeError: a copy failed (``"on-demand copy of expert E failed: <error>"``); the link is released.
-        """
-        if not self._cpu:
-            return False
-        for eid, slot in zip(eids, slots):
-            if not 0 <= eid < self.store.num_experts_total or not 0 <= slot < self.pool.num_slots:
-                raise MoeOffloadError(f"expert {eid} / slot {slot} out of range")
-        with self._cond:
-            if self._closed or (self._queue and self._queue[0].urgent):
-                return False
-            if self._current is not None:
-                if self._current is not self._linkjob:
-                    return False
-                self._want = True
-                self._cond.notify_all()
-                while not self._yielded and self._linkjob is not None:
-                    self._cond.wait()
-            self._held = True
-        busy = 0.0
-        try:
-            for eid, slot in zip(eids, slots):
-                start = time.perf_counter()
-                try:
-                    self.store.copy_to(eid, self._dst[slot])
-                except Exception as e:  # as a worker's failed copy is reported to the waiting caller
-                    raise RuntimeError(f"on-demand copy of expert {eid} failed: {type(e).__name__}: {e}") from e
-                if self.seconds_per_expert is not None:
-                    _sleep_until(start + self.seconds_per_expert)
-                busy += time.perf_counter() - start
-        finally:
-            with self._cond:
-                self._held = self._want = False
-                st = self.stats
-                st.busy_s += busy
-                st.copies += len(eids)
-                st.bytes_copied += len(eids) * self.expert_bytes
-                self._cond.notify_all()
-        return True
 
     def outstanding(self) -> int:
         """Number of copies queued or in flight (``len(queued()) + len(in_flight())``, without building lists)."""
