@@ -1,0 +1,162 @@
+"""Prefetch tasks (SeqMoE §6.1): positions and deadlines, ``generate_tasks`` from a one-step prediction (the top-(k+3)
+experts per layer with their confidences), and ``submit_forecast``, the one place the runtime's prefetcher and the
+simulator queue a forecast's tasks in a scheduler (``core.prefetch``, ``core.jsd``). Conventions (positions,
+deadlines, units) in ``core.prefetch``'s docstring.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ..errors import MoeOffloadError
+
+if TYPE_CHECKING:
+    from .prefetch import PrefetchScheduler
+
+
+#: a prefetch copy moves in this many chunks, and yields the link to on-demand copies at a chunk boundary (SeqMoE
+#: §8.3's pause, at the granularity a real copy engine can stop: between the chunks it issues), so a miss waits at
+#: most 1/LINK_CHUNKS of one expert copy behind a prefetch; the simulator and the emulated link share it
+LINK_CHUNKS = 8
+
+
+@dataclass(frozen=True)
+class PrefetchTask:
+    """One candidate expert transfer (SeqMoE §6.1).
+
+    Attributes:
+        eid: global expert id ``layer * num_experts + expert``.
+        conf: prediction confidence, the expected contribution to expert hits (batch-mean activation probability).
+        ddl: deadline, the global position (in MoE layers, see the module docstring) at which the expert is needed.
+        layer: MoE layer index ``p`` of the expert (0-based among MoE layers).
+        expert: expert index ``q`` within its layer.
+        step: the generation step ``i`` (>= 1) whose execution of ``layer`` needs the expert.
+    """
+
+    eid: int
+    conf: float
+    ddl: int
+    layer: int = -1
+    expert: int = -1
+    step: int = 0
+
+
+def position(step: int, layer: int, num_moe_layers: int) -> int:
+    """Global position of MoE ``layer`` in generation ``step``: ``(step - 1) * L + layer`` (SeqMoE §6.1).
+
+    Step 0 (prefill) maps to negative positions ``-L .. -1``; decode step 1, layer 0 is position 0.
+    """
+    return (step - 1) * num_moe_layers + layer
+
+
+def prefetch_width(num_experts: int, top_k: int, extra: int = 3) -> int:
+    """k', the number of tasks per layer: ``k + extra`` clamped to ``k <= k' < e`` (SeqMoE §6.1; §9.1 uses
+    ``extra = 3``). When ``k == e`` (every expert active) k' = e."""
+    return max(top_k, min(top_k + extra, num_experts - 1))
+
+
+def _as_array(probs) -> np.ndarray:
+    if hasattr(probs, "detach"):  # a torch tensor, without importing torch here
+        probs = probs.detach().float().cpu().numpy()
+    return np.asarray(probs, dtype=np.float64)
+
+
+def generate_tasks(probs, layers: tuple[int, int], step_index: int, num_moe_layers: int, num_experts: int,
+                   top_k: int, extra: int = 3) -> list[PrefetchTask]:
+    """Prefetch tasks from one one-step prediction (SeqMoE §6.1).
+
+    The prediction made at step ``i - 1``, layer ``l'`` gives, for each layer ``l <= p < l'``, the probability of
+    every expert being activated at step ``i``. For each layer the ``k'`` experts with the highest confidence
+    become tasks (``k' = prefetch_width(e, k, extra)``, i.e. ``k + extra`` with ``k <= k' < e``), with
+
+        conf = Mean(A'_{i,l:l'}[:, 0, p, q])   (the mean over the batch of b requests; b = 1: the probability)
+        ddl  = (i - 1) * L + p                  (the position at which layer p of step i runs)
+
+    so a task created at position ``(i - 2) * L + l' - 1`` has an overlap window of ``L - (l' - 1 - p)`` layers.
+
+    Args:
+        probs: float array or tensor, ``[n, e]`` for one request (``Forecast.probs[0]``), or ``[b, 1, n, e]`` for a
+            batch of b requests (the paper's ``A'_{i,l:l'}``; confidence is the mean over b). ``n = l' - l``.
+        layers: ``(l, l')``, the MoE layers predicted, ``0 <= l < l' <= L``.
+        step_index: ``i >= 1``, the generation step the prediction is for (``Forecast.step + 1``).
+        num_moe_layers: L, MoE layers in the model.
+        num_experts: e, routed experts per MoE layer.
+        top_k: k, experts activated per token.
+        extra: k' - k (default 3, SeqMoE §9.1).
+    Returns:
+        Tasks ordered by layer, then by decreasing confidence (ties: smaller expert index).
+    Raises:
+        MoeOffloadError: a shape that does not match ``layers``/``num_experts`` (a 3-D ``[1 + c, n, e]`` forecast
+            must be indexed by row first), non-finite probabilities, or out-of-range arguments.
+    """
+    lo, hi = (int(x) for x in layers)
+    if num_moe_layers < 1 or not 0 <= lo < hi <= num_moe_layers:
+        raise MoeOffloadError(f"layers must satisfy 0 <= l < l' <= L={num_moe_layers}, got {layers}")
+    if num_experts < 1 or not 1 <= top_k <= num_experts:
+        raise MoeOffloadError(f"need 1 <= top_k <= num_experts, got top_k={top_k}, num_experts={num_experts}")
+    if extra < 0:
+        raise MoeOffloadError(f"extra must be >= 0, got {extra}")
+    if step_index < 1:
+        raise MoeOffloadError(f"step_index is the decode step predicted (>= 1), got {step_index}")
+    a = _as_array(probs)
+    n = hi - lo
+    if a.ndim == 4 and a.shape[1] == 1 and a.shape[0] >= 1:
+        a = a[:, 0].mean(axis=0)
+    elif a.ndim != 2:
+        raise MoeOffloadError(f"probs must be [n, e] or [b, 1, n, e], got shape {tuple(a.shape)} "
+                              "(for a Forecast pass probs[0])")
+    if a.shape != (n, num_experts):
+        raise MoeOffloadError(f"probs must cover {n} layers x {num_experts} experts, got shape {tuple(a.shape)}")
+    if not np.isfinite(a).all():
+        raise MoeOffloadError("probs contains non-finite values")
+    width = prefetch_width(num_experts, top_k, extra)
+    top = np.argsort(-a, axis=1, kind="stable")[:, :width]              # [n, k'] expert indices, best first
+    conf = np.take_along_axis(a, top, axis=1)
+    tasks = []
+    for r, (qs, cs) in enumerate(zip(top.tolist(), conf.tolist())):
+        p = lo + r
+        ddl = position(step_index, p, num_moe_layers)
+        base = p * num_experts
+        tasks.extend(PrefetchTask(base + q, c, ddl, p, q, step_index) for q, c in zip(qs, cs))
+    return tasks
+
+
+def tasks_from_forecast(forecast, num_moe_layers: int, num_experts: int, top_k: int,
+                        extra: int = 3, table=None) -> list[PrefetchTask]:
+    """``generate_tasks`` on a ``predictor.runtime.Forecast`` (its row 0, for step ``forecast.step + 1``).
+
+    Args:
+        table: optional ``core.slots.SlotTable``: tasks of experts already resident or in flight are left out (no
+            transfer is needed; queued, they would only make the scheduler pick tasks the slot table refuses).
+    Raises:
+        MoeOffloadError: as ``generate_tasks``.
+    """
+    tasks = generate_tasks(forecast.probs[0], forecast.layers, forecast.step + 1, num_moe_layers, num_experts, top_k,
+                           extra)
+    if table is not None:
+        slot_of, fetching = table.slot_of, table.fetching
+        tasks = [t for t in tasks if slot_of[t.eid] < 0 and t.eid not in fetching]
+    return tasks
+
+
+def submit_forecast(scheduler: "PrefetchScheduler", forecast, num_moe_layers: int, num_experts: int, top_k: int,
+                    table=None) -> None:
+    """Queue a forecast's tasks (``tasks_from_forecast``) — the one place the runtime's prefetcher and the simulator
+    turn a forecast into queued tasks.
+
+    A cross-layer forecast (``forecast.cross_layer``, ``predictor.cross_layer``: made inside the step it forecasts,
+    from this token's hidden state) first drops every queued task of its layers' deadlines in that step: it is newer
+    than the SeqMoE forecast or the earlier layer's cross-layer forecast that queued them, and its top-(k+3) replace
+    theirs (deadlines ``position(step, p, L)``, so JSD schedules these near tasks and SeqMoE's far ones together).
+
+    Raises:
+        MoeOffloadError: as ``generate_tasks``.
+    """
+    tasks = tasks_from_forecast(forecast, num_moe_layers, num_experts, top_k, table=table)
+    if getattr(forecast, "cross_layer", False):
+        lo, hi = forecast.layers
+        scheduler.drop_deadlines(position(forecast.step + 1, p, num_moe_layers) for p in range(lo, hi))
+    scheduler.submit(tasks)
