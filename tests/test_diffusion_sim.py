@@ -9,7 +9,8 @@ from moe_offload.core.refresh import LayerDecision, RefreshPlan, RefreshPlanner,
 from moe_offload.errors import MoeOffloadError
 from moe_offload.sim.diffusion_sim import (budget_experts, fullload_seconds, replay_diffusion, run_diffusion_sweep,
                                            write_diffusion_report)
-from moe_offload.trace.diffusion import DiffusionTrace, synthetic_diffusion_trace
+from moe_offload.trace.diffusion import DiffusionTrace
+from moe_offload.trace.diffusion_synthetic import synthetic_diffusion_trace
 
 
 @pytest.fixture(scope="module")

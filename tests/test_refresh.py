@@ -9,8 +9,8 @@ from moe_offload.core.costs import TideCosts
 from moe_offload.core.refresh import (ActivationTracker, IntervalOptimiser, RefreshPlanner, StabilityEstimator,
                                       TidePlanner, make_refresh_planner, select_top)
 from moe_offload.errors import MoeOffloadError
-from moe_offload.trace.diffusion import (DiffusionTrace, load_diffusion_trace, stability_profile,
-                                         synthetic_diffusion_trace)
+from moe_offload.trace.diffusion import DiffusionTrace, load_diffusion_trace, stability_profile
+from moe_offload.trace.diffusion_synthetic import synthetic_diffusion_trace
 
 # ------------------------------------------------------------------------------------------------ cost model
 

@@ -33,7 +33,8 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     """``moe-offload simulate-diffusion``: replays, report files, and the table on stdout. Returns the exit status."""
     from ..core.costs import TideCosts
-    from ..trace.diffusion import load_diffusion_trace, synthetic_diffusion_trace
+    from ..trace.diffusion import load_diffusion_trace
+    from ..trace.diffusion_synthetic import synthetic_diffusion_trace
     from .diffusion_sim import run_diffusion_sweep, write_diffusion_report
     from .profiles import load_model_profile
 
