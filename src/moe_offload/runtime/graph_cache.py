@@ -25,7 +25,7 @@ misses, evicted experts, destination slots and slot contents after every layer):
 
 Scope (each refused with a one-line error by ``check_graph_policy``): the policies above only (``lfru`` needs a
 log-space float key per access and ``prefill-hot`` a top-N over prefill counts at the first decode step; both are
-expressible but not built); no prefetching (the Fetch state: the prefetcher protocol is ``runtime.graph_control``);
+expressible but not built); no prefetching (no Fetch state: the prefetcher's control-region protocol is not built);
 and at least ``E`` slots, so that every layer fits in one round (``plan_layer``'s rounds when a layer needs more
 distinct experts than there are slots are data-dependent).
 

@@ -1,6 +1,8 @@
 """Graph mode's decode: the whole decode forward compiled once with ``torch.compile(fullgraph=True)`` over a static
 KV cache, the experts' cache decisions and copies included (SeqMoE §8.2; DESIGN.md §11 "Graph mode"); prefill
-stays eager, as in the paper. On a GPU the same step is compiled with CUDA graphs (``mode="reduce-overhead"``).
+stays eager, as in the paper. On a GPU the same step can be compiled with CUDA graphs (``cuda_graphs=True``,
+``mode="reduce-overhead"``); the experts' custom ops do not capture yet (``gpu_check_graph`` says why), so the
+default compiles without them.
 
 ``load_graph`` builds an offloaded model whose engine is a ``runtime.graph_engine.GraphEngine``;
 ``GraphDecoder.generate_ids`` is ``generate.generate_ids`` for graph mode (FullLoad models too, for the
@@ -63,22 +65,22 @@ class GraphDecoder:
     Args:
         lm: a ``LoadedModel`` (FullLoad, or from ``load_graph``).
         backend: ``inductor`` (default) or ``aot_eager`` (``BACKENDS``).
-        cuda_graphs: on CUDA, capture the step with CUDA graphs (``mode="reduce-overhead"``); default: on CUDA.
+        cuda_graphs: on CUDA, capture the step with CUDA graphs (``mode="reduce-overhead"``); default off (FullLoad
+            captures; the offloaded step's custom ops read slot ids on the host, which capture refuses).
 
     Raises:
         MoeOffloadError: an unknown backend; an engine that is neither None (FullLoad) nor a ``GraphEngine``.
     """
 
-    def __init__(self, lm, backend: str = "inductor", cuda_graphs: bool | None = None):
+    def __init__(self, lm, backend: str = "inductor", cuda_graphs: bool = False):
         if backend not in BACKENDS:
             raise MoeOffloadError(f"unknown graph backend {backend!r}; choose one of: {', '.join(BACKENDS)}")
         if lm.engine is not None and not isinstance(lm.engine, GraphEngine):
             raise MoeOffloadError("graph mode needs a model loaded with runtime.graph_decode.load_graph")
         self.lm = lm
         self.cache = None
-        cuda_graphs = lm.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         opts = dict(fullgraph=True, backend=backend)
-        if cuda_graphs and backend == "inductor":
+        if cuda_graphs and backend == "inductor" and lm.device.type == "cuda":
             opts["mode"] = "reduce-overhead"
         self.step = torch.compile(self._step, **opts)
 

@@ -12,7 +12,8 @@ Per layer execution, inside the compiled (or captured) decode step:
 2 and 3 are ``torch.library`` custom ops, opaque to the compiler (no graph break, as transformers' own
 ``grouped_mm_fallback``): they reach the engine through an integer handle, and 3 takes 2's output as an input so
 the copies are ordered before the GEMM that reads them. Their host time is accumulated per phase
-(``op_seconds``: ``stall`` for copies, ``expert_compute`` for the GEMMs).
+during decode steps (``op_seconds``: ``stall`` for the copies, ``copy_overhead`` for the copy op's bookkeeping,
+``expert_compute`` for the GEMMs).
 """
 
 from __future__ import annotations
@@ -96,8 +97,7 @@ class GraphEngine:
     def begin_step(self, request: int, step: int) -> None:
         """Before each forward pass (step 0: a request's prefill)."""
         self.cache.begin_step(request, step)
-        if step >= 1:
-            self._decode_steps += 1
+        self._decoding = step >= 1
 
     def end_step(self) -> None:
         """After a request's last forward pass (nothing to close: no lap timers in graph mode)."""
@@ -112,8 +112,8 @@ class GraphEngine:
     def reset_stats(self) -> None:
         self._stats = EngineStats()
         self.cache.reset_counters()
-        self.op_seconds = {"stall": 0.0, "expert_compute": 0.0}
-        self._decode_steps = 0
+        self.op_seconds = {"stall": 0.0, "copy_overhead": 0.0, "expert_compute": 0.0}
+        self._decoding = False
 
     def close(self) -> None:
         """Forget the engine's handle and unpin the host store; the engine must not run afterwards."""
@@ -138,15 +138,19 @@ class GraphEngine:
         """``load_slots``' body: row copies host store -> slot for the valid entries."""
         t0 = time.perf_counter()
         n = int(valid.sum())
+        t1 = time.perf_counter()
         pool, dst = self.pool, self.pool._bytes
         for e, s in zip(eids[:n].tolist(), slots[:n].tolist()):
             self.store.copy_to(e, dst[s] if dst is not None else pool.buf[s], non_blocking=self._cuda)
         st = self._stats
         st.bytes_loaded += n * self.store.layout.expert_bytes
-        dt = time.perf_counter() - t0
-        st.load_time_s += dt
-        self.op_seconds["stall"] += dt
-        return torch.tensor(n, dtype=torch.long, device=eids.device)
+        t2 = time.perf_counter()
+        st.load_time_s += t2 - t1
+        token = torch.tensor(n, dtype=torch.long, device=eids.device)
+        if self._decoding:
+            self.op_seconds["stall"] += t2 - t1
+            self.op_seconds["copy_overhead"] += time.perf_counter() - t2 + t1 - t0
+        return token
 
     def compute(self, layer: int, hidden_states: torch.Tensor, slot_ids: torch.Tensor,
                 pair_weights: torch.Tensor) -> torch.Tensor:
@@ -179,7 +183,8 @@ class GraphEngine:
         result = pairs.view(num_tokens, k, -1).sum(dim=1).to(hidden_states.dtype)
         self._stats.layer_calls += 1
         self._stats.rounds += 1
-        self.op_seconds["expert_compute"] += time.perf_counter() - t0
+        if self._decoding:
+            self.op_seconds["expert_compute"] += time.perf_counter() - t0
         return result
 
     def _linear(self, module, x, name, slots, bounds):
