@@ -114,14 +114,18 @@ def _diffusion(args) -> int:
                                         loops=loops))
 
 
-def _decode(args) -> int:
-    from .bench_decode import bench_decode
-
+def _residencies_prompts_model(args):
+    """``--residencies`` (each in (0, 1]), the prompts and the resolved model of ``bench decode`` / ``bench graph``."""
     residencies = split_floats(args.residencies, "--residencies")
     if any(not (0 < r <= 1) for r in residencies):
         raise MoeOffloadError(f"--residencies values must be in (0, 1], got {args.residencies}")
-    prompts = load_prompts(args)
-    path = resolve_model(args.model, progress=not args.quiet)
+    return residencies, load_prompts(args), resolve_model(args.model, progress=not args.quiet)
+
+
+def _decode(args) -> int:
+    from .bench_decode import bench_decode
+
+    residencies, prompts, path = _residencies_prompts_model(args)
     return _table(args, bench_decode(path, prompts, residencies, max_new_tokens=args.max_new_tokens,
                                      device=args.device, dtype=args.dtype, policy=args.policy,
                                      progress=not args.quiet, predictor=args.predictor,
@@ -131,11 +135,7 @@ def _decode(args) -> int:
 def _graph(args) -> int:
     from .bench_graph import bench_graph
 
-    residencies = split_floats(args.residencies, "--residencies")
-    if any(not (0 < r <= 1) for r in residencies):
-        raise MoeOffloadError(f"--residencies values must be in (0, 1], got {args.residencies}")
-    prompts = load_prompts(args)
-    path = resolve_model(args.model, progress=not args.quiet)
+    residencies, prompts, path = _residencies_prompts_model(args)
     return _table(args, bench_graph(path, prompts, residencies, policy=args.policy, max_new_tokens=args.max_new_tokens,
                                     rounds=args.rounds, backend=args.graph_backend, device=args.device,
                                     dtype=args.dtype))
