@@ -86,7 +86,7 @@ class GraphCache:
         device: where the state lives.
         horizon, lam, no_forecast_score: probabilistic Belady's c, lambda and score without a forecast.
 
-    State (int64 unless said; index N resp. S is a scratch entry that masked writes go to):
+    State (int64 unless said; index N resp. S is a scratch entry that masked writes go to, never read):
         lookup ``[N + 1]``: slot of each expert or -1; expert_in ``[S + 1]``: expert in each slot or -1;
         last ``[N + 1]``: the policy's recency stamp; freq ``[N + 1]``: LFU access counts; score ``[N + 1]``
         float64: CacheScore; seq ``[]``: the stamp counter; hits, misses ``[]``: SeqMoE's hit accounting
@@ -118,6 +118,7 @@ class GraphCache:
         self.misses = torch.zeros((), **i64)
         self._slot_ar = torch.arange(num_slots, **i64)
         self._e_ar = torch.arange(experts_per_layer, **i64)
+        self._tril = torch.ones(experts_per_layer, experts_per_layer, dtype=torch.bool, device=dev).tril()
 
     # ---- per request / per forecast (outside the hot path or fixed-shape) ----------------------------------
 
@@ -166,7 +167,7 @@ class GraphCache:
         self._access(base, need, hit)
         picks = self._victims(base, need, m)
         # the j-th miss (ascending id) -> the j-th candidate
-        rank = torch.where(miss, torch.cumsum(miss, 0) - 1, m)
+        rank = torch.where(miss, self._prefix(miss) - 1, m)
         load_eids = torch.full((m + 1,), self.N, dtype=torch.long, device=flat.device)
         load_eids = load_eids.scatter(0, rank, self._e_ar + base)[:m]
         valid = torch.arange(m, device=flat.device) < n_miss
@@ -181,15 +182,18 @@ class GraphCache:
         if self.kind != "lfu":  # on_insert: the next stamps, in load order
             self.last.index_put_((load_eids,), self.seq + 1 + torch.arange(m, device=flat.device))
             self.seq.add_(n_miss)
-        self.lookup[self.N] = -1
-        self.expert_in[S] = -1
         return self.lookup[base + flat], load_eids, load_slots, valid
+
+    def _prefix(self, mask: torch.Tensor) -> torch.Tensor:
+        """Inclusive prefix count of a bool ``[E]`` mask as int64 ``[E]`` (a masked row sum over a lower triangle:
+        fuses with its neighbours, where ``cumsum`` is a separate library call)."""
+        return (self._tril & mask.unsqueeze(0)).sum(dim=1)
 
     def _access(self, base: int, need: torch.Tensor, hit: torch.Tensor) -> None:
         """``on_access`` of every needed expert, ascending: LRU / prob-Belady stamp resident ones, LFU counts and
         stamps all."""
         acc = need if self.kind == "lfu" else hit
-        stamps = self.seq + torch.cumsum(acc, 0)
+        stamps = self.seq + self._prefix(acc)
         sl = slice(base, base + self.E)
         self.last[sl] = torch.where(acc, stamps, self.last[sl])
         if self.kind == "lfu":

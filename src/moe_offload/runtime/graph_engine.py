@@ -3,17 +3,15 @@ control flow on the compiled path (SeqMoE §8.1-8.2; DESIGN.md §11 "Graph mode"
 
 Per layer execution, inside the compiled (or captured) decode step:
   1. ``GraphCache.plan`` — lookup, miss detection, victim choice and the state update, fixed-shape tensor ops;
-  2. ``moe_offload::load_slots`` — the on-demand copies of the missed experts from the host store into their
-     victim slots, as one kernel that copies the rows its ``valid`` mask selects (SeqMoE §8.2's device-initiated
-     miss loading; on the CPU a loop of row copies inside the op);
-  3. ``moe_offload::slot_experts`` — the grouped GEMM over the slot pool for the ``T * k`` pairs and the per-token
-     sum, the very arithmetic of ``runtime.experts.slot_pair_outputs`` (so the tokens equal FullLoad's).
+  2. ``moe_offload::slot_experts``, one kernel: first the on-demand copies of the missed experts from the host
+     store into their victim slots, the rows its ``valid`` mask selects (SeqMoE §8.2's device-initiated miss
+     loading; on the CPU a loop of row copies), then the grouped GEMM over the slot pool for the ``T * k`` pairs
+     and the per-token sum, the arithmetic of ``runtime.experts`` (so the tokens equal FullLoad's).
 
-2 and 3 are ``torch.library`` custom ops, opaque to the compiler (no graph break, as transformers' own
-``grouped_mm_fallback``): they reach the engine through an integer handle, and 3 takes 2's output as an input so
-the copies are ordered before the GEMM that reads them. Their host time is accumulated per phase
-during decode steps (``op_seconds``: ``stall`` for the copies, ``copy_overhead`` for the copy op's bookkeeping,
-``expert_compute`` for the GEMMs).
+2 is a ``torch.library`` custom op, opaque to the compiler (no graph break, as transformers' own
+``grouped_mm_fallback`` under compilation); it reaches the engine through an integer handle. Its host time during
+decode steps is accumulated per phase (``op_seconds``: ``stall`` for the copies, ``copy_overhead`` for the copy
+bookkeeping, ``expert_compute`` for the GEMMs). One op rather than two: each op call costs ~25 us of dispatch.
 """
 
 from __future__ import annotations
@@ -24,7 +22,7 @@ import time
 import torch
 
 from .engine import EngineStats
-from .experts import IMPLEMENTATION_NAME, _looped_linear, _SlotViews, register, slot_pair_outputs
+from .experts import IMPLEMENTATION_NAME, register, slot_pair_outputs
 from .graph_cache import GraphCache
 from .pool import SlotPool
 from .store import HostStore
@@ -33,28 +31,20 @@ _ENGINES: dict[int, "GraphEngine"] = {}
 _HANDLES = itertools.count(1)
 
 
-@torch.library.custom_op("moe_offload::load_slots", mutates_args=())
-def load_slots(handle: int, load_eids: torch.Tensor, load_slots: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """Copy expert ``load_eids[j]`` from the host store into slot ``load_slots[j]`` for every ``valid[j]``
-    (``[M]`` int64, int64, bool); returns a ``[]`` int64 token (the number of copies) that orders later reads."""
-    return _ENGINES[handle].copy_rows(load_eids, load_slots, valid)
-
-
-@load_slots.register_fake
-def _load_slots_fake(handle, load_eids, load_slots, valid):
-    return load_eids.new_empty(())
-
-
 @torch.library.custom_op("moe_offload::slot_experts", mutates_args=())
 def slot_experts(handle: int, layer: int, hidden_states: torch.Tensor, slot_ids: torch.Tensor,
-                 pair_weights: torch.Tensor, ready: torch.Tensor) -> torch.Tensor:
-    """The experts of MoE ``layer`` from the slot pool: ``hidden_states [T, H]``, ``slot_ids [T * k]`` int64,
-    ``pair_weights [T * k]`` -> ``[T, H]`` in ``hidden_states.dtype``. ``ready``: ``load_slots``' token."""
-    return _ENGINES[handle].compute(layer, hidden_states, slot_ids, pair_weights)
+                 pair_weights: torch.Tensor, load_eids: torch.Tensor, load_slots: torch.Tensor,
+                 valid: torch.Tensor) -> torch.Tensor:
+    """MoE ``layer``'s experts from the slot pool, after copying expert ``load_eids[j]`` from the host store into
+    slot ``load_slots[j]`` for every ``valid[j]`` (``[M]`` int64, int64, bool): ``hidden_states [T, H]``,
+    ``slot_ids [T * k]`` int64, ``pair_weights [T * k]`` -> ``[T, H]`` in ``hidden_states.dtype``."""
+    eng = _ENGINES[handle]
+    eng.copy_rows(load_eids, load_slots, valid)
+    return eng.compute(layer, hidden_states, slot_ids, pair_weights)
 
 
 @slot_experts.register_fake
-def _slot_experts_fake(handle, layer, hidden_states, slot_ids, pair_weights, ready):
+def _slot_experts_fake(handle, layer, hidden_states, slot_ids, pair_weights, load_eids, load_slots, valid):
     return torch.empty_like(hidden_states)
 
 
@@ -75,6 +65,7 @@ class GraphEngine:
         self.num_experts = num_experts
         self._policy_name = policy_name
         self.modules: list[torch.nn.Module] = []
+        self._views: dict[str, torch.Tensor] = {}  # field -> [S, *shape] compute view of the whole pool
         self.prefetcher = None
         self.observers: list = []
         self.handle = next(_HANDLES)
@@ -126,16 +117,15 @@ class GraphEngine:
                 top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         """Experts of MoE layer ``moe_layer``: ``hidden_states [T, H]``, ``top_k_index [T, k]`` int64 ids of this
         layer, ``top_k_weights [T, k]`` -> ``[T, H]`` of ``hidden_states.dtype``. No host synchronisation and no
-        data-dependent control flow outside the two custom ops."""
+        data-dependent control flow outside the custom op."""
         slot_ids, eids, slots, valid = self.cache.plan(moe_layer, top_k_index)
-        ready = torch.ops.moe_offload.load_slots(self.handle, eids, slots, valid)
         return torch.ops.moe_offload.slot_experts(self.handle, moe_layer, hidden_states, slot_ids,
-                                                  top_k_weights.reshape(-1), ready)
+                                                  top_k_weights.reshape(-1), eids, slots, valid)
 
     # ---- the ops' eager bodies ------------------------------------------------------------------------------
 
-    def copy_rows(self, eids: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """``load_slots``' body: row copies host store -> slot for the valid entries."""
+    def copy_rows(self, eids: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor) -> None:
+        """The op's copies: host store -> slot for the valid entries."""
         t0 = time.perf_counter()
         n = int(valid.sum())
         t1 = time.perf_counter()
@@ -146,52 +136,55 @@ class GraphEngine:
         st.bytes_loaded += n * self.store.layout.expert_bytes
         t2 = time.perf_counter()
         st.load_time_s += t2 - t1
-        token = torch.tensor(n, dtype=torch.long, device=eids.device)
         if self._decoding:
             self.op_seconds["stall"] += t2 - t1
             self.op_seconds["copy_overhead"] += time.perf_counter() - t2 + t1 - t0
-        return token
 
     def compute(self, layer: int, hidden_states: torch.Tensor, slot_ids: torch.Tensor,
                 pair_weights: torch.Tensor) -> torch.Tensor:
-        """``slot_experts``' body: the pairs sorted by slot, one GEMM per run of equal slots on views of the pool
-        (``runtime.experts._looped_linear``, bitwise the grouped GEMM), the gate on all pairs at once, then the
-        pairs put back in router order and summed per token, as ``OffloadEngine.forward`` (and transformers) do.
-        Formats that decode their weights (FP8, MXFP4) and non-CPU devices go through ``slot_pair_outputs``."""
+        """The op's GEMMs. One token (decode) on a CPU pool with a zero-copy format: ``_one_token``. Otherwise
+        ``runtime.experts.slot_pair_outputs`` over the pairs' slots (prefill, decoded formats, CUDA), the pairs
+        put back in router order and summed per token, as ``OffloadEngine.forward`` (and transformers) do."""
         t0 = time.perf_counter()
         num_tokens = hidden_states.shape[0]
         k = slot_ids.numel() // num_tokens
         module, rows = self.modules[layer], self.pool.rows
         sid = slot_ids.tolist()
-        if rows.zero_copy and not self._cuda:
-            order = sorted(range(len(sid)), key=sid.__getitem__)
-            perm = torch.tensor(order, dtype=torch.long)
-            bounds = [0] + [j + 1 for j in range(len(order)) if j + 1 == len(order)
-                            or sid[order[j]] != sid[order[j + 1]]]
-            slots = [sid[order[b - 1]] for b in bounds[1:]]
-            up = "gate_up_proj" if module.has_gate else "up_proj"
-            x = hidden_states[perm // k]
-            h = self._linear(module, x, up, slots, bounds)
-            h = module._apply_gate(h) if module.has_gate else module.act_fn(h)
-            h = self._linear(module, h, "down_proj", slots, bounds)
-            if module.has_post_expert_norm:
-                h = module.post_expert_norm(h)
-            out = h * pair_weights[perm].unsqueeze(-1)
+        if num_tokens == 1 and rows.zero_copy and not self._cuda:
+            out = self._one_token(module, hidden_states, sid, pair_weights)
         else:
             out, perm, _ = slot_pair_outputs(module, rows, hidden_states, slot_ids, pair_weights, k, sorted(set(sid)))
-        pairs = torch.empty_like(out).index_copy_(0, perm, out)
-        result = pairs.view(num_tokens, k, -1).sum(dim=1).to(hidden_states.dtype)
+            out = torch.empty_like(out).index_copy_(0, perm, out)
+        result = out.view(num_tokens, k, -1).sum(dim=1).to(hidden_states.dtype)
         self._stats.layer_calls += 1
         self._stats.rounds += 1
         if self._decoding:
             self.op_seconds["expert_compute"] += time.perf_counter() - t0
         return result
 
-    def _linear(self, module, x, name, slots, bounds):
-        """``x [P, in]`` (pairs sorted by slot) through field ``name`` of each run's slot, plus the bias."""
-        bias = None
+    def _one_token(self, module, x: torch.Tensor, sid: list[int], pair_weights: torch.Tensor) -> torch.Tensor:
+        """``x [1, H]`` through the ``k`` distinct slots ``sid``: one ``mm`` per pair and projection on views of
+        the pool (the per-group GEMM of transformers' grouped GEMM, whose groups here hold one row each), the gate
+        on all pairs at once, the router weights -> ``[k, H]`` weighted outputs in router order."""
+        up_name = "gate_up_proj" if module.has_gate else "up_proj"
+        h = self._pair_linear(module, x, up_name, sid, shared_input=True)
+        h = module._apply_gate(h) if module.has_gate else module.act_fn(h)
+        h = self._pair_linear(module, h, "down_proj", sid, shared_input=False)
+        if module.has_post_expert_norm:
+            h = module.post_expert_norm(h)
+        return h * pair_weights.unsqueeze(-1)
+
+    def _pair_linear(self, module, x, name: str, sid: list[int], shared_input: bool) -> torch.Tensor:
+        """Row ``j`` of the result: ``x`` (or its row ``j``) through slot ``sid[j]``'s ``name`` (+ its bias)."""
+        w = self._views.get(name)
+        if w is None:
+            w = self._views[name] = self.pool.rows.weight(name, slice(None))  # [S, *shape] view of the pool
+        x = x.to(w.dtype)
+        if module.is_transposed:
+            rows = [torch.mm(x if shared_input else x[j:j + 1], w[s]) for j, s in enumerate(sid)]
+        else:
+            rows = [torch.mm(x if shared_input else x[j:j + 1], w[s].transpose(0, 1)) for j, s in enumerate(sid)]
+        out = torch.cat(rows)  # (mm into fresh tensors: ~40% faster than mm(..., out=row) for one-row GEMMs)
         if module.has_bias:
-            sel = torch.tensor(slots, dtype=torch.long)
-            counts = torch.tensor([b - a for a, b in zip(bounds, bounds[1:])], dtype=torch.long)
-            bias = self.pool.rows.weight(name + "_bias", sel).repeat_interleave(counts, dim=0)
-        return _looped_linear(x, _SlotViews(self.pool.rows, name, slots), bounds, bias, module.is_transposed)
+            out.add_(self.pool.rows.weight(name + "_bias", torch.tensor(sid, dtype=torch.long)))
+        return out
