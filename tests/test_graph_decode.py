@@ -63,3 +63,27 @@ def test_graph_decode_inductor(tiny_dirs, one_thread):
         outs, _ = run_graph(lm, PROMPTS, 6, decoder=dec)
     assert [o.token_ids for o in outs] == ref
     lm.close()
+
+
+def test_graph_predictor_same_decisions_as_python_runtime(tiny_dirs, one_thread, random_pset):
+    """Probabilistic Belady driven by the predictor inside the step (eager, then compiled): the same hits and misses
+    as the Python runtime's ForecastFeed at rollout every step, and FullLoad's tokens."""
+    from moe_offload.models.loader import load_offloaded
+    from moe_offload.predictor.runtime import attach_predictor
+    from moe_offload.runtime.graph_predictor import GraphPredictor
+
+    path = tiny_dirs["qwen3_moe"]
+    ref = [o.token_ids for o in run(load_full(path, device="cpu"), PROMPTS, 8)[0]]
+    py = load_offloaded(path, device="cpu", residency=0.4, policy="seqmoe-cacheonly", progress=False)
+    attach_predictor(py.engine, random_pset(py, 3), rollout_every=1)
+    py_out, py_stats = run(py, PROMPTS, 8)
+    torch._dynamo.utils.counters.clear()
+    for compiled in (False, True):  # each from a cold slot pool, as the Python run
+        lm = load_graph(path, residency=0.4, policy="seqmoe-cacheonly", device="cpu")
+        lm.engine.predictor = GraphPredictor(random_pset(lm, 3), lm.engine.cache)
+        outs, stats = (run_graph(lm, PROMPTS, 8, decoder=GraphDecoder(lm, backend="aot_eager")) if compiled
+                       else run(lm, PROMPTS, 8))
+        assert [o.token_ids for o in outs] == ref == [o.token_ids for o in py_out]
+        assert (stats.offload.hits, stats.offload.misses) == (py_stats.offload.hits, py_stats.offload.misses)
+        lm.close()
+    assert not torch._dynamo.utils.counters["graph_break"]

@@ -28,17 +28,21 @@ BACKENDS = ("inductor", "aot_eager")
 
 
 def load_graph(model_dir, *, policy: str = "lru", residency: float | None = None, slots: int | None = None,
-               device: str | None = None, dtype: str | None = None, progress: bool = False):
+               device: str | None = None, dtype: str | None = None, progress: bool = False,
+               predictor: str | None = None):
     """``models.loader.load_offloaded`` with a ``GraphEngine`` (graph mode) instead of the Python slot table.
 
     Args:
         policy: ``lru``, ``lfu`` or ``seqmoe-cacheonly`` (probabilistic Belady; ``runtime.graph_cache``).
         residency, slots, device, dtype, progress: as ``load_offloaded``.
+        predictor: a trained predictor directory (``seqmoe-cacheonly``): run inside the step
+            (``runtime.graph_predictor``, rollout every step).
     Returns:
         A ``LoadedModel`` whose ``engine`` is a ``GraphEngine``.
     Raises:
         MoeOffloadError: as ``load_offloaded``; a policy graph mode does not support, or fewer slots than one
-        layer's experts (``graph_cache.check_graph_policy``).
+        layer's experts (``graph_cache.check_graph_policy``); a predictor with another policy than
+        ``seqmoe-cacheonly`` or one that does not fit the model.
     """
     from ..models.capability import experts_modules
     from ..models.loader import load_offloaded
@@ -56,6 +60,15 @@ def load_graph(model_dir, *, policy: str = "lru", residency: float | None = None
     engine = GraphEngine(old.store, old.pool, cache, lm.num_experts, policy)
     engine.attach([m for _, m in experts_modules(lm.model)])
     lm.engine = engine
+    if predictor:
+        from ..predictor.model import load_predictor
+        from .graph_predictor import GraphPredictor
+
+        try:
+            engine.predictor = GraphPredictor(load_predictor(predictor, model_id=lm.model_id, device=lm.device), cache)
+        except MoeOffloadError:
+            lm.close()
+            raise
     return lm
 
 

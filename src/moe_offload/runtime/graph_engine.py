@@ -53,7 +53,7 @@ class GraphEngine:
 
     Drop-in for ``OffloadEngine`` where ``generate`` and the reports use it (``attach``, ``begin_step``,
     ``end_step``, ``stats``, ``reset_stats``, ``close``, ``policy_name``, ``pool``, ``store``); no prefetcher and
-    no observers (a predictor in graph mode writes its forecasts with ``GraphCache.update_forecast``).
+    no observers; a ``predictor`` (``runtime.graph_predictor.GraphPredictor``) runs inside the step.
 
     Args:
         store: the host store; pool: the device slot pool (its ``lookup`` is not used: ``cache.lookup`` is);
@@ -68,6 +68,7 @@ class GraphEngine:
         self._views: dict[str, torch.Tensor] = {}  # field -> [S, *shape] compute view of the whole pool
         self.prefetcher = None
         self.observers: list = []
+        self.predictor = None  # runtime.graph_predictor.GraphPredictor: forecasts inside the step
         self.handle = next(_HANDLES)
         _ENGINES[self.handle] = self
         self._cuda = pool.device.type == "cuda"
@@ -88,6 +89,8 @@ class GraphEngine:
     def begin_step(self, request: int, step: int) -> None:
         """Before each forward pass (step 0: a request's prefill)."""
         self.cache.begin_step(request, step)
+        if self.predictor is not None:
+            self.predictor.begin_step(request, step)
         self._decoding = step >= 1
 
     def end_step(self) -> None:
@@ -118,6 +121,8 @@ class GraphEngine:
         """Experts of MoE layer ``moe_layer``: ``hidden_states [T, H]``, ``top_k_index [T, k]`` int64 ids of this
         layer, ``top_k_weights [T, k]`` -> ``[T, H]`` of ``hidden_states.dtype``. No host synchronisation and no
         data-dependent control flow outside the custom op."""
+        if self.predictor is not None:  # its forecast sets the scores before this layer is planned
+            self.predictor.observe(moe_layer, top_k_index, top_k_weights)
         slot_ids, eids, slots, valid = self.cache.plan(moe_layer, top_k_index)
         return torch.ops.moe_offload.slot_experts(self.handle, moe_layer, hidden_states, slot_ids,
                                                   top_k_weights.reshape(-1), eids, slots, valid)
