@@ -156,14 +156,16 @@ def _generate_graph(args, path, prompts, diffusion) -> int:
     from .report import offload_notes, stats_dict
     from .runtime.graph_decode import GraphDecoder, load_graph, run_graph
 
-    if diffusion is not None or args.predictor or args.link_gbps or args.host_store != "pinned":
-        raise MoeOffloadError("--graph runs autoregressive models without --predictor, --link-gbps and "
-                              "--host-store mmap")
+    if diffusion is not None or args.link_gbps or args.host_store != "pinned":
+        raise MoeOffloadError("--graph runs autoregressive models without --link-gbps and --host-store mmap")
+    if args.predictor and args.full_load:
+        raise MoeOffloadError("--predictor needs the offloaded runtime (not --full-load)")
     if args.full_load:
         lm = load_full(path, device=args.device, dtype=args.dtype)
     else:
-        lm = load_graph(path, policy="lru" if args.policy == "auto" else args.policy, residency=args.residency, slots=args.slots, device=args.device,
-                        dtype=args.dtype, progress=not args.quiet)
+        lm = load_graph(path, policy="lru" if args.policy == "auto" else args.policy, residency=args.residency,
+                        slots=args.slots, device=args.device, dtype=args.dtype, progress=not args.quiet,
+                        predictor=args.predictor)
     if lm.tokenizer is None:
         raise MoeOffloadError(f"{path} has no tokenizer: cannot encode prompts")
     outputs, stats = run_graph(lm, prompts, args.max_new_tokens, decoder=GraphDecoder(lm, backend=args.graph_backend),

@@ -78,6 +78,8 @@ def add_parsers(sub):
     bg.set_defaults(policy="lru", max_new_tokens=32)
     bg.add_argument("--residencies", default="1.0,0.45", help="comma-separated residencies (default 1.0,0.45)")
     bg.add_argument("--rounds", type=int_in(1, 100), default=3, help="interleaved timed rounds (default 3)")
+    bg.add_argument("--predictor", help="a trained predictor, run inside the step with --policy seqmoe-cacheonly "
+                    "(which needs it; default: none)")
     bg.add_argument("--graph-backend", choices=["inductor", "aot_eager"], default="inductor",
                     help="torch.compile backend (default inductor; aot_eager keeps eager kernels: FullLoad eager's "
                     "tokens bit for bit)")
@@ -135,10 +137,12 @@ def _decode(args) -> int:
 def _graph(args) -> int:
     from .bench_graph import bench_graph
 
+    if "seqmoe-cacheonly" in args.policy and not args.predictor:
+        raise MoeOffloadError("--policy seqmoe-cacheonly needs --predictor DIR")
     residencies, prompts, path = _residencies_prompts_model(args)
     return _table(args, bench_graph(path, prompts, residencies, policy=args.policy, max_new_tokens=args.max_new_tokens,
                                     rounds=args.rounds, backend=args.graph_backend, device=args.device,
-                                    dtype=args.dtype))
+                                    dtype=args.dtype, predictor=args.predictor))
 
 
 def _table(args, table: str) -> int:
