@@ -57,8 +57,9 @@ def check_graph_policy(policy: str, num_slots: int, experts_per_layer: int) -> s
     """
     kind = GRAPH_POLICIES.get(policy)
     if kind is None:
-        raise MoeOffloadError(f"--graph supports the policies {', '.join(GRAPH_POLICIES)}, not {policy!r} "
-                              "(prefetching and the other policies run without --graph)")
+        names = ", ".join(k for k in GRAPH_POLICIES if k != "prob-belady")
+        raise MoeOffloadError(f"--graph supports the policies {names}, not {policy!r} (prefetching and the other "
+                              "policies run without --graph)")
     if num_slots < experts_per_layer:
         raise MoeOffloadError(f"--graph needs at least one MoE layer's experts in slots ({experts_per_layer}), "
                               f"got {num_slots}")
