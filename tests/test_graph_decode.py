@@ -47,6 +47,12 @@ def test_graph_engine_eager_equals_full_load(tiny_dirs, one_thread, arch, policy
     assert [o.token_ids for o in outs] == ref
     assert stats.offload.misses > 0
     lm.close()
+    if policy != "seqmoe-cacheonly":  # the Python runtime, same model and routing: the same hits and misses
+        from moe_offload.models.loader import load_offloaded
+
+        py = load_offloaded(path, device="cpu", residency=0.5, policy=policy, progress=False)
+        py_stats = run(py, PROMPTS, 6)[1].offload
+        assert (stats.offload.hits, stats.offload.misses) == (py_stats.hits, py_stats.misses)
 
 
 @pytest.mark.slow
