@@ -109,15 +109,7 @@ def bench_graph(path, prompts: list[str], residencies: list[float], *, policy: s
             row.mgmt = management_step(row.lm.engine, full.top_k, backend)
     for _ in range(rounds):
         for row in rows:
-            outs, st = run_graph(row.lm, prompts, max_new_tokens, decoder=row.decoder)
-            row.decode_s += st.decode_s
-            row.tokens += st.decode_tokens
-            row.same = row.same and [o.token_ids for o in outs] == ref
-            if row.lm.engine is not None:  # each run starts from zeroed counters
-                row.hits += st.offload.hits
-                row.misses += st.offload.misses
-                row.ops = {k: v + (row.ops or {}).get(k, 0.0) for k, v in row.lm.engine.op_seconds.items()}
-                row.mgmt_s += _time(row.mgmt) / rounds  # under the same load as this round
+            _measure_round(row, prompts, max_new_tokens, ref, rounds)
     base = rows[0].tok_s
     out = ["| configuration | residency | decode tok/s | vs FullLoad compiled | hit rate | same tokens as FullLoad "
            "eager | compile s |", "|---|---|---|---|---|---|---|"]
@@ -138,6 +130,19 @@ def bench_graph(path, prompts: list[str], residencies: list[float], *, policy: s
                             f"backend {backend}, torch threads {torch.get_num_threads()}"
                             + (f", predictor {predictor} (inside the step, rollout every step)" if predictor else ""),
                             ""] + lines)
+
+
+def _measure_round(row: GraphRow, prompts, max_new_tokens: int, ref, rounds: int) -> None:
+    """One timed run of ``row``'s requests, added to its totals; then its management timed under the same load."""
+    outs, st = run_graph(row.lm, prompts, max_new_tokens, decoder=row.decoder)
+    row.decode_s += st.decode_s
+    row.tokens += st.decode_tokens
+    row.same = row.same and [o.token_ids for o in outs] == ref
+    if row.lm.engine is not None:  # each run starts from zeroed counters
+        row.hits += st.offload.hits
+        row.misses += st.offload.misses
+        row.ops = {k: v + (row.ops or {}).get(k, 0.0) for k, v in row.lm.engine.op_seconds.items()}
+        row.mgmt_s += _time(row.mgmt) / rounds
 
 
 def _breakdown_line(row: GraphRow, res: str) -> str:
