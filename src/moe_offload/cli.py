@@ -63,6 +63,11 @@ def _add_generate_parser(sub) -> None:
                    "(default 3)")
     g.add_argument("--link-gbps", type=float_, help="with --policy seqmoe*: emulate a host->device link of X GB/s "
                    "(every expert copy takes at least expert bytes / X; default: no emulation)")
+    g.add_argument("--graph", action="store_true", help="graph mode: the decode step compiled whole (cache decisions "
+                   "as tensor ops, torch.compile fullgraph; CUDA graphs on a GPU), prefill eager; policies lru, lfu")
+    g.add_argument("--graph-backend", choices=["inductor", "aot_eager"], default="inductor",
+                   help="with --graph: the torch.compile backend (default inductor; aot_eager keeps the eager "
+                   "kernels, hence FullLoad eager's tokens bit for bit)")
     g.add_argument("--block-length", type=int, help="diffusion models (LLaDA2): positions per block (default 32)")
     g.add_argument("--steps", type=int, help="diffusion models: diffusion steps per block, at most --block-length "
                    "(default: --block-length)")
@@ -132,10 +137,58 @@ def _attach_predictor(args, lm):
     return attach_forecasts(lm, args.policy, pset, rollout=args.rollout, xl_depth=args.xl_depth)
 
 
+def _print_outputs(args, path, outputs, info) -> bool:
+    """Print ``generate``'s result: one JSON object (``--json``; returns True: nothing else to print) or the
+    texts and the stats table (returns False)."""
+    from .report import stats_table
+
+    if args.json:
+        print(json.dumps({"model": str(path), "outputs": [
+            {"prompt": o.prompt, "text": o.text, "token_ids": o.token_ids, "prompt_tokens": o.prompt_tokens,
+             "ttft_s": o.ttft_s, "decode_s": o.decode_s} for o in outputs], "stats": info}))
+        return True
+    for o in outputs:
+        print(f"### prompt\n{o.prompt}\n### output\n{o.text}\n")
+    print(stats_table(info))
+    return False
+
+
+def _generate_graph(args, path, prompts, diffusion) -> int:
+    """``generate --graph``: graph mode (``runtime.graph_decode``); the same report as ``generate``."""
+    from .models.loader import load_full
+    from .report import offload_notes, stats_dict
+    from .runtime.graph_decode import GraphDecoder, load_graph, run_graph
+
+    if diffusion is not None or args.link_gbps or args.host_store != "pinned":
+        raise MoeOffloadError("--graph runs autoregressive models without --link-gbps and --host-store mmap")
+    if args.predictor and args.full_load:
+        raise MoeOffloadError("--predictor needs the offloaded runtime (not --full-load)")
+    if args.full_load:
+        lm = load_full(path, device=args.device, dtype=args.dtype)
+    else:
+        lm = load_graph(path, policy="lru" if args.policy == "auto" else args.policy, residency=args.residency,
+                        slots=args.slots, device=args.device, dtype=args.dtype, progress=not args.quiet,
+                        predictor=args.predictor)
+    if lm.tokenizer is None:
+        raise MoeOffloadError(f"{path} has no tokenizer: cannot encode prompts")
+    outputs, stats = run_graph(lm, prompts, args.max_new_tokens, decoder=GraphDecoder(lm, backend=args.graph_backend),
+                               temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                               progress=not args.quiet)
+    info = stats_dict(lm, stats)
+    info["graph"] = {"backend": args.graph_backend}
+    info["notes"] = offload_notes(info) + ["graph mode: the first request's decode time includes compiling the "
+                                           "decode step (see `bench graph` for steady-state speed)"]
+    if _print_outputs(args, path, outputs, info):
+        return 0
+    for note in info["notes"]:
+        print(note)
+    return 0
+
+
 def _cmd_generate(args) -> int:
     from .generate import run
     from .models.loader import PREDICTOR_POLICIES
-    from .report import offload_notes, stats_dict, stats_table
+    from .report import offload_notes, stats_dict
 
     if args.temperature < 0 or not (0 < args.top_p <= 1):
         raise MoeOffloadError("--temperature must be >= 0 and --top-p in (0, 1]")
@@ -144,6 +197,8 @@ def _cmd_generate(args) -> int:
     prompts = load_prompts(args)
     path = resolve_model(args.model, progress=not args.quiet)
     diffusion = _diffusion_params(args, path)
+    if args.graph:
+        return _generate_graph(args, path, prompts, diffusion)
     lm = _load(args, path)
     runner = _attach_predictor(args, lm)
     if diffusion is not None:  # block diffusion (LLaDA2): blocks of mask tokens refined over diffusion steps
@@ -164,14 +219,8 @@ def _cmd_generate(args) -> int:
                              "decode_s": ps.decode_s, "decode_steps": ps.decode_steps,
                              "ms_per_decode_step": 1e3 * ps.decode_s / max(1, ps.decode_steps)}
     info["notes"] = offload_notes(info)
-    if args.json:
-        print(json.dumps({"model": str(path), "outputs": [
-            {"prompt": o.prompt, "text": o.text, "token_ids": o.token_ids, "prompt_tokens": o.prompt_tokens,
-             "ttft_s": o.ttft_s, "decode_s": o.decode_s} for o in outputs], "stats": info}))
+    if _print_outputs(args, path, outputs, info):
         return 0
-    for o in outputs:
-        print(f"### prompt\n{o.prompt}\n### output\n{o.text}\n")
-    print(stats_table(info))
     if "predictor" in info:
         p = info["predictor"]
         print(f"predictor: {p['ms_per_decode_step']:.2f} ms per decode step ({p['decode_steps']} steps, "

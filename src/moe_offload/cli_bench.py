@@ -72,6 +72,18 @@ def add_parsers(sub):
                     help="skip the host memory table (it writes a 2.4 GB checkpoint)")
     bq.add_argument("--work", help="directory for the generated checkpoints (default: a temporary one, removed)")
     bq.add_argument("--out", help="also write the tables (markdown) to this new file (default: none)")
+    bg = bsub.add_parser("graph", help="graph mode: the compiled decode step vs compiled FullLoad, with the "
+                         "management share of the step (issue 20)")
+    add_model_args(bg)
+    bg.set_defaults(policy="lru", max_new_tokens=32)
+    bg.add_argument("--residencies", default="1.0,0.45", help="comma-separated residencies (default 1.0,0.45)")
+    bg.add_argument("--rounds", type=int_in(1, 100), default=3, help="interleaved timed rounds (default 3)")
+    bg.add_argument("--predictor", help="a trained predictor, run inside the step with --policy seqmoe-cacheonly "
+                    "(which needs it; default: none)")
+    bg.add_argument("--graph-backend", choices=["inductor", "aot_eager"], default="inductor",
+                    help="torch.compile backend (default inductor; aot_eager keeps eager kernels: FullLoad eager's "
+                    "tokens bit for bit)")
+    bg.add_argument("--out", help="also write the table (markdown) to this new file (default: stdout only)")
     br = bsub.add_parser("replay", help="simulator speed in expert accesses per second (synthetic 48x128x8)")
     br.add_argument("--seconds", type=float_, default=5.0, help="how long to replay")
     return bsub
@@ -104,18 +116,33 @@ def _diffusion(args) -> int:
                                         loops=loops))
 
 
-def _decode(args) -> int:
-    from .bench_decode import bench_decode
-
+def _residencies_prompts_model(args):
+    """``--residencies`` (each in (0, 1]), the prompts and the resolved model of ``bench decode`` / ``bench graph``."""
     residencies = split_floats(args.residencies, "--residencies")
     if any(not (0 < r <= 1) for r in residencies):
         raise MoeOffloadError(f"--residencies values must be in (0, 1], got {args.residencies}")
-    prompts = load_prompts(args)
-    path = resolve_model(args.model, progress=not args.quiet)
+    return residencies, load_prompts(args), resolve_model(args.model, progress=not args.quiet)
+
+
+def _decode(args) -> int:
+    from .bench_decode import bench_decode
+
+    residencies, prompts, path = _residencies_prompts_model(args)
     return _table(args, bench_decode(path, prompts, residencies, max_new_tokens=args.max_new_tokens,
                                      device=args.device, dtype=args.dtype, policy=args.policy,
                                      progress=not args.quiet, predictor=args.predictor,
                                      link_epl=LINK_REGIMES.get(args.link_regime), rollout_every=args.rollout_every))
+
+
+def _graph(args) -> int:
+    from .bench_graph import bench_graph
+
+    if "seqmoe-cacheonly" in args.policy and not args.predictor:
+        raise MoeOffloadError("--policy seqmoe-cacheonly needs --predictor DIR")
+    residencies, prompts, path = _residencies_prompts_model(args)
+    return _table(args, bench_graph(path, prompts, residencies, policy=args.policy, max_new_tokens=args.max_new_tokens,
+                                    rounds=args.rounds, backend=args.graph_backend, device=args.device,
+                                    dtype=args.dtype, predictor=args.predictor))
 
 
 def _table(args, table: str) -> int:
@@ -138,6 +165,8 @@ def run(args) -> int:
         raise MoeOffloadError(f"{args.out} already exists; choose a new --out")
     if args.bench_cmd == "formats":
         return _formats(args)
+    if args.bench_cmd == "graph":
+        return _graph(args)
     return _diffusion(args) if args.bench_cmd == "diffusion" else _decode(args)
 
 

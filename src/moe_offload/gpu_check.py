@@ -145,6 +145,9 @@ def main(argv: list[str] | None = None) -> int:
         lines += lossless_rows(root, device, 6 if args.dry_run else 16)
         lines += ["", "## bench decode", ""] + speed_lines(root, device, args.dry_run)
         lines += ["", "## bench link", ""] + link_lines(device, args.dry_run)
+        from .gpu_check_graph import graph_lines
+
+        lines += ["", "## graph mode (issue 20)", ""] + graph_lines(root, device, args.dry_run, PROMPTS)
     lines += ["", f"total {time.perf_counter() - t0:.0f} s"]
     Path(args.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

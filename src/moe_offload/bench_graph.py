@@ -1,0 +1,160 @@
+"""``moe-offload bench graph``: graph mode's compiled decode step (issue 20) against compiled FullLoad, measured in
+one run, with the management share of the step.
+
+Every configuration is loaded and compiled first; then the timed requests run in rounds, one configuration after
+the other within a round, so a change of machine load affects all of them alike. The breakdown of a graph-mode
+decode step (SeqMoE fig. 9 phases, ``runtime.breakdown``):
+
+* ``expert_compute`` and ``stall`` (on-demand copies): timed inside the two custom ops;
+* ``management``: the cache decisions — ``GraphCache.plan`` of every MoE layer, compiled alone with the same
+  backend and timed over ``MGMT_STEPS`` steps in every round right after the row's requests (its shapes are
+  fixed, so its cost does not depend on the routing), plus the copy op's own bookkeeping;
+* ``other_compute``: the rest of the step.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .generate import run
+from .models.loader import load_full
+from .runtime.graph_decode import GraphDecoder, load_graph, run_graph
+
+#: steps over which the management (the plan of every layer) is timed
+MGMT_STEPS = 50
+
+
+@dataclass
+class GraphRow:
+    """One configuration: ``name``, residency (None: FullLoad), decode seconds and tokens summed over the rounds,
+    hit rate, tokens equal to FullLoad eager's, and the engine (None for FullLoad)."""
+
+    name: str
+    residency: float | None
+    decoder: GraphDecoder
+    lm: object
+    decode_s: float = 0.0
+    tokens: int = 0
+    same: bool = True
+    hits: int = 0
+    misses: int = 0
+    ops: dict | None = None
+    mgmt: object = None
+    mgmt_s: float = 0.0
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.decode_s if self.decode_s else 0.0
+
+
+def management_step(engine, top_k: int, backend: str):
+    """A function running ``GraphCache.plan`` of every MoE layer once (one decode step, batch 1), compiled with
+    ``backend`` on a copy of the engine's cache state, with random routing (distinct experts per layer); its
+    shapes are fixed, so its cost does not depend on the routing. Call it to time the management."""
+    cache = copy.deepcopy(engine.cache)
+    g = torch.Generator().manual_seed(0)
+    idx = [torch.randperm(cache.E, generator=g)[:top_k].view(1, top_k).to(cache.lookup.device)
+           for _ in range(cache.L)]
+
+    def all_layers(idx):
+        return [cache.plan(layer, i)[0] for layer, i in enumerate(idx)]
+
+    fn = torch.compile(all_layers, fullgraph=True, backend=backend)
+    fn(idx)
+    return lambda: fn(idx)
+
+
+def _time(fn, steps: int = MGMT_STEPS) -> float:
+    """Seconds per call of ``fn`` over ``steps`` calls."""
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    return (time.perf_counter() - t0) / steps
+
+
+def bench_graph(path, prompts: list[str], residencies: list[float], *, policy: str = "lru",
+                max_new_tokens: int = 32, rounds: int = 3, backend: str = "inductor", device: str | None = None,
+                dtype: str | None = None, predictor: str | None = None) -> str:
+    """Compiled FullLoad vs graph mode at each residency and policy (greedy), in ``rounds`` interleaved rounds.
+
+    ``policy``: one or several comma-separated graph-mode policies (``seqmoe-cacheonly`` runs ``predictor``
+    inside the step).
+
+    Returns a markdown table: configuration, residency, decode tok/s, ratio to compiled FullLoad, hit rate, whether
+    the tokens equal FullLoad eager's; then the graph-mode step breakdown (ms per step and share).
+
+    Raises:
+        MoeOffloadError: as ``load_graph`` / ``GraphDecoder``.
+    """
+    full = load_full(path, device=device, dtype=dtype)
+    ref = [o.token_ids for o in run(full, prompts, max_new_tokens)[0]]
+    rows = [GraphRow("FullLoad compiled", None, GraphDecoder(full, backend=backend), full)]
+    for pol in [p.strip() for p in policy.split(",") if p.strip()]:
+        for r in residencies:
+            lm = load_graph(path, policy=pol, residency=r, device=device, dtype=dtype,
+                            predictor=predictor if pol == "seqmoe-cacheonly" else None)
+            rows.append(GraphRow(f"graph {pol}", r, GraphDecoder(lm, backend=backend), lm))
+    t_compile = {}
+    for row in rows:  # compile (and warm up) every step first
+        t0 = time.perf_counter()
+        run_graph(row.lm, prompts[:1], min(4, max_new_tokens), decoder=row.decoder)
+        t_compile[row.name, row.residency] = time.perf_counter() - t0
+    for row in rows:
+        if row.lm.engine is not None:
+            row.mgmt = management_step(row.lm.engine, full.top_k, backend)
+    for _ in range(rounds):
+        for row in rows:
+            _measure_round(row, prompts, max_new_tokens, ref, rounds)
+    base = rows[0].tok_s
+    out = ["| configuration | residency | decode tok/s | vs FullLoad compiled | hit rate | same tokens as FullLoad "
+           "eager | compile s |", "|---|---|---|---|---|---|---|"]
+    lines = ["| configuration | residency | ms per decode step | expert compute | other compute | management | "
+             "stall |", "|---|---|---|---|---|---|---|"]
+    for row in rows:
+        eng = row.lm.engine
+        hit = "-" if eng is None else f"{row.hits / max(1, row.hits + row.misses):.4f}"
+        res = "-" if row.residency is None else f"{row.residency:.2f}"
+        out.append(f"| {row.name} | {res} | {row.tok_s:.2f} | {row.tok_s / base:.3f} | {hit} | "
+                   f"{'yes' if row.same else 'NO'} | {t_compile[row.name, row.residency]:.0f} |")
+        if eng is not None:
+            lines.append(_breakdown_line(row, res))
+    for row in rows[1:]:
+        row.lm.close()
+    gc.collect()
+    return "\n".join(out + [f"\n{len(prompts)} prompts x {max_new_tokens} new tokens x {rounds} rounds, model {path}, "
+                            f"backend {backend}, torch threads {torch.get_num_threads()}"
+                            + (f", predictor {predictor} (inside the step, rollout every step)" if predictor else ""),
+                            ""] + lines)
+
+
+def _measure_round(row: GraphRow, prompts, max_new_tokens: int, ref, rounds: int) -> None:
+    """One timed run of ``row``'s requests, added to its totals; then its management timed under the same load."""
+    outs, st = run_graph(row.lm, prompts, max_new_tokens, decoder=row.decoder)
+    row.decode_s += st.decode_s
+    row.tokens += st.decode_tokens
+    row.same = row.same and [o.token_ids for o in outs] == ref
+    if row.lm.engine is not None:  # each run starts from zeroed counters
+        row.hits += st.offload.hits
+        row.misses += st.offload.misses
+        row.ops = {k: v + (row.ops or {}).get(k, 0.0) for k, v in row.lm.engine.op_seconds.items()}
+        row.mgmt_s += _time(row.mgmt) / rounds
+
+
+def _breakdown_line(row: GraphRow, res: str) -> str:
+    steps = max(1, row.tokens)
+    step = row.decode_s / steps
+    mgmt = row.mgmt_s + row.ops["copy_overhead"] / steps
+    expert = row.ops["expert_compute"] / steps
+    stall = row.ops["stall"] / steps
+    other = step - mgmt - expert - stall
+
+    def cell(s):
+        return f"{1e3 * s:.2f} ({s / step:.1%})"
+
+    return (f"| {row.name} | {res} | {1e3 * step:.2f} | {cell(expert)} | {cell(other)} | {cell(mgmt)} | "
+            f"{cell(stall)} |")

@@ -1,0 +1,159 @@
+"""Graph mode's decode: the whole decode forward compiled once with ``torch.compile(fullgraph=True)`` over a static
+KV cache, the experts' cache decisions and copies included (SeqMoE §8.2; DESIGN.md §11 "Graph mode"); prefill
+stays eager, as in the paper. On a GPU the same step can be compiled with CUDA graphs (``cuda_graphs=True``,
+``mode="reduce-overhead"``); the experts' custom ops do not capture yet (``gpu_check_graph`` says why), so the
+default compiles without them.
+
+``load_graph`` builds an offloaded model whose engine is a ``runtime.graph_engine.GraphEngine``;
+``GraphDecoder.generate_ids`` is ``generate.generate_ids`` for graph mode (FullLoad models too, for the
+reference). The static cache's length is rounded up to ``CACHE_BUCKET`` positions and kept across requests, so
+requests of similar length reuse one compiled step (a longer one compiles a new one once).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..errors import MoeOffloadError
+from .graph_cache import GraphCache, check_graph_policy
+from .graph_engine import GraphEngine
+
+#: static KV cache lengths are multiples of this many positions
+CACHE_BUCKET = 256
+#: compiler backends ``--graph-backend`` accepts: inductor (generated kernels, the speed), aot_eager (the traced
+#: graph run op by op: the eager kernels, hence FullLoad eager's tokens bit for bit)
+BACKENDS = ("inductor", "aot_eager")
+
+
+def load_graph(model_dir, *, policy: str = "lru", residency: float | None = None, slots: int | None = None,
+               device: str | None = None, dtype: str | None = None, progress: bool = False,
+               predictor: str | None = None):
+    """``models.loader.load_offloaded`` with a ``GraphEngine`` (graph mode) instead of the Python slot table.
+
+    Args:
+        policy: ``lru``, ``lfu`` or ``seqmoe-cacheonly`` (probabilistic Belady; ``runtime.graph_cache``).
+        residency, slots, device, dtype, progress: as ``load_offloaded``.
+        predictor: a trained predictor directory (``seqmoe-cacheonly``): run inside the step
+            (``runtime.graph_predictor``, rollout every step).
+    Returns:
+        A ``LoadedModel`` whose ``engine`` is a ``GraphEngine``.
+    Raises:
+        MoeOffloadError: as ``load_offloaded``; a policy graph mode does not support, or fewer slots than one
+        layer's experts (``graph_cache.check_graph_policy``); a predictor with another policy than
+        ``seqmoe-cacheonly`` or one that does not fit the model.
+    """
+    from ..models.capability import experts_modules
+    from ..models.loader import load_offloaded
+
+    kind = check_graph_policy(policy, 1 << 30, 1)  # the policy first, before loading anything
+    lm = load_offloaded(model_dir, device=device, dtype=dtype, residency=residency, slots=slots,
+                        policy="lru", progress=progress)
+    old = lm.engine
+    try:
+        check_graph_policy(policy, old.pool.num_slots, lm.num_experts)
+    except MoeOffloadError:
+        lm.close()
+        raise
+    cache = GraphCache(old.pool.num_slots, lm.num_experts, lm.num_moe_layers, kind, device=old.pool.device)
+    engine = GraphEngine(old.store, old.pool, cache, lm.num_experts, policy)
+    engine.attach([m for _, m in experts_modules(lm.model)])
+    lm.engine = engine
+    if predictor:
+        from ..predictor.model import load_predictor
+        from .graph_predictor import GraphPredictor
+
+        try:
+            engine.predictor = GraphPredictor(load_predictor(predictor, model_id=lm.model_id, device=lm.device), cache)
+        except MoeOffloadError:
+            lm.close()
+            raise
+    return lm
+
+
+class GraphDecoder:
+    """Greedy/sampled generation with the decode step compiled whole (one per model, reused across requests).
+
+    Args:
+        lm: a ``LoadedModel`` (FullLoad, or from ``load_graph``).
+        backend: ``inductor`` (default) or ``aot_eager`` (``BACKENDS``).
+        cuda_graphs: on CUDA, capture the step with CUDA graphs (``mode="reduce-overhead"``); default off (FullLoad
+            captures; the offloaded step's custom ops read slot ids on the host, which capture refuses).
+
+    Raises:
+        MoeOffloadError: an unknown backend; an engine that is neither None (FullLoad) nor a ``GraphEngine``.
+    """
+
+    def __init__(self, lm, backend: str = "inductor", cuda_graphs: bool = False):
+        if backend not in BACKENDS:
+            raise MoeOffloadError(f"unknown graph backend {backend!r}; choose one of: {', '.join(BACKENDS)}")
+        if lm.engine is not None and not isinstance(lm.engine, GraphEngine):
+            raise MoeOffloadError("graph mode needs a model loaded with runtime.graph_decode.load_graph")
+        self.lm = lm
+        self.cache = None
+        opts = dict(fullgraph=True, backend=backend)
+        if cuda_graphs and backend == "inductor" and lm.device.type == "cuda":
+            opts["mode"] = "reduce-overhead"
+        self.step = torch.compile(self._step, **opts)
+
+    def _step(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache) -> torch.Tensor:
+        """One decode forward: ``input_ids [1, 1]``, ``position_ids [1, 1]`` int64 -> logits ``[1, V]``."""
+        out = self.lm.model(input_ids=input_ids, position_ids=position_ids, cache=cache, use_cache=True)
+        return out.logits[:, -1]
+
+    def _static_cache(self, length: int):
+        from transformers import StaticCache
+
+        need = -(-length // CACHE_BUCKET) * CACHE_BUCKET
+        if self.cache is None or self._cache_len < need:
+            self.cache = StaticCache(config=self.lm.model.config, max_cache_len=need)
+            self._cache_len = need
+        else:
+            self.cache.reset()
+        return self.cache
+
+    @torch.no_grad()
+    def generate_ids(self, prompt_ids: list[int], max_new_tokens: int, *, temperature: float = 0.0,
+                     top_p: float = 1.0, seed: int | None = None, request: int = 0):
+        """``generate.generate_ids`` in graph mode: eager prefill into a static KV cache, then compiled decode
+        steps. Returns ``(new_ids, ttft_s, decode_s)``."""
+        from ..generate import _eos_ids, _pick, _sync
+        from ..seeds import make_generator
+
+        lm, engine = self.lm, self.lm.engine
+        dev, gen, eos = lm.device, make_generator(seed), _eos_ids(lm)
+        cache = self._static_cache(len(prompt_ids) + max_new_tokens)
+        ids = torch.tensor([prompt_ids], dtype=torch.long, device=dev)
+        t0 = time.perf_counter()
+        if engine is not None:
+            engine.begin_step(request, 0)
+        out = lm.model(input_ids=ids, cache=cache, use_cache=True)
+        tok = _pick(out.logits[:, -1], temperature, top_p, gen)
+        new = [int(tok)]
+        _sync(dev)
+        t1 = time.perf_counter()
+        while len(new) < max_new_tokens and new[-1] not in eos:
+            if engine is not None:
+                engine.begin_step(request, len(new))
+            pos = torch.tensor([[len(prompt_ids) + len(new) - 1]], dtype=torch.long, device=dev)
+            logits = self.step(tok.view(1, 1), pos, cache)
+            tok = _pick(logits, temperature, top_p, gen)
+            new.append(int(tok))
+        _sync(dev)
+        return new, t1 - t0, time.perf_counter() - t1
+
+
+def run_graph(lm, prompts: list[str], max_new_tokens: int, *, decoder: GraphDecoder | None = None,
+              temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None, progress: bool = False):
+    """``generate.run`` in graph mode: ``(outputs, RunStats)``; ``decoder`` reuses a compiled step."""
+    from ..generate import run_requests
+
+    dec = decoder or GraphDecoder(lm)
+
+    def one(i, pids):
+        new, ttft, d = dec.generate_ids(pids, max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                                        request=i)
+        return new, ttft, d, len(new) - 1
+
+    return run_requests(lm, prompts, one, progress=progress)

@@ -1,0 +1,95 @@
+"""Graph mode end to end on a tiny model: the decode step compiles with ``fullgraph=True`` (no graph break), is not
+recompiled across steps and requests, and generates FullLoad's tokens with the experts offloaded."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_offload.errors import MoeOffloadError
+from moe_offload.generate import run
+from moe_offload.models.loader import load_full
+from moe_offload.runtime.graph_decode import GraphDecoder, load_graph, run_graph
+
+PROMPTS = ["hello there", "the sea and the wind"]
+
+
+def test_graph_decode_equals_full_load(tiny_dirs, one_thread):
+    path = tiny_dirs["mixtral"]
+    full = load_full(path, device="cpu")
+    ref = [o.token_ids for o in run(full, PROMPTS, 6)[0]]
+    lm = load_graph(path, residency=0.5, policy="lru", device="cpu")
+    torch._dynamo.utils.counters.clear()
+    dec = GraphDecoder(lm, backend="aot_eager")
+    outs, stats = run_graph(lm, PROMPTS[:1], 6, decoder=dec)  # compiles the step once
+    assert not torch._dynamo.utils.counters["graph_break"]
+    with torch._dynamo.config.patch(error_on_recompile=True):  # every further step and request: no recompile
+        outs, stats = run_graph(lm, PROMPTS, 6, decoder=dec)
+    assert [o.token_ids for o in outs] == ref
+    assert stats.offload.misses > 0 and stats.offload.hits > 0
+    lm.close()
+
+
+def test_graph_refuses_unsupported_policy(tiny_dirs):
+    with pytest.raises(MoeOffloadError, match="supports the policies"):
+        load_graph(tiny_dirs["mixtral"], policy="lfru")
+
+
+@pytest.mark.parametrize("arch,policy", [("mixtral", "lfu"), ("gpt_oss", "lru"), ("qwen3_moe", "seqmoe-cacheonly"),
+                                         ("deepseek_v3", "lru")])
+def test_graph_engine_eager_equals_full_load(tiny_dirs, one_thread, arch, policy):
+    """The graph engine's ops run eagerly too (prefill always does): FullLoad's tokens on several layouts (biases,
+    shared experts), with misses."""
+    path = tiny_dirs[arch]
+    ref = [o.token_ids for o in run(load_full(path, device="cpu"), PROMPTS, 6)[0]]
+    lm = load_graph(path, residency=0.5, policy=policy, device="cpu")
+    outs, stats = run(lm, PROMPTS, 6)
+    assert [o.token_ids for o in outs] == ref
+    assert stats.offload.misses > 0
+    lm.close()
+    if policy != "seqmoe-cacheonly":  # the Python runtime, same model and routing: the same hits and misses
+        from moe_offload.models.loader import load_offloaded
+
+        py = load_offloaded(path, device="cpu", residency=0.5, policy=policy, progress=False)
+        py_stats = run(py, PROMPTS, 6)[1].offload
+        assert (stats.offload.hits, stats.offload.misses) == (py_stats.hits, py_stats.misses)
+
+
+@pytest.mark.slow
+def test_graph_decode_inductor(tiny_dirs, one_thread):
+    """The default backend (inductor, generated kernels): no graph break, no recompile, FullLoad's tokens."""
+    path = tiny_dirs["mixtral"]
+    ref = [o.token_ids for o in run(load_full(path, device="cpu"), PROMPTS, 6)[0]]
+    lm = load_graph(path, residency=0.5, policy="lfu", device="cpu")
+    torch._dynamo.utils.counters.clear()
+    dec = GraphDecoder(lm)
+    run_graph(lm, PROMPTS[:1], 3, decoder=dec)
+    assert not torch._dynamo.utils.counters["graph_break"]
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        outs, _ = run_graph(lm, PROMPTS, 6, decoder=dec)
+    assert [o.token_ids for o in outs] == ref
+    lm.close()
+
+
+def test_graph_predictor_same_decisions_as_python_runtime(tiny_dirs, one_thread, random_pset):
+    """Probabilistic Belady driven by the predictor inside the step (eager, then compiled): the same hits and misses
+    as the Python runtime's ForecastFeed at rollout every step, and FullLoad's tokens."""
+    from moe_offload.models.loader import load_offloaded
+    from moe_offload.predictor.runtime import attach_predictor
+    from moe_offload.runtime.graph_predictor import GraphPredictor
+
+    path = tiny_dirs["qwen3_moe"]
+    ref = [o.token_ids for o in run(load_full(path, device="cpu"), PROMPTS, 8)[0]]
+    py = load_offloaded(path, device="cpu", residency=0.4, policy="seqmoe-cacheonly", progress=False)
+    attach_predictor(py.engine, random_pset(py, 3), rollout_every=1)
+    py_out, py_stats = run(py, PROMPTS, 8)
+    torch._dynamo.utils.counters.clear()
+    for compiled in (False, True):  # each from a cold slot pool, as the Python run
+        lm = load_graph(path, residency=0.4, policy="seqmoe-cacheonly", device="cpu")
+        lm.engine.predictor = GraphPredictor(random_pset(lm, 3), lm.engine.cache)
+        outs, stats = (run_graph(lm, PROMPTS, 8, decoder=GraphDecoder(lm, backend="aot_eager")) if compiled
+                       else run(lm, PROMPTS, 8))
+        assert [o.token_ids for o in outs] == ref == [o.token_ids for o in py_out]
+        assert (stats.offload.hits, stats.offload.misses) == (py_stats.offload.hits, py_stats.offload.misses)
+        lm.close()
+    assert not torch._dynamo.utils.counters["graph_break"]
