@@ -20,7 +20,7 @@ def _add_common(p: argparse.ArgumentParser, positive_int, float_) -> None:
                    "tide-fixed[-T<n>], tide")
     p.add_argument("--predictor", metavar="DIR", help="a trained SeqMoE predictor (`predictor train`) for the "
                    "forecast-driven policies seqmoe-cacheonly, seqmoe, seqmoe-infinity; with batching, the batch's "
-                   "per-sequence forecasts are combined into one demand per expert (1 - prod(1 - p))")
+                   "per-sequence forecasts are combined into one demand per expert (1 - prod(1 - p)); default: none)")
     size = p.add_mutually_exclusive_group()
     size.add_argument("--residency", type=float_, help="device slots as a fraction of all routed experts, (0, 1] "
                       "(default: see --memory-budget)")
