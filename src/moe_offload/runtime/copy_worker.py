@@ -61,7 +61,7 @@ class CopyWorker:
     def _next_job(self) -> _Job | None:
         """Block until a copy may start (lock held); None when the worker should exit."""
         while True:
-            if (self._queue and not (self._held or self._want)
+            if (self._queue and not self._want
                     and (not self._paused or self._stop or self._queue[0].urgent)):
                 job = self._queue.popleft()
                 job.state = _RUNNING
@@ -204,14 +204,12 @@ class CopyWorker:
         with self._cond:
             if self._closed or (self._queue and self._queue[0].urgent):
                 return False
-            if self._current is not None:
-                if self._current is not self._linkjob:
-                    return False
-                self._want = True
-                self._cond.notify_all()
-                while not self._yielded and self._linkjob is not None:
-                    self._cond.wait()
-            self._held = True
+            if self._current is not None and self._current is not self._linkjob:
+                return False
+            self._want = True  # the worker starts nothing now, and a prefetch holding the link parks at a chunk
+            self._cond.notify_all()
+            while not self._yielded and self._linkjob is not None:
+                self._cond.wait()
         busy = 0.0
         try:
             for eid, slot in zip(eids, slots):
@@ -225,7 +223,7 @@ class CopyWorker:
                 busy += time.perf_counter() - start
         finally:
             with self._cond:
-                self._held = self._want = False
+                self._want = False
                 st = self.stats
                 st.busy_s += busy
                 st.copies += len(eids)

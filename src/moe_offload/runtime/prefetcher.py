@@ -104,7 +104,8 @@ class Prefetcher:
 
     def load_on_demand(self, loads: list[Load]) -> None:
         """Copy missed experts now (through the link, ahead of queued prefetches, new ones paused: §8.3): on this
-        thread when the link is free (``TransferEngine.copy_now``), else by the worker ahead of its queue."""
+        thread (``TransferEngine.copy_now``: at once, or once a prefetch holding the emulated link yields at a
+        chunk), else by the worker ahead of its queue."""
         if not loads:
             return
         self.transfer.pause()

@@ -212,8 +212,9 @@ class RefreshEngine:
 
     def _load_blocking(self, gids: list[int], slots: list[int]) -> None:
         """Copy experts ``gids`` into pool ``slots`` before returning and point the lookup table at them: on this
-        thread when the link is free (``TransferEngine.copy_now``: no hand-off to the copy worker, whose wake-ups
-        the simulator's link model does not charge), else through the worker ahead of its queue."""
+        thread (``TransferEngine.copy_now``: at once, or once a prefetch yields the emulated link at a chunk; no
+        hand-off to the copy worker, whose wake-ups the simulator's link model does not charge), else through the
+        worker ahead of its queue."""
         if not self.transfer.copy_now(gids, slots):
             for g, slot in zip(gids, slots):
                 self.transfer.submit(g, slot)

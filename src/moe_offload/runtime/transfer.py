@@ -122,8 +122,8 @@ class TransferEngine(CopyWorker):
         self._current: _Job | None = None    # the running job
         self._done: list[Landing] = []       # landings not yet reported
         self._paused = False
-        self._held = False                   # the main thread holds the link (copy_now): the worker starts nothing
-        self._want = False                   # the main thread asks the emulated prefetch in flight to yield the link
+        self._want = False                   # the main thread takes the link (copy_now): the worker starts nothing
+                                             # and an emulated prefetch in flight yields it at its next chunk
         self._yielded = False                # ... and the worker has parked that prefetch at a chunk boundary
         self._linkjob: _Job | None = None    # the copy whose emulated link time the worker is holding (CPU)
         self._closed = False                 # no more submissions
