@@ -79,7 +79,7 @@ class ProbabilisticBelady(EvictionPolicy):
         self._in = np.empty(0, dtype=bool)
         self._seq = 0
         self._ranking: list[int] | None = None  # resident experts by (score, last use, id) when ranked; None: stale
-        self._fresh: set[int] = set()           # experts inserted since the ranking was made (not ranked by it)
+        self._fresh: set[int] = set()           # experts accessed or inserted since the ranking was made
 
     def _grow(self, n: int) -> None:
         """Make the per-expert arrays hold ids ``< n`` (new entries: no forecast, never used, not resident)."""
@@ -144,9 +144,7 @@ class ProbabilisticBelady(EvictionPolicy):
         if eid in self.resident:
             self._seq += 1
             self._last[eid] = self._seq
-            self._fresh.add(eid)  # ranked by its old last use: compared apart until the next ranking
-            if len(self._fresh) > _FRESH_MAX:
-                self._ranking = None
+            self._touch(eid)
 
     def on_insert(self, eid: int, tick: int) -> None:
         super().on_insert(eid, tick)
@@ -154,7 +152,16 @@ class ProbabilisticBelady(EvictionPolicy):
         self._seq += 1
         self._last[eid] = self._seq
         self._in[eid] = True
-        self._fresh.add(eid)  # its ranked position (if it was resident when ranked) is stale
+        self._touch(eid)
+
+    def _touch(self, eid: int) -> None:
+        """``eid``'s last use changed: its ranked position (if any) is stale, so ``victim`` compares it apart until
+        the next ranking, which is due once more than ``_FRESH_MAX`` experts are such."""
+        if self._ranking is None:
+            return
+        self._fresh.add(eid)
+        if len(self._fresh) > _FRESH_MAX:
+            self._ranking = None
 
     def on_evict(self, eid: int) -> None:
         super().on_evict(eid)
