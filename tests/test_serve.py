@@ -373,6 +373,7 @@ def test_budget_too_small_is_a_clear_startup_error(tiny_dirs, capsys):
     (["--max-context", "100000"], "exceeds the model's max_position_embeddings"),
     (["--policy", "seqmoe"], "needs --predictor DIR"),
     (["--predictor", "nowhere"], "--predictor is used by the forecast-driven policies"),
+    (["--policy", "seqmoe-xl", "--predictor", "nowhere"], "--policy seqmoe-xl is not served"),
     (["--port", "70000"], "--port must be in"),
 ])
 def test_cli_bad_options_are_one_line_errors(tiny_dirs, capsys, argv, msg):

@@ -148,16 +148,19 @@ def load_for_serving(cfg: ServeConfig, log=_log):
         MoeOffloadError: a bad checkpoint or option, a policy the server cannot run, ``max_context`` above the
             model's positions, or a budget too small for top-k slots.
     """
-    from ..models.loader import (FORECAST_RUNTIME_POLICIES, _top_k, is_refresh_policy, load_offloaded, read_config,
+    from ..models.loader import (PREDICTOR_POLICIES, _top_k, is_refresh_policy, load_offloaded, read_config,
                                  resolve_device)
     from .app import ServeState
 
     path, config, arch = read_config(cfg.model_dir)
-    if cfg.policy in FORECAST_RUNTIME_POLICIES and not cfg.predictor:
+    if cfg.policy in ("xl", "seqmoe-xl"):
+        raise MoeOffloadError(f"--policy {cfg.policy} is not served: cross-layer forecasts run in generate and bench "
+                              "decode (serve takes seqmoe-cacheonly, seqmoe, seqmoe-infinity with --predictor)")
+    if cfg.policy in PREDICTOR_POLICIES and not cfg.predictor:
         raise MoeOffloadError(f"--policy {cfg.policy} needs --predictor DIR (a trained SeqMoE predictor)")
-    if cfg.predictor and cfg.policy not in FORECAST_RUNTIME_POLICIES:
+    if cfg.predictor and cfg.policy not in PREDICTOR_POLICIES:
         raise MoeOffloadError(f"--predictor is used by the forecast-driven policies "
-                              f"({', '.join(sorted(FORECAST_RUNTIME_POLICIES))}), not --policy {cfg.policy}")
+                              f"({', '.join(PREDICTOR_POLICIES)}), not --policy {cfg.policy}")
     diffusion = _diffusion_params(cfg, arch)
     max_pos = getattr(config, "max_position_embeddings", None)
     max_context = cfg.max_context or min(DEFAULT_MAX_CONTEXT, max_pos or DEFAULT_MAX_CONTEXT)
@@ -189,7 +192,8 @@ def load_for_serving(cfg: ServeConfig, log=_log):
         lm = load_offloaded(path, slots=top_k, **load)
         layers, n_total = lm.num_moe_layers, lm.num_moe_layers * lm.num_experts
         pset = _load_predictor(cfg, lm)
-        base = non_expert_bytes(lm) + _predictor_bytes(pset) + lookup_bytes(lm)
+        pred_bytes = 0 if pset is None else pset.parameter_bytes()
+        base = non_expert_bytes(lm) + pred_bytes + lookup_bytes(lm)
         slots_for_budget(budget, base, lm.expert_bytes, n_total, top_k,  # weights alone too big: fail early
                          layers if is_refresh_policy(cfg.policy) else None, weights_only=True)
         log(f"profile run: the largest request ({max_context} tokens, sampled)")
@@ -207,6 +211,7 @@ def load_for_serving(cfg: ServeConfig, log=_log):
     else:
         lm = load_offloaded(path, residency=cfg.residency, slots=cfg.slots, **load)
         pset = _load_predictor(cfg, lm)
+        pred_bytes = 0 if pset is None else pset.parameter_bytes()
         source = ("--slots" if cfg.slots is not None else "--residency" if cfg.residency is not None
                   else "--residency 1.0 (default)")
         log(f"profile run: the largest request ({max_context} tokens, sampled)")
@@ -216,10 +221,9 @@ def load_for_serving(cfg: ServeConfig, log=_log):
         raise MoeOffloadError(f"{path} has no tokenizer: cannot encode prompts")
     if pset is not None:
         _attach(lm, pset, batch)
-        log(f"predictor {cfg.predictor}: {_predictor_bytes(pset) / 1e6:.1f} MB, forecasts "
+        log(f"predictor {cfg.predictor}: {pred_bytes / 1e6:.1f} MB, forecasts "
             + ("per sequence, one demand per expert for the batch" if batch > 1 else "for one sequence"))
-    plan = MemoryPlan(budget, source, non_expert_bytes(lm) + _predictor_bytes(pset), lookup_bytes(lm), kv, act,
-                      lm.expert_bytes,
+    plan = MemoryPlan(budget, source, non_expert_bytes(lm) + pred_bytes, lookup_bytes(lm), kv, act, lm.expert_bytes,
                       lm.engine.pool.num_slots, lm.num_moe_layers * lm.num_experts, top_k, max_context, batch)
     for line in plan.lines():
         log(line)
@@ -241,11 +245,6 @@ def _load_predictor(cfg: ServeConfig, lm):
     from ..predictor.model import load_predictor
 
     return load_predictor(cfg.predictor, model_id=lm.model_id, device=lm.device)
-
-
-def _predictor_bytes(pset) -> int:
-    """Bytes of the predictor's parameters on the device (0 without one)."""
-    return 0 if pset is None else pset.parameter_bytes()
 
 
 def _attach(lm, pset, batch: int) -> None:
