@@ -54,8 +54,8 @@ class ProbabilisticBelady(EvictionPolicy):
     (score, last use, id) once (one vectorised sort) and the ranking serves every later ``victim`` until a score
     changes (``update_forecast``, a new request) or more than ``_FRESH_MAX`` experts were accessed or inserted
     since; each call walks the ranking from the front past pinned, evicted and such "fresh" experts and compares
-    it with the fresh ones (whose last use is newer than the ranking's) one by one. The decode steps' ~120
-    victims (testbed-sparse at residency 0.25, issue 17) then cost a few sorts, not one vectorised pass each.
+    it with the fresh ones (whose last use is newer than the ranking's) one by one. A layer's victims (one per
+    miss and per prefetch) then cost a sort per few layers, not one vectorised pass each (issue 17).
     """
 
     name = "prob-belady"
