@@ -72,6 +72,16 @@ def test_router_calls_equal_the_models_routing(model_type):
         assert fc.probs(len(mods) - 1) is None
         if len(mods) > 1:
             assert fc.probs(0).shape == (min(2, len(mods) - 1), fc.E)
+        for layer in range(len(mods) - 1):  # probs (one stacked GEMM where the routers allow) == router by router
+            n = min(2, len(mods) - 1 - layer)
+            x = fc.inputs[layer]
+            want = torch.stack([xl_probabilities(fc.route(layer + 1 + j, x), fc.E).mean(0) for j in range(n)])
+            got = fc.probs(layer)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+            top = [torch.sort(t, dim=-1, descending=True, stable=True).indices[:, :k] for t in (got, want)]
+            assert torch.equal(*top), (model_type, layer)
+    if model_type in ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe"):
+        assert fc._stacked[0] is not None, model_type    # plain linear softmax top-k routers take the GEMM path
     fc.close()
 
 
@@ -124,7 +134,8 @@ def test_xl_eviction_runtime_equals_simulator(tiny_dirs, random_pset, blend, one
     assert len(run_fc) == len(sim_fc) > 0 and any(f.cross_layer for f in sim_fc)
     for a, b in zip(run_fc, sim_fc):
         assert (a.step, a.layers, a.cross_layer) == (b.step, b.layers, b.cross_layer)
-        assert torch.equal(a.probs, b.probs) if not blend else torch.allclose(a.probs, b.probs, atol=1e-3)
+        pa, pb = (torch.as_tensor(np.asarray(f.probs)) for f in (a, b))  # cross-layer forecasts are numpy
+        assert torch.equal(pa, pb) if not blend else torch.allclose(pa, pb, atol=1e-3)
     if blend:  # row 0 of a blended forecast mixes both; the rows of the predictor's rollout still ahead follow
         assert {f.probs.shape[0] for f in sim_fc if f.cross_layer} <= set(range(2, 2 + ROLLOUT))
     sim = replay(tr, lm.engine.pool.num_slots, "seqmoe-cacheonly", forecasts=stream)
@@ -174,7 +185,8 @@ def test_xl_prefetching_lossless_and_close_to_simulator(tiny_dirs, random_pset, 
 
 def test_cross_layer_tasks_replace_queued_tasks_of_their_deadlines():
     """A cross-layer forecast's tasks replace every queued task of its layers' deadlines in the current step (a
-    SeqMoE forecast's, or an earlier layer's cross-layer forecast's); other deadlines keep theirs."""
+    SeqMoE forecast's, or an earlier layer's cross-layer forecast's); other deadlines keep theirs. Its first layer
+    (the next one, due at the position after the one it was made at) gets no tasks: they would expire unselected."""
     from moe_offload.core.jsd import JSDScheduler
     from moe_offload.core.prefetch import position, submit_forecast
     from moe_offload.predictor.runtime import Forecast
@@ -194,9 +206,16 @@ def test_cross_layer_tasks_replace_queued_tasks_of_their_deadlines():
     by_ddl = {}
     for t in sched.pending():
         by_ddl.setdefault(t.ddl, set()).add(t.expert)
-    assert by_ddl[position(3, 1, L)] == by_ddl[position(3, 2, L)] == {5, 0, 1, 2}   # k + 3 = 4, ties by index
+    assert position(3, 1, L) not in by_ddl                                      # dropped, none queued
+    assert by_ddl[position(3, 2, L)] == {5, 0, 1, 2}                            # k + 3 = 4, ties by index
     assert by_ddl[position(3, 0, L)] == by_ddl[position(3, 3, L)] == {0, 1, 2, 3}
-    assert next(t.conf for t in sched.pending() if t.ddl == position(3, 1, L) and t.expert == 5) == 1.0
+    assert next(t.conf for t in sched.pending() if t.ddl == position(3, 2, L) and t.expert == 5) == 1.0
+    # made at layer 0: a task due at layer 1 would be discarded by the first selection there (ddl <= pos + 1)
+    sched.advance(position(3, 0, L))
+    assert all(t.ddl > position(3, 1, L) for t in sched.pending())
+    # a forecast of the next layer only queues nothing (and still drops that deadline's tasks)
+    submit_forecast(sched, Forecast(0, 2, (3, 4), xl[:, :1], cross_layer=True), L, E, k)
+    assert position(3, 3, L) not in {t.ddl for t in sched.pending()}
 
 
 def test_blend_hand_worked():
@@ -209,7 +228,7 @@ def test_blend_hand_worked():
     out = mix(xl, seq, (0.3, 0.25))
     assert torch.allclose(out, torch.tensor([[0.3, 0.7], [0.75, 0.25], [0.25, 0.75]]))
     f = blend_forecast(2, 5, 3, xl, None)
-    assert (f.request, f.step, f.layers, f.cross_layer) == (2, 4, (4, 7), True) and torch.equal(f.probs[0], xl)
+    assert (f.request, f.step, f.layers, f.cross_layer) == (2, 4, (4, 7), True) and np.array_equal(f.probs[0], xl.numpy())
 
 
 def test_eval_rows_xl_and_blend(tmp_path, capsys):

@@ -6,7 +6,7 @@ deadlines, units) in ``core.prefetch``'s docstring.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -152,11 +152,17 @@ def submit_forecast(scheduler: "PrefetchScheduler", forecast, num_moe_layers: in
     than the SeqMoE forecast or the earlier layer's cross-layer forecast that queued them, and its top-(k+3) replace
     theirs (deadlines ``position(step, p, L)``, so JSD schedules these near tasks and SeqMoE's far ones together).
 
+    Its first layer's tasks are not made: that layer runs at the position right after the one the forecast was made
+    at, and every selection from there on discards tasks due by ``pos + 1`` (``PrefetchScheduler.advance``), so they
+    could never be chosen.
+
     Raises:
         MoeOffloadError: as ``generate_tasks``.
     """
-    tasks = tasks_from_forecast(forecast, num_moe_layers, num_experts, top_k, table=table)
     if getattr(forecast, "cross_layer", False):
         lo, hi = forecast.layers
         scheduler.drop_deadlines(position(forecast.step + 1, p, num_moe_layers) for p in range(lo, hi))
-    scheduler.submit(tasks)
+        if hi - lo < 2:
+            return
+        forecast = replace(forecast, layers=(lo + 1, hi), probs=forecast.probs[:, 1:])
+    scheduler.submit(tasks_from_forecast(forecast, num_moe_layers, num_experts, top_k, table=table))

@@ -80,6 +80,7 @@ class ProbabilisticBelady(EvictionPolicy):
         self._seq = 0
         self._ranking: list[int] | None = None  # resident experts by (score, last use, id) when ranked; None: stale
         self._fresh: set[int] = set()           # experts accessed or inserted since the ranking was made
+        self._weights: dict[int, np.ndarray] = {}  # rows -> ``weights(rows)``
 
     def _grow(self, n: int) -> None:
         """Make the per-expert arrays hold ids ``< n`` (new entries: no forecast, never used, not resident)."""
@@ -93,9 +94,14 @@ class ProbabilisticBelady(EvictionPolicy):
         self._in = np.concatenate([self._in, np.zeros(n - old, dtype=bool)])
 
     def weights(self, rows: int) -> np.ndarray:
-        """float64 ``[min(rows, c)]``: ``lambda^j / sum_j lambda^j``, the weight of forecast row j."""
-        w = self.lam ** np.arange(min(rows, self.horizon), dtype=np.float64)
-        return w / w.sum()
+        """float64 ``[min(rows, c)]``: ``lambda^j / sum_j lambda^j``, the weight of forecast row j (made once per
+        row count; do not modify the array)."""
+        n = min(rows, self.horizon)
+        w = self._weights.get(n)
+        if w is None:
+            w = self.lam ** np.arange(n, dtype=np.float64)
+            w = self._weights[n] = w / w.sum()
+        return w
 
     def update_forecast(self, layers: tuple[int, int], probs) -> None:
         """Replace the scores of MoE layers ``l <= p < l'`` from a forecast.
@@ -121,10 +127,9 @@ class ProbabilisticBelady(EvictionPolicy):
         if not np.isfinite(a).all():
             raise MoeOffloadError("probs contains non-finite values")
         w = self.weights(a.shape[0])
-        scores = np.tensordot(w, a[:len(w)], axes=1)    # [n, e]
         E = self.num_experts
         self._grow(hi * E)
-        self._score[lo * E:hi * E] = scores.reshape(-1)
+        self._score[lo * E:hi * E] = w @ a[:len(w)].reshape(len(w), -1)    # [n * e]: sum_j w_j * row j
         self._ranking = None
 
     def observe(self, forecast) -> None:

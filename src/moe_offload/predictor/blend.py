@@ -14,10 +14,14 @@ cross-layer forecast's accuracy does). Both are probability vectors summing to 1
 one too; its top-(k+3) become prefetch tasks (SeqMoE §6.1) replacing the queued tasks of those layers' deadlines in
 step ``s`` (``core.prefetch.submit_forecast``), and its rows replace those layers' CacheScores (§7.1). Without a
 current SeqMoE forecast for a layer (none yet), the cross-layer forecast is used alone.
+
+The blend runs at every MoE layer of every decode step, so it is computed on the host in numpy (the decision core
+reads numpy anyway): each SeqMoE forecast is copied to the host once (``HostForecasts``), not once per layer.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .runtime import Forecast
@@ -27,46 +31,83 @@ from .runtime import Forecast
 XL_WEIGHTS = (0.3, 0.25, 0.2)
 
 
-def mix(xl: torch.Tensor, seq: torch.Tensor, weights=XL_WEIGHTS, distances=None) -> torch.Tensor:
-    """``w_j * xl + (1 - w_j) * seq`` row by row: ``xl``, ``seq`` float32 ``[..., n, E]``, row r at layer distance
-    ``distances[r]`` (default ``r + 1``; ``w_j = weights[min(j, len(weights)) - 1]``) -> float32 ``[..., n, E]``."""
+def _weight_column(weights, distances) -> np.ndarray:
+    """float32 ``[n, 1]``: ``w_j`` for each layer distance ``j`` (the last weight for larger distances)."""
+    return np.array([[weights[min(j, len(weights)) - 1]] for j in distances], dtype=np.float32)
+
+
+def mix(xl, seq, weights=XL_WEIGHTS, distances=None):
+    """``w_j * xl + (1 - w_j) * seq`` row by row: ``xl``, ``seq`` float32 ``[..., n, E]`` (torch tensors, or numpy
+    arrays), row r at layer distance ``distances[r]`` (default ``r + 1``; ``w_j = weights[min(j, len(weights)) -
+    1]``) -> float32 ``[..., n, E]`` of ``xl``'s kind (and device)."""
     n = xl.shape[-2]
-    ds = range(1, n + 1) if distances is None else distances
-    w = torch.tensor([weights[min(j, len(weights)) - 1] for j in ds], dtype=xl.dtype, device=xl.device)
-    w = w.unsqueeze(-1)
-    return w * xl + (1.0 - w) * seq.to(xl.device, xl.dtype)
+    w = _weight_column(weights, range(1, n + 1) if distances is None else distances)
+    if isinstance(xl, np.ndarray):
+        return w * xl + (1.0 - w) * np.asarray(seq, dtype=np.float32)
+    wt = torch.from_numpy(w).to(xl.device, xl.dtype)
+    return wt * xl + (1.0 - wt) * seq.to(xl.device, xl.dtype)
 
 
-def seq_rows(runner, step: int, lo: int, n: int) -> torch.Tensor | None:
-    """float32 ``[R, n, E]``: the rows of ``runner``'s latest forecasts for MoE layers ``lo .. lo + n - 1`` when every
-    one of them was made at step ``step - 1`` (row 0 = step ``step``), else None."""
+class HostForecasts:
+    """Host (numpy float32) copies of a ``PredictorRunner``'s latest forecasts, made once per forecast.
+
+    Args:
+        runner: the ``PredictorRunner`` whose ``forecast_for`` is read.
+    """
+
+    def __init__(self, runner):
+        self.runner = runner
+        self._copies: dict[int, tuple[Forecast, np.ndarray]] = {}   # id(forecast) -> (forecast, probs [R, n, E])
+
+    def column(self, layer: int) -> tuple[int, np.ndarray] | None:
+        """``(step the forecast was made at, float32 [R, E] rows of MoE layer layer)`` of the latest forecast
+        covering ``layer``, or None."""
+        hit = self.runner.forecast_for(layer)
+        if hit is None:
+            return None
+        f, row = hit
+        got = self._copies.get(id(f))
+        if got is None or got[0] is not f:
+            if len(self._copies) > 16:
+                self._copies.clear()
+            got = self._copies[id(f)] = (f, np.asarray(f.probs.detach().float().cpu().numpy(), dtype=np.float32))
+        return f.step, got[1][:, row]
+
+
+def seq_rows(host: HostForecasts, step: int, lo: int, n: int) -> np.ndarray | None:
+    """float32 ``[R, n, E]``: the rows of the runner's latest forecasts for MoE layers ``lo .. lo + n - 1`` when
+    every one of them was made at step ``step - 1`` (row 0 = step ``step``), else None."""
     cols = []
     for p in range(lo, lo + n):
-        hit = runner.forecast_for(p)
-        if hit is None or hit[0].step != step - 1:
+        hit = host.column(p)
+        if hit is None or hit[0] != step - 1:
             return None
-        cols.append(hit[0].probs[:, hit[1]])
+        cols.append(hit[1])
     if len({c.shape[0] for c in cols}) != 1:
         return None
-    return torch.stack(cols, 1)
+    return np.stack(cols, 1)
 
 
-def blend_forecast(request: int, step: int, layer: int, xl: torch.Tensor, runner=None,
+def blend_forecast(request: int, step: int, layer: int, xl, host: HostForecasts | None = None,
                    weights=XL_WEIGHTS) -> Forecast:
     """The forecast handed to the decision core at MoE ``layer`` of decode ``step`` (see the module docstring).
 
     Args:
-        xl: float32 ``[n, E]``, the cross-layer forecast of layers ``layer + 1 .. layer + n``.
-        runner: a ``PredictorRunner`` (``seqmoe-xl``) or None (``xl``: the cross-layer forecast alone).
+        xl: float32 ``[n, E]`` (tensor or numpy), the cross-layer forecast of layers ``layer + 1 .. layer + n``.
+        host: the ``HostForecasts`` of a ``PredictorRunner`` (``seqmoe-xl``) or None (``xl``: the cross-layer
+            forecast alone).
         weights: ``XL_WEIGHTS``-like blend weights per distance.
     Returns:
-        ``Forecast(request, step - 1, (layer + 1, layer + 1 + n), probs [R, n, E], cross_layer=True)``: row 0 is
-        the current step (R = 1 for ``xl``, the predictor's rows for ``seqmoe-xl``).
+        ``Forecast(request, step - 1, (layer + 1, layer + 1 + n), probs [R, n, E] (numpy float32),
+        cross_layer=True)``: row 0 is the current step (R = 1 for ``xl``, the predictor's rows for ``seqmoe-xl``).
     """
+    if isinstance(xl, torch.Tensor):
+        xl = xl.detach().float().cpu().numpy()
+    xl = np.asarray(xl, dtype=np.float32)
     n = xl.shape[0]
     lo = layer + 1
-    probs = xl.unsqueeze(0)
-    rows = seq_rows(runner, step, lo, n) if runner is not None else None
+    probs = xl[None]
+    rows = seq_rows(host, step, lo, n) if host is not None else None
     if rows is not None:
-        probs = torch.cat([mix(xl, rows[0], weights).unsqueeze(0), rows[1:].to(xl.device, xl.dtype)])
+        probs = np.concatenate([mix(xl, rows[0], weights)[None], rows[1:]])
     return Forecast(request, step - 1, (lo, lo + n), probs, cross_layer=True)

@@ -76,16 +76,51 @@ def xl_probabilities(router_out, num_experts: int) -> torch.Tensor:
     Raises:
         MoeOffloadError: an output that is not such a tuple.
     """
+    logits, index = _logits_and_index(router_out, num_experts)
+    return _topk_mixture(logits, index)
+
+
+def _logits_and_index(router_out, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(float32 logits [T, E], int64 top_k_index [T, k])`` of one router output (see ``xl_probabilities``)."""
     if not (isinstance(router_out, tuple) and len(router_out) >= 3 and isinstance(router_out[2], torch.Tensor)
             and not router_out[2].is_floating_point()):
         raise MoeOffloadError("cross-layer forecasts: the router does not return (logits, weights, indices)")
     logits, _, index = router_out[:3]
     k = index.shape[-1]
+    return logits.reshape(-1, logits.shape[-1])[:, :num_experts].float(), index.reshape(-1, k).long()
+
+
+def _topk_mixture(logits: torch.Tensor, index: torch.Tensor, soft: torch.Tensor | None = None) -> torch.Tensor:
+    """``(1 - eps) * onehot(index) / k + eps * softmax(logits)`` over the last dimension (``xl_probabilities``):
+    float32 ``logits [..., E]`` (or their softmax ``soft``), int64 ``index [..., k]`` -> float32 ``[..., E]``."""
+    k = index.shape[-1]
     eps = 1.0 / (2 * (k + 1))
-    soft = torch.softmax(logits.reshape(-1, logits.shape[-1])[:, :num_experts].float(), dim=-1)
-    index = index.reshape(-1, k).long()
-    sel = torch.zeros_like(soft).scatter_(-1, index, (1.0 - eps) / k)
-    return sel + eps * soft
+    if soft is None:
+        soft = torch.softmax(logits, dim=-1)
+    return torch.zeros_like(soft).scatter_(-1, index, (1.0 - eps) / k).add_(soft, alpha=eps)
+
+
+def _linear_softmax_topk(router: torch.nn.Module, extra: list[str]) -> int | None:
+    """k when ``router`` is a bias-free linear router with softmax top-k (Mixtral, Qwen-MoE, OLMoE, ...): its only
+    parameter is ``weight [E', H]``, it has no buffers and no extra arguments, and on a probe of random inputs its
+    logits are exactly ``F.linear(x, weight)`` and its top-k indices those of ``softmax(logits)``. Else None."""
+    params = dict(router.named_parameters())
+    w = params.get("weight")
+    if extra or len(params) != 1 or w is None or w.dim() != 2 or any(True for _ in router.buffers()):
+        return None
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(8, w.shape[1], generator=gen).to(w.device, w.dtype)
+    with torch.no_grad():
+        out = router(x)
+        if not (isinstance(out, tuple) and len(out) >= 3 and isinstance(out[2], torch.Tensor)
+                and not out[2].is_floating_point() and out[0].shape == (8, w.shape[0])):
+            return None
+        logits = torch.nn.functional.linear(x, w)
+        k = out[2].shape[-1]
+        want = torch.topk(torch.softmax(logits.float(), dim=-1), k, dim=-1).indices
+        if not (torch.equal(out[0], logits) and torch.equal(out[2].long().sort(-1).values, want.sort(-1).values)):
+            return None
+    return k
 
 
 class CrossLayerForecaster:
@@ -116,6 +151,25 @@ class CrossLayerForecaster:
         self.inputs: list[torch.Tensor | None] = [None] * self.L
         self._handles = [r.register_forward_pre_hook(self._capture(i), with_kwargs=True)
                          for i, (_, r, _) in enumerate(self.routers)]
+        self._stacked = self._stack_routers()
+
+    def _stack_routers(self) -> list[tuple[torch.Tensor, int] | None]:
+        """Per MoE layer: ``(weights of layers layer+1 .. layer+n stacked [n * E', H], k)`` when each of those
+        routers is a linear softmax top-k router (``_linear_softmax_topk``) of the same shape and k, so that
+        ``probs`` runs them as one GEMM (d x the router weights, copied once); else None."""
+        ks = [_linear_softmax_topk(r, extra) for _, r, extra in self.routers]
+        out: list[tuple[torch.Tensor, int] | None] = []
+        for layer in range(self.L):
+            nxt = range(layer + 1, min(self.L, layer + 1 + self.depth))
+            if not nxt or any(ks[j] is None or ks[j] != ks[nxt[0]] for j in nxt):
+                out.append(None)
+                continue
+            ws = [self.routers[j][1].weight for j in nxt]
+            if len({w.shape for w in ws}) != 1 or ws[0].shape[0] != self.E:
+                out.append(None)
+                continue
+            out.append((torch.cat([w.detach() for w in ws]), ks[nxt[0]]))
+        return out
 
     def _capture(self, layer: int):
         def hook(module, args, kwargs):
@@ -136,7 +190,19 @@ class CrossLayerForecaster:
         n = min(self.depth, self.L - 1 - layer)
         if x is None or n < 1:
             return None
-        return torch.stack([xl_probabilities(self.route(layer + 1 + j, x), self.E).mean(0) for j in range(n)])
+        fast = self._stacked[layer]
+        if fast is not None:  # linear softmax top-k routers: one GEMM for the n layers
+            w, k = fast
+            x = x.reshape(-1, w.shape[1])
+            logits = torch.nn.functional.linear(x, w).view(x.shape[0], n, -1).transpose(0, 1)[..., :self.E].float()
+            soft = torch.softmax(logits, dim=-1)                           # [n, T, E]
+            return _topk_mixture(logits, torch.topk(soft, k, dim=-1).indices, soft).mean(1)
+        got = [_logits_and_index(self.route(layer + 1 + j, x), self.E) for j in range(n)]
+        if len({g[1].shape for g in got}) != 1:  # routers of different top-k: one layer at a time
+            return torch.stack([_topk_mixture(*g).mean(0) for g in got])
+        logits = torch.stack([g[0] for g in got])        # [n, T, E]: one softmax / scatter for the n layers
+        index = torch.stack([g[1] for g in got])
+        return _topk_mixture(logits, index).mean(1)
 
     def close(self) -> None:
         """Remove the router hooks."""
@@ -161,11 +227,12 @@ class CrossLayerFeed:
     """
 
     def __init__(self, source, consumers: list, runner=None, weights=None):
-        from .blend import XL_WEIGHTS
+        from .blend import XL_WEIGHTS, HostForecasts
 
         self.source, self.consumers, self.runner = source, list(consumers), runner
         self.weights = tuple(weights) if weights is not None else XL_WEIGHTS
         self.inner = ForecastFeed(runner, *consumers) if runner is not None else None
+        self.host = HostForecasts(runner) if runner is not None else None
         self.request, self.step = -1, 0
 
     def begin_step(self, request: int, step: int) -> None:
@@ -186,7 +253,7 @@ class CrossLayerFeed:
         xl = self.source.probs(layer)
         if xl is None:
             return
-        f = blend_forecast(self.request, self.step, layer, xl, self.runner, self.weights)
+        f = blend_forecast(self.request, self.step, layer, xl, self.host, self.weights)
         for c in self.consumers:
             c.observe(f)
 
