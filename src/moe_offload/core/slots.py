@@ -229,7 +229,7 @@ class SlotTable:
 
     # ---- prefetch (SeqMoE §7.2 events 1 and 2, §8.3 tags) -----------------------------------------------------
 
-    def prefetch(self, eid: int, reserve: int | None = None, conf: float | None = None) -> Load | None:
+    def prefetch(self, eid: int, reserve: int | None = None) -> Load | None:
         """Create a prefetch task for expert ``eid``: reserve a slot for it in Fetch (SeqMoE §7.2, first event).
 
         The slot is an Empty one if any (the smallest), else a Used one whose expert the policy picks as
@@ -240,14 +240,10 @@ class SlotTable:
         Args:
             eid: global expert id in ``[0, N)``.
             reserve: overrides the table's ``reserve`` for this call (``1 <= reserve <= num_slots``).
-            conf: the task's confidence (probability that ``eid`` is used by its deadline). With a policy that
-                scores experts (``score(eid)``: probabilistic Belady's CacheScore, SeqMoE §7.1), a prefetch that
-                must evict is refused when the victim's score is at least ``conf``: evicting an expert at least as
-                likely to be used soon cannot raise the expected hits. None: no such check.
         Returns:
-            The Load, or None when ``eid`` is already resident or in flight, when taking a slot would leave
+            The Load, or None when ``eid`` is already resident or in flight, or when taking a slot would leave
             more than ``num_slots - reserve`` slots in Fetch or Compute (no slot can be had without evicting a
-            protected one or eating into the reserve), or when the admission check above refuses it.
+            protected one or eating into the reserve).
         Raises:
             MoeOffloadError: ``eid`` out of range, bad ``reserve``, or the table has no ``experts_per_layer``.
         """
@@ -262,12 +258,7 @@ class SlotTable:
             return None
         if len(self._pinned) + 1 > self.num_slots - reserve:
             return None
-        victim = None
-        if conf is not None and not self._empty and hasattr(self.policy, "score"):
-            victim = self.policy.victim(self._pinned)
-            if self.policy.score(victim) >= conf:
-                return None
-        slot, evicted = self._take_slot(victim)  # a Used slot exists: fewer than num_slots slots are protected
+        slot, evicted = self._take_slot()  # a Used slot exists: fewer than num_slots slots are protected
         self._tag[slot] = tag = self._new_tag()
         self._state[slot] = SlotState.FETCH
         self.expert_in[slot] = eid
@@ -446,12 +437,12 @@ class SlotTable:
         self.policy.on_insert(eid, self.tick)
         return Load(eid=eid, slot=slot, evicted=evicted)
 
-    def _take_slot(self, victim: int | None = None) -> tuple[int, int]:
-        """An Empty slot if any, else the slot of the policy's Used victim (``victim`` when the caller already
-        asked the policy for it; evicted here). Callers guarantee an Empty or Used slot exists."""
+    def _take_slot(self) -> tuple[int, int]:
+        """An Empty slot if any, else the slot of the policy's Used victim (evicted here). Callers guarantee an
+        Empty or Used slot exists."""
         if self._empty:
             return self._empty.pop(), -1
-        evicted = self.policy.victim(self._pinned) if victim is None else victim
+        evicted = self.policy.victim(self._pinned)
         slot = self.slot_of[evicted]
         if slot < 0 or self._state[slot] is not SlotState.USED:
             raise RuntimeError(f"policy {self.policy.name} chose expert {evicted}, which is not in a Used slot")

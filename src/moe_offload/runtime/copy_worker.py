@@ -112,7 +112,8 @@ class CopyWorker:
         thread asks for the link to copy on-demand experts itself (``TransferEngine.copy_now``), the prefetch's
         current chunk (``1 / LINK_CHUNKS`` of a copy) completes, the urgent copies run (or the main thread's), and
         the prefetch resumes with the link time it had left — the order ``sim.prefetch_sim`` replays. The worker
-        sleeps on the condition, never spins (it must not take the GIL from the computing thread)."""
+        sleeps on ``_link_wake`` (woken by those two events only, not by every submit), never spins (it must not
+        take the GIL from the computing thread)."""
         if not (self._cpu and self.seconds_per_expert is not None) or job.urgent:
             _sleep_until(job.deadline, spin=job.urgent)  # the main thread waits for an urgent copy: spinning
             return                                       # takes the GIL from no computation
@@ -125,7 +126,7 @@ class CopyWorker:
                     if rem <= 0:
                         return
                     if not (self._want or (self._queue and self._queue[0].urgent)):
-                        self._cond.wait(rem)
+                        self._link_wake.wait(rem)
                         continue
                     after = math.floor(rem / chunk) * chunk    # link time left once the current chunk is through
                     self._cond.release()
@@ -208,6 +209,7 @@ class CopyWorker:
                 return False
             self._want = True  # the worker starts nothing now, and a prefetch holding the link parks at a chunk
             self._cond.notify_all()
+            self._link_wake.notify_all()
             while not self._yielded and self._linkjob is not None:
                 self._cond.wait()
         busy = 0.0

@@ -116,7 +116,11 @@ class TransferEngine(CopyWorker):
         if self._cpu:
             self._dst = pool.buf.numpy()
         self._stream = torch.cuda.Stream(device=self.device) if self._cuda else None
-        self._cond = threading.Condition()
+        lock = threading.RLock()
+        self._cond = threading.Condition(lock)
+        # what a worker holding the emulated link waits on: only a request for the link (``copy_now``) or an urgent
+        # copy wakes it, not every submit / resume (each wake-up takes the GIL from the computing thread)
+        self._link_wake = threading.Condition(lock)
         self._queue: deque[_Job] = deque()
         self._active: dict[int, _Job] = {}   # eid -> queued or running job
         self._current: _Job | None = None    # the running job
@@ -217,6 +221,7 @@ class TransferEngine(CopyWorker):
                     i += 1
                 self._queue.insert(i, job)
                 self._cond.notify_all()
+                self._link_wake.notify_all()
             while job.state != _DONE:
                 if self._cuda and end is None and job.state == _RUNNING and job.event is not None:
                     ev = job.event
