@@ -76,7 +76,7 @@ def test_router_calls_equal_the_models_routing(model_type):
             n = min(2, len(mods) - 1 - layer)
             x = fc.inputs[layer]
             want = torch.stack([xl_probabilities(fc.route(layer + 1 + j, x), fc.E).mean(0) for j in range(n)])
-            got = fc.probs(layer)
+            got = torch.from_numpy(fc.probs(layer))
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
             top = [torch.sort(t, dim=-1, descending=True, stable=True).indices[:, :k] for t in (got, want)]
             assert torch.equal(*top), (model_type, layer)

@@ -65,7 +65,7 @@ def _as_array(probs) -> np.ndarray:
 
 
 def generate_tasks(probs, layers: tuple[int, int], step_index: int, num_moe_layers: int, num_experts: int,
-                   top_k: int, extra: int = 3) -> list[PrefetchTask]:
+                   top_k: int, extra: int = 3, keep=None) -> list[PrefetchTask]:
     """Prefetch tasks from one one-step prediction (SeqMoE §6.1).
 
     The prediction made at step ``i - 1``, layer ``l'`` gives, for each layer ``l <= p < l'``, the probability of
@@ -86,6 +86,7 @@ def generate_tasks(probs, layers: tuple[int, int], step_index: int, num_moe_laye
         num_experts: e, routed experts per MoE layer.
         top_k: k, experts activated per token.
         extra: k' - k (default 3, SeqMoE §9.1).
+        keep: optional ``keep(eid) -> bool``: the top-k' candidates it rejects make no task.
     Returns:
         Tasks ordered by layer, then by decreasing confidence (ties: smaller expert index).
     Raises:
@@ -120,7 +121,8 @@ def generate_tasks(probs, layers: tuple[int, int], step_index: int, num_moe_laye
         p = lo + r
         ddl = position(step_index, p, num_moe_layers)
         base = p * num_experts
-        tasks.extend(PrefetchTask(base + q, c, ddl, p, q, step_index) for q, c in zip(qs, cs))
+        tasks.extend(PrefetchTask(base + q, c, ddl, p, q, step_index) for q, c in zip(qs, cs)
+                     if keep is None or keep(base + q))
     return tasks
 
 
@@ -134,12 +136,12 @@ def tasks_from_forecast(forecast, num_moe_layers: int, num_experts: int, top_k: 
     Raises:
         MoeOffloadError: as ``generate_tasks``.
     """
-    tasks = generate_tasks(forecast.probs[0], forecast.layers, forecast.step + 1, num_moe_layers, num_experts, top_k,
-                           extra)
+    keep = None
     if table is not None:
         slot_of, fetching = table.slot_of, table.fetching
-        tasks = [t for t in tasks if slot_of[t.eid] < 0 and t.eid not in fetching]
-    return tasks
+        keep = (lambda eid: slot_of[eid] < 0 and eid not in fetching)  # noqa: E731
+    return generate_tasks(forecast.probs[0], forecast.layers, forecast.step + 1, num_moe_layers, num_experts, top_k,
+                          extra, keep)
 
 
 def submit_forecast(scheduler: "PrefetchScheduler", forecast, num_moe_layers: int, num_experts: int, top_k: int,

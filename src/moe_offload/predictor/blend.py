@@ -59,33 +59,29 @@ class HostForecasts:
         self.runner = runner
         self._copies: dict[int, tuple[Forecast, np.ndarray]] = {}   # id(forecast) -> (forecast, probs [R, n, E])
 
-    def column(self, layer: int) -> tuple[int, np.ndarray] | None:
-        """``(step the forecast was made at, float32 [R, E] rows of MoE layer layer)`` of the latest forecast
-        covering ``layer``, or None."""
-        hit = self.runner.forecast_for(layer)
-        if hit is None:
-            return None
-        f, row = hit
+    def _host(self, f: Forecast) -> np.ndarray:
         got = self._copies.get(id(f))
         if got is None or got[0] is not f:
             if len(self._copies) > 16:
                 self._copies.clear()
             got = self._copies[id(f)] = (f, np.asarray(f.probs.detach().float().cpu().numpy(), dtype=np.float32))
-        return f.step, got[1][:, row]
+        return got[1]
 
-
-def seq_rows(host: HostForecasts, step: int, lo: int, n: int) -> np.ndarray | None:
-    """float32 ``[R, n, E]``: the rows of the runner's latest forecasts for MoE layers ``lo .. lo + n - 1`` when
-    every one of them was made at step ``step - 1`` (row 0 = step ``step``), else None."""
-    cols = []
-    for p in range(lo, lo + n):
-        hit = host.column(p)
-        if hit is None or hit[0] != step - 1:
+    def rows(self, step: int, lo: int, n: int) -> np.ndarray | None:
+        """float32 ``[R, n, E]``: the rows of the runner's latest forecasts for MoE layers ``lo .. lo + n - 1`` when
+        every one of them was made at step ``step - 1`` (row 0 = step ``step``) with the same R, else None."""
+        parts, p = [], lo
+        while p < lo + n:
+            hit = self.runner.forecast_for(p)
+            if hit is None or hit[0].step != step - 1:
+                return None
+            f, r = hit
+            m = min(lo + n, f.layers[1]) - p               # this forecast's layers from p on (its rows are layers)
+            parts.append(self._host(f)[:, r:r + m])
+            p += m
+        if len({a.shape[0] for a in parts}) != 1:
             return None
-        cols.append(hit[1])
-    if len({c.shape[0] for c in cols}) != 1:
-        return None
-    return np.stack(cols, 1)
+        return parts[0] if len(parts) == 1 else np.concatenate(parts, 1)
 
 
 def blend_forecast(request: int, step: int, layer: int, xl, host: HostForecasts | None = None,
@@ -107,7 +103,7 @@ def blend_forecast(request: int, step: int, layer: int, xl, host: HostForecasts 
     n = xl.shape[0]
     lo = layer + 1
     probs = xl[None]
-    rows = seq_rows(host, step, lo, n) if host is not None else None
+    rows = host.rows(step, lo, n) if host is not None else None
     if rows is not None:
         probs = np.concatenate([mix(xl, rows[0], weights)[None], rows[1:]])
     return Forecast(request, step - 1, (lo, lo + n), probs, cross_layer=True)

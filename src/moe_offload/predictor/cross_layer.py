@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import inspect
 
+import numpy as np
 import torch
 
 from ..errors import MoeOffloadError
@@ -136,8 +137,8 @@ class CrossLayerForecaster:
             hidden state (one line naming the layer and the argument).
 
     ``probs(layer)`` after the model ran MoE layer ``layer``'s router in the current forward pass gives float32
-    ``[n, E]`` (``n = min(d, L - 1 - layer)``, the token mean of ``xl_probabilities``): row j forecasts MoE layer
-    ``layer + 1 + j``. Call ``close()`` to remove the hooks.
+    ``[n, E]`` on the host (numpy; ``n = min(d, L - 1 - layer)``, the token mean of ``xl_probabilities``): row j
+    forecasts MoE layer ``layer + 1 + j``. Call ``close()`` to remove the hooks.
     """
 
     def __init__(self, model: torch.nn.Module, experts: list, num_experts: int, depth: int = XL_DEPTH):
@@ -183,9 +184,9 @@ class CrossLayerForecaster:
         return router(hidden_states, *[getattr(parent, n) for n in extra])
 
     @torch.no_grad()
-    def probs(self, layer: int) -> torch.Tensor | None:
-        """float32 ``[n, E]`` forecasts of layers ``layer + 1 .. layer + n`` from this pass's router input of
-        ``layer`` (None at the last layer or before the router ran)."""
+    def probs(self, layer: int) -> np.ndarray | None:
+        """float32 ``[n, E]`` (numpy, on the host: the decision core's side) forecasts of layers ``layer + 1 ..
+        layer + n`` from this pass's router input of ``layer`` (None at the last layer or before the router ran)."""
         x = self.inputs[layer]
         n = min(self.depth, self.L - 1 - layer)
         if x is None or n < 1:
@@ -194,15 +195,17 @@ class CrossLayerForecaster:
         if fast is not None:  # linear softmax top-k routers: one GEMM for the n layers
             w, k = fast
             x = x.reshape(-1, w.shape[1])
-            logits = torch.nn.functional.linear(x, w).view(x.shape[0], n, -1).transpose(0, 1)[..., :self.E].float()
+            logits = torch.nn.functional.linear(x, w).view(x.shape[0], n, -1).transpose(0, 1).float()
             soft = torch.softmax(logits, dim=-1)                           # [n, T, E]
-            return _topk_mixture(logits, torch.topk(soft, k, dim=-1).indices, soft).mean(1)
+            return _topk_mixture(logits, torch.topk(soft, k, dim=-1).indices, soft).mean(1).cpu().numpy()
         got = [_logits_and_index(self.route(layer + 1 + j, x), self.E) for j in range(n)]
         if len({g[1].shape for g in got}) != 1:  # routers of different top-k: one layer at a time
-            return torch.stack([_topk_mixture(*g).mean(0) for g in got])
-        logits = torch.stack([g[0] for g in got])        # [n, T, E]: one softmax / scatter for the n layers
-        index = torch.stack([g[1] for g in got])
-        return _topk_mixture(logits, index).mean(1)
+            out = torch.stack([_topk_mixture(*g).mean(0) for g in got])
+        else:
+            logits = torch.stack([g[0] for g in got])        # [n, T, E]: one softmax / scatter for the n layers
+            index = torch.stack([g[1] for g in got])
+            out = _topk_mixture(logits, index).mean(1)
+        return out.cpu().numpy()
 
     def close(self) -> None:
         """Remove the router hooks."""

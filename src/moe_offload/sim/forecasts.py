@@ -70,7 +70,7 @@ def _replay_feed(feed, trace: Trace, progress: bool = False, xl=None) -> list[li
 class TraceXL:
     """The cross-layer forecasts a trace recorded (``trace collect --xl-forecasts``), as the source a
     ``predictor.cross_layer.CrossLayerFeed`` reads: ``probs(layer)`` of the current decode row (set by
-    ``_replay_feed``) is float32 ``[n, E]``, exactly what the runtime's ``CrossLayerForecaster`` gave.
+    ``_replay_feed``) is float32 ``[n, E]`` (numpy), exactly what the runtime's ``CrossLayerForecaster`` gave.
 
     Raises:
         MoeOffloadError: the trace has no cross-layer forecasts.
@@ -79,12 +79,12 @@ class TraceXL:
     def __init__(self, trace: Trace):
         if trace.xl_probs is None:
             raise MoeOffloadError("the xl and seqmoe-xl policies need a trace collected with --xl-forecasts")
-        self.xl = torch.from_numpy(trace.xl_probs)
+        self.xl = trace.xl_probs
         self.rows = trace.decode_rows()
         self.L, self.depth = trace.num_moe_layers, trace.xl_probs.shape[2]
         self.row = -1
 
-    def probs(self, layer: int) -> torch.Tensor | None:
+    def probs(self, layer: int) -> np.ndarray | None:
         n = min(self.depth, self.L - 1 - layer)
         return self.xl[self.row, layer, :n] if self.row >= 0 and n >= 1 else None
 

@@ -71,7 +71,7 @@ class TraceRecorder(HookedRecorder):
             probs = torch.zeros(self.xl.depth, self.E)
             got = self.xl.probs(layer)
             if got is not None:
-                probs[:got.shape[0]] = got.cpu()
+                probs[:got.shape[0]] = torch.from_numpy(got)
             self._layer_xl[layer] = probs
 
     def _router_hook(self, layer: int):
