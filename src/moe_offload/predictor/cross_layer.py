@@ -110,18 +110,20 @@ def _linear_softmax_topk(router: torch.nn.Module, extra: list[str]) -> int | Non
     if extra or len(params) != 1 or w is None or w.dim() != 2 or any(True for _ in router.buffers()):
         return None
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(8, w.shape[1], generator=gen).to(w.device, w.dtype)
-    with torch.no_grad():
-        out = router(x)
-        if not (isinstance(out, tuple) and len(out) >= 3 and isinstance(out[2], torch.Tensor)
-                and not out[2].is_floating_point() and out[0].shape == (8, w.shape[0])):
-            return None
-        logits = torch.nn.functional.linear(x, w)
-        k = out[2].shape[-1]
-        want = torch.topk(torch.softmax(logits.float(), dim=-1), k, dim=-1).indices
-        if not (torch.equal(out[0], logits) and torch.equal(out[2].long().sort(-1).values, want.sort(-1).values)):
-            return None
-    return k
+    try:  # a router this probe cannot run (e.g. a quantized weight) takes the router-by-router path
+        x = torch.randn(8, w.shape[1], generator=gen).to(w.device, w.dtype)
+        with torch.no_grad():
+            out = router(x)
+            if not (isinstance(out, tuple) and len(out) >= 3 and isinstance(out[2], torch.Tensor)
+                    and not out[2].is_floating_point() and out[0].shape == (8, w.shape[0])):
+                return None
+            logits = torch.nn.functional.linear(x, w)
+            k = out[2].shape[-1]
+            want = torch.topk(torch.softmax(logits.float(), dim=-1), k, dim=-1).indices
+            same = torch.equal(out[0], logits) and torch.equal(out[2].long().sort(-1).values, want.sort(-1).values)
+    except (RuntimeError, TypeError, ValueError):
+        return None
+    return k if same else None
 
 
 class CrossLayerForecaster:
