@@ -330,26 +330,6 @@ def test_cuda_copy_stream():
         assert time.perf_counter() - t0 >= 0.9 * 3 * 0.01
 
 
-def test_prefetch_yields_the_emulated_link_to_an_on_demand_copy(parts, engines):
-    """SeqMoE §8.3 pause at chunk granularity: a prefetch copy in flight on the emulated link yields it to an
-    on-demand copy the main thread waits for (at the prefetch's next 1/LINK_CHUNKS boundary) and resumes after it,
-    so the on-demand copy lands first and the prefetch still lands, intact."""
-    store, pool = parts
-    te = new(engines, store, pool, seconds_per_expert=0.2)
-    te.submit(0, 0, 10)                       # a prefetch: starts at once
-    deadline = time.perf_counter() + 5
-    while te.in_flight() != [0] and time.perf_counter() < deadline:
-        time.sleep(0.001)
-    te.pause()
-    te.submit(5, 1, 11)                       # an on-demand load, waited for at once
-    urgent = te.wait(5)
-    te.resume()
-    prefetch = collect(te, 1)[0]
-    assert urgent.ok and prefetch.ok and (prefetch.eid, prefetch.tag) == (0, 10)
-    assert urgent.finished_at < prefetch.finished_at   # it did not queue behind the 0.2 s prefetch
-    assert torch.equal(pool.buf[0], store.buf[0]) and torch.equal(pool.buf[1], store.buf[5])
-
-
 def test_wait_returns_its_own_copy_not_an_unpolled_cancelled_one(parts, engines):
     """A copy cancelled and not yet polled, then the same expert copied again: wait() returns the new copy's landing
     (the cancelled one stays for poll). The refresh engine releases and re-copies an expert within one step."""
@@ -366,30 +346,10 @@ def test_wait_returns_its_own_copy_not_an_unpolled_cancelled_one(parts, engines)
     assert len(stale) == 1 and not stale[0].ok and stale[0].error == "cancelled"
 
 
-def test_copy_now_copies_on_the_calling_thread(parts, engines):
-    """On-demand copies on the caller (no landing reported, the emulated link time held, nothing the worker starts
-    meanwhile); a prefetch holding the emulated link yields it at a chunk and completes afterwards, intact."""
+def test_copy_now_is_left_to_submit_and_wait(parts, engines):
+    """The worker engine never copies on the caller's thread (that is ``VirtualLinkEngine``'s, tests/
+    test_virtual_link.py): ``copy_now`` does nothing and says so, and the caller submits and waits."""
     store, pool = parts
-    te = new(engines, store, pool, seconds_per_expert=0.05)
-    te.pause()
-    te.submit(1, 2, 7)                        # queued behind the pause
-    threading.Timer(0.02, te.resume).start()  # resumed while the caller holds the link: still must not start
-    t0 = time.perf_counter()
-    assert te.copy_now([3, 6], [0, 1])
-    assert time.perf_counter() - t0 >= 2 * 0.05
-    assert torch.equal(pool.buf[0], store.buf[3]) and torch.equal(pool.buf[1], store.buf[6])
-    landing = collect(te, 1)[0]               # only the worker's copy lands; after the caller's copies
-    assert (landing.eid, landing.tag, landing.ok) == (1, 7, True) and landing.started_at >= t0 + 2 * 0.05
-    assert te.stats.copies == 3 and te.stats.bytes_copied == 3 * store.layout.expert_bytes
-    te.submit(0, 3, 8)                        # a prefetch holding the emulated link: it yields at a chunk
-    wait_until(lambda: te.in_flight() == [0])
-    te.pause()
-    assert te.copy_now([4], [2])
-    done = time.perf_counter()
-    te.resume()
-    assert torch.equal(pool.buf[2], store.buf[4])
-    prefetch = collect(te, 1)[0]              # resumed after the caller's copy, with the link time it had left
-    assert (prefetch.eid, prefetch.ok) == (0, True) and prefetch.finished_at >= done
-    assert prefetch.finished_at - prefetch.started_at >= 0.05 - 1e-3 and torch.equal(pool.buf[3], store.buf[0])
-    with pytest.raises(MoeOffloadError):
-        te.copy_now([N_EXPERTS], [0])
+    te = new(engines, store, pool, seconds_per_expert=0.01)
+    assert te.copy_now([3], [0]) is False
+    assert torch.count_nonzero(pool.buf[0]) == 0 and te.stats.copies == 0

@@ -31,12 +31,12 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 
 from ..errors import MoeOffloadError
-from .prefetch_tasks import (LINK_CHUNKS, PrefetchTask, generate_tasks, position, prefetch_width, submit_forecast,
-                             tasks_from_forecast)
+from .prefetch_tasks import (LINK_CHUNKS, PrefetchTask, generate_tasks, link_time_after_chunk, position,
+                             prefetch_width, submit_forecast, tasks_from_forecast)
 
 __all__ = ["LINK_CHUNKS", "Capacity", "MoEInfinityScheduler", "PrefetchScheduler", "PrefetchTask", "ProMoEScheduler",
-           "SCHEDULERS", "generate_tasks", "make_scheduler", "position", "prefetch_width", "submit_forecast",
-           "tasks_from_forecast"]
+           "SCHEDULERS", "generate_tasks", "link_time_after_chunk", "make_scheduler", "position", "prefetch_width",
+           "submit_forecast", "tasks_from_forecast"]
 
 Capacity = Callable[[int], float]
 

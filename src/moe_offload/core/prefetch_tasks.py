@@ -6,6 +6,7 @@ deadlines, units) in ``core.prefetch``'s docstring.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -21,6 +22,14 @@ if TYPE_CHECKING:
 #: §8.3's pause, at the granularity a real copy engine can stop: between the chunks it issues), so a miss waits at
 #: most 1/LINK_CHUNKS of one expert copy behind a prefetch; the simulator and the emulated link share it
 LINK_CHUNKS = 8
+
+
+def link_time_after_chunk(remaining: float, chunk: float) -> float:
+    """Link time a copy has left once the chunk it is in completes: ``floor(remaining / chunk) * chunk`` (seconds or
+    layer times, as given), so an on-demand copy that asks for the link waits ``remaining - result`` < ``chunk``
+    (SeqMoE §8.3's pause). ``chunk`` is a copy's time / ``LINK_CHUNKS``; the simulator and the runtime's emulated
+    link both use this."""
+    return math.floor(remaining / chunk) * chunk
 
 
 @dataclass(frozen=True)

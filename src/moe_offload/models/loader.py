@@ -274,7 +274,7 @@ def _make_engine(policy: str, refresh: bool, store, pool: SlotPool, mods: list, 
                  num_experts: int, budget: int | None, opts: dict):
     """The engine that runs the experts: a ``RefreshEngine`` (TIDE planners) or an ``OffloadEngine`` with the
     policy's slot table (and, for ``seqmoe``/``seqmoe-infinity``, a ``Prefetcher``)."""
-    from ..runtime.transfer import TransferEngine
+    from ..runtime.transfer import make_transfer_engine
 
     L, n_total = len(mods), len(mods) * num_experts
     if refresh:
@@ -282,8 +282,8 @@ def _make_engine(policy: str, refresh: bool, store, pool: SlotPool, mods: list, 
         from ..runtime.refresh_calibrate import calibrate_costs
         from ..runtime.refresh_engine import RefreshEngine
 
-        transfer = TransferEngine(store, pool, link_gbps=opts["link_gbps"],
-                                  seconds_per_expert=opts["seconds_per_expert"])
+        transfer = make_transfer_engine(store, pool, link_gbps=opts["link_gbps"],
+                                        seconds_per_expert=opts["seconds_per_expert"])
         host = dict(host_seconds_per_token_expert=opts["host_seconds_per_token_expert"],
                     host_seconds_per_expert=opts["host_seconds_per_expert"])
         costs = None
@@ -315,8 +315,8 @@ def _make_engine(policy: str, refresh: bool, store, pool: SlotPool, mods: list, 
         engine.prefetcher = Prefetcher(store, pool, table,
                                        make_scheduler(scheduler, num_moe_layers=L, b_avg=opts["link_epl"],
                                                       auto_ema=False),
-                                       TransferEngine(store, pool, link_gbps=opts["link_gbps"],
-                                                      seconds_per_expert=opts["seconds_per_expert"]),
+                                       make_transfer_engine(store, pool, link_gbps=opts["link_gbps"],
+                                                            seconds_per_expert=opts["seconds_per_expert"]),
                                        L, num_experts, top_k)
     return engine
 

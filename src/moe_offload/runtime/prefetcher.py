@@ -36,7 +36,8 @@ class Prefetcher:
     Args:
         store, pool, table: the engine's host store, slot pool and slot table (with ``experts_per_layer``).
         scheduler: ``core.prefetch`` scheduler (JSD, MoE-Infinity, ProMoE); its ``b_avg`` is experts per layer time.
-        transfer: the asynchronous copy engine (its link emulation, if any, also paces on-demand loads).
+        transfer: the copy engine (``runtime.transfer.make_transfer_engine``: a ``VirtualLinkEngine`` for a CPU pool,
+            else a ``TransferEngine``); its link emulation, if any, also paces on-demand loads.
         num_moe_layers, num_experts, top_k: model geometry (L, e, k).
         max_outstanding: prefetch copies queued or in flight at most (default ``ceil(b_avg) + 1``): more would only
             reserve slots early for copies that cannot start yet.
@@ -104,8 +105,8 @@ class Prefetcher:
 
     def load_on_demand(self, loads: list[Load]) -> None:
         """Copy missed experts now (through the link, ahead of queued prefetches, new ones paused: §8.3): on this
-        thread (``TransferEngine.copy_now``: at once, or once a prefetch holding the emulated link yields at a
-        chunk), else by the worker ahead of its queue."""
+        thread (a CPU pool's ``VirtualLinkEngine.copy_now``: at once, or once a prefetch holding the emulated link
+        yields at a chunk), else by the ``TransferEngine``'s worker ahead of its queue."""
         if not loads:
             return
         self.transfer.pause()

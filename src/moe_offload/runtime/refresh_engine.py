@@ -15,7 +15,7 @@ with the same grouped-GEMM code (``runtime.experts.slot_pair_outputs``), and sum
 
 On a CPU-only machine "device" and "host" are the same processor; ``host_seconds_per_token_expert`` /
 ``host_seconds_per_expert`` then emulate a slower host (every fallback layer call takes at least that long), as
-``TransferEngine``'s ``seconds_per_expert`` emulates the link.
+the copy engine's ``seconds_per_expert`` emulates the link (``runtime.transfer.make_transfer_engine``).
 """
 
 from __future__ import annotations
@@ -212,9 +212,8 @@ class RefreshEngine:
 
     def _load_blocking(self, gids: list[int], slots: list[int]) -> None:
         """Copy experts ``gids`` into pool ``slots`` before returning and point the lookup table at them: on this
-        thread (``TransferEngine.copy_now``: at once, or once a prefetch yields the emulated link at a chunk; no
-        hand-off to the copy worker, whose wake-ups the simulator's link model does not charge), else through the
-        worker ahead of its queue."""
+        thread (a CPU pool's ``VirtualLinkEngine.copy_now``: at once, or once a prefetch yields the emulated link at
+        a chunk), else through the ``TransferEngine``'s worker ahead of its queue."""
         if not self.transfer.copy_now(gids, slots):
             for g, slot in zip(gids, slots):
                 self.transfer.submit(g, slot)

@@ -42,7 +42,6 @@ Units: bytes; seconds (``time.perf_counter`` clock for every timestamp); GB/s = 
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections import deque
@@ -54,15 +53,17 @@ from .copy_worker import _DONE, _QUEUED, _RUNNING, CopyWorker, _Job, _sleep_unti
 from .landing import Landing, TransferStats
 from .pool import SlotPool
 from .store import HostStore
+from .virtual_link import VirtualLinkEngine, emulated_seconds_per_expert
 
-def _positive(name: str, value) -> float:
-    try:
-        v = float(value)
-    except (TypeError, ValueError):
-        raise MoeOffloadError(f"{name} must be a positive number, got {value!r}") from None
-    if not math.isfinite(v) or v <= 0:
-        raise MoeOffloadError(f"{name} must be a positive finite number, got {value!r}")
-    return v
+def make_transfer_engine(store: HostStore, pool: SlotPool, link_gbps: float | None = None,
+                         seconds_per_expert: float | None = None):
+    """The copy engine for ``pool``: a ``runtime.virtual_link.VirtualLinkEngine`` for a pool on the CPU (copies on
+    the calling thread, emulated link time on a virtual timeline: no worker thread to take the GIL from the
+    computing thread), else a ``TransferEngine`` (worker thread, CUDA copy stream). Same API, same arguments (see
+    ``TransferEngine``); raises what their constructors raise."""
+    if pool.device.type == "cpu":
+        return VirtualLinkEngine(store, pool, link_gbps=link_gbps, seconds_per_expert=seconds_per_expert)
+    return TransferEngine(store, pool, link_gbps=link_gbps, seconds_per_expert=seconds_per_expert)
 
 
 class TransferEngine(CopyWorker):
@@ -75,7 +76,9 @@ class TransferEngine(CopyWorker):
     ``submit`` recorded on the submitting thread's current stream, and records one CUDA event per copy; ``poll``
     checks that event with ``query()`` (never synchronises) and ``wait`` synchronises on that event only. The worker
     itself waits for each copy to complete before starting the next, so ``pause`` takes effect at copy granularity
-    (at most one copy is ever in flight). Other devices: a blocking ``copy_`` on the worker.
+    (at most one copy is ever in flight). Other devices: a blocking ``copy_`` on the worker. The runtime serves a CPU
+    pool with ``runtime.virtual_link.VirtualLinkEngine`` instead (``make_transfer_engine``): no thread beside the
+    computing one; this class on the CPU remains for tests of the worker protocol.
 
     Link emulation (to model a slower link than the machine's, e.g. PCIe on a CPU-only box): with ``link_gbps``
     each copy takes at least ``expert_bytes / (link_gbps * 1e9)`` seconds, with ``seconds_per_expert`` at least
@@ -98,17 +101,13 @@ class TransferEngine(CopyWorker):
 
     def __init__(self, store: HostStore, pool: SlotPool, link_gbps: float | None = None,
                  seconds_per_expert: float | None = None):
-        if link_gbps is not None and seconds_per_expert is not None:
-            raise MoeOffloadError("give link_gbps or seconds_per_expert, not both")
+        spe = emulated_seconds_per_expert(store.layout.expert_bytes, link_gbps, seconds_per_expert)
         if store.layout != pool.layout:
             raise MoeOffloadError(f"host store layout {store.layout} differs from the slot pool's {pool.layout}")
         self.store = store
         self.pool = pool
         self.expert_bytes = store.layout.expert_bytes
-        self.link_gbps = None if link_gbps is None else _positive("link_gbps", link_gbps)
-        spe = None if seconds_per_expert is None else _positive("seconds_per_expert", seconds_per_expert)
-        if self.link_gbps is not None:
-            spe = self.expert_bytes / (self.link_gbps * 1e9)
+        self.link_gbps = None if link_gbps is None else float(link_gbps)
         self.seconds_per_expert: float | None = spe  # emulated minimum seconds per copy, None: no emulation
         self.device = pool.device
         self._cuda = self.device.type == "cuda"
@@ -118,18 +117,11 @@ class TransferEngine(CopyWorker):
         self._stream = torch.cuda.Stream(device=self.device) if self._cuda else None
         lock = threading.RLock()
         self._cond = threading.Condition(lock)
-        # what a worker holding the emulated link waits on: only a request for the link (``copy_now``) or an urgent
-        # copy wakes it, not every submit / resume (each wake-up takes the GIL from the computing thread)
-        self._link_wake = threading.Condition(lock)
         self._queue: deque[_Job] = deque()
         self._active: dict[int, _Job] = {}   # eid -> queued or running job
         self._current: _Job | None = None    # the running job
         self._done: list[Landing] = []       # landings not yet reported
         self._paused = False
-        self._want = False                   # the main thread takes the link (copy_now): the worker starts nothing
-                                             # and an emulated prefetch in flight yields it at its next chunk
-        self._yielded = False                # ... and the worker has parked that prefetch at a chunk boundary
-        self._linkjob: _Job | None = None    # the copy whose emulated link time the worker is holding (CPU)
         self._closed = False                 # no more submissions
         self.fatal: str | None = None        # why the worker died (then every copy lands failed)
         self._stop = False                   # worker exits once the queue is empty
@@ -221,7 +213,6 @@ class TransferEngine(CopyWorker):
                     i += 1
                 self._queue.insert(i, job)
                 self._cond.notify_all()
-                self._link_wake.notify_all()
             while job.state != _DONE:
                 if self._cuda and end is None and job.state == _RUNNING and job.event is not None:
                     ev = job.event

@@ -28,10 +28,9 @@ speed projection is ``FullLoad time / (FullLoad time + stalls)`` over decode ste
 from __future__ import annotations
 
 import heapq
-import math
 from dataclasses import dataclass
 
-from ..core.prefetch import LINK_CHUNKS, make_scheduler, position, submit_forecast
+from ..core.prefetch import LINK_CHUNKS, link_time_after_chunk, make_scheduler, position, submit_forecast
 from ..core.prefill_prefetch import PrefillPrefetch
 from ..core.slots import SlotTable
 from ..errors import MoeOffloadError
@@ -154,7 +153,7 @@ def replay_with_prefetch(trace: Trace, num_slots: int, policy: str, link_epl: fl
                 cur = next((e for e in inflight if e[0] > now and e[1] not in waited), None)
                 if cur is not None and not waited:  # yield the link at the copy's next chunk boundary (§8.3)
                     rem = cur[0] - now
-                    after = math.floor(rem / chunk) * chunk
+                    after = link_time_after_chunk(rem, chunk)
                     loads_done = now + (rem - after) + n_loads * d
                     inflight.remove(cur)
                     inflight.append((loads_done + after,) + cur[1:])
