@@ -80,6 +80,13 @@ def test_router_calls_equal_the_models_routing(model_type):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
             top = [torch.sort(t, dim=-1, descending=True, stable=True).indices[:, :k] for t in (got, want)]
             assert torch.equal(*top), (model_type, layer)
+            x1 = x[..., -1:, :]                  # one token (a decode step: numpy for float32 on the CPU)
+            fc.inputs[layer] = x1
+            want = torch.stack([xl_probabilities(fc.route(layer + 1 + j, x1), fc.E).mean(0) for j in range(n)])
+            got = torch.from_numpy(fc.probs(layer))
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+            assert torch.equal(*[t.topk(k, -1).indices.sort(-1).values for t in (got, want)]), (model_type, layer)
+            fc.inputs[layer] = x
     if model_type in ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe"):
         assert fc._stacked[0] is not None, model_type    # plain linear softmax top-k routers take the GEMM path
     fc.close()

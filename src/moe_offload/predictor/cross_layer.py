@@ -101,6 +101,28 @@ def _topk_mixture(logits: torch.Tensor, index: torch.Tensor, soft: torch.Tensor 
     return torch.zeros_like(soft).scatter_(-1, index, (1.0 - eps) / k).add_(soft, alpha=eps)
 
 
+def _one_token_mixture(w: np.ndarray, x: np.ndarray, n: int, k: int) -> np.ndarray:
+    """``_topk_mixture`` of one token's logits for n linear softmax top-k routers, in numpy: the decode step's case
+    (a few dozen floats per router, where each torch op's dispatch costs more than its arithmetic).
+
+    Args:
+        w: float32 ``[n * E, H]``, the n routers' weights stacked (``CrossLayerForecaster._stack_routers``).
+        x: float32 ``[H]``, the token's router input.
+        n, k: routers, and the experts each routes a token to.
+    Returns:
+        float32 ``[n, E]``: ``(1 - eps) * onehot(top-k of softmax) / k + eps * softmax(logits)``, ``eps = 1 / (2(k +
+        1))`` (the top-k set as ``torch.topk``'s up to exact ties).
+    """
+    logits = (w @ x).reshape(n, -1)
+    soft = np.exp(logits - logits.max(axis=1, keepdims=True))
+    soft /= soft.sum(axis=1, keepdims=True)
+    eps = 1.0 / (2 * (k + 1))
+    top = np.argpartition(soft, soft.shape[1] - k, axis=1)[:, -k:]
+    out = soft * np.float32(eps)
+    out[np.arange(n)[:, None], top] += np.float32((1.0 - eps) / k)
+    return out
+
+
 def _linear_softmax_topk(router: torch.nn.Module, extra: list[str]) -> int | None:
     """k when ``router`` is a bias-free linear router with softmax top-k (Mixtral, Qwen-MoE, OLMoE, ...): its only
     parameter is ``weight [E', H]``, it has no buffers and no extra arguments, and on a probe of random inputs its
@@ -155,6 +177,7 @@ class CrossLayerForecaster:
         self._handles = [r.register_forward_pre_hook(self._capture(i), with_kwargs=True)
                          for i, (_, r, _) in enumerate(self.routers)]
         self._stacked = self._stack_routers()
+        self._host_w = self._host_weights()
 
     def _stack_routers(self) -> list[tuple[torch.Tensor, int] | None]:
         """Per MoE layer: ``(weights of layers layer+1 .. layer+n stacked [n * E', H], k)`` when each of those
@@ -173,6 +196,12 @@ class CrossLayerForecaster:
                 continue
             out.append((torch.cat([w.detach() for w in ws]), ks[nxt[0]]))
         return out
+
+    def _host_weights(self) -> list[np.ndarray | None]:
+        """Per MoE layer: the stacked router weights (``_stacked``) as a numpy float32 ``[n * E, H]`` view when they
+        are float32 on the CPU (the one-token decode path of ``probs``), else None."""
+        return [None if f is None or f[0].device.type != "cpu" or f[0].dtype != torch.float32
+                else f[0].contiguous().numpy() for f in self._stacked]
 
     def _capture(self, layer: int):
         def hook(module, args, kwargs):
@@ -196,6 +225,9 @@ class CrossLayerForecaster:
         fast = self._stacked[layer]
         if fast is not None:  # linear softmax top-k routers: one GEMM for the n layers
             w, k = fast
+            hw = self._host_w[layer]
+            if hw is not None and x.dtype == torch.float32 and x.device.type == "cpu" and x.numel() == hw.shape[1]:
+                return _one_token_mixture(hw, x.reshape(-1).numpy(), n, k)
             x = x.reshape(-1, w.shape[1])
             logits = torch.nn.functional.linear(x, w).view(x.shape[0], n, -1).transpose(0, 1).float()
             soft = torch.softmax(logits, dim=-1)                           # [n, T, E]
