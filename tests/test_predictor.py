@@ -68,6 +68,33 @@ def test_rollout_feeds_psi_of_own_output():
     assert torch.allclose(roll, full[0, -2:], atol=1e-5)
 
 
+def test_numpy_step_equals_torch_step():
+    """A CPU float32 predictor's step / rollout run in numpy (``predictor.host_step``) outside autograd; the torch
+    path (taken with autograd on) gives the same logits to float32 rounding, the same recursive top-k sets, and the
+    same recurrent state afterwards."""
+    torch.manual_seed(1)
+    p = SeqPredictor(PredictorSpec(layers=(0, 3), hidden_size=32, num_mamba_layers=2, state_size=16, head_dim=16,
+                                   chunk_size=8), 8, 3).eval()
+    x = torch.softmax(torch.randn(12, 24), -1)
+    runs = []
+    for grad in (False, True):
+        with torch.no_grad():
+            _, state = p.prefill(x[:6])
+        with torch.set_grad_enabled(grad):
+            outs = [p.step(x[t], state).detach() for t in range(6, 12)]
+            roll = p.rollout(outs[-1], state, 5).detach()
+        runs.append((torch.stack(outs), roll, snapshot_state(state)))
+    (a, ra, sa), (b, rb, sb) = runs
+    assert a.dtype == ra.dtype == torch.float32 and ra.shape == (5, 3, 8)
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ra, rb, rtol=1e-5, atol=1e-5)
+    assert torch.equal(ra.topk(3, -1).indices.sort(-1).values, rb.topk(3, -1).indices.sort(-1).values)
+    for (c0, r0), (c1, r1) in zip(sa, sb):
+        for i in c0:
+            torch.testing.assert_close(c0[i], c1[i].detach(), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(r0[i], r1[i].detach(), rtol=1e-5, atol=1e-5)
+
+
 def test_loss_hand_worked():
     logits = torch.tensor([[[[3.0, 1.0, 0.0]]]])            # [B=1, T=1, n=1, e=3]
     target = torch.tensor([[[[1.0, 0.0, 0.0]]]])

@@ -21,6 +21,7 @@ from torch import nn
 
 from ..errors import MoeOffloadError
 from .features import psi_topk
+from .host_step import host_step_for
 from .recurrent import block_step, conv_and_ssm_states
 
 FORMAT = "moe-offload-predictor"
@@ -146,7 +147,11 @@ class SeqPredictor(nn.Module):
 
         Runs each Mamba2 block's recurrent update directly on the cache's tensors (``predictor.recurrent``: the
         computation of ``forward(x, cache=state)`` to float32 rounding, which a test checks, without the generic
-        path's overhead: this runs every decode step)."""
+        path's overhead: this runs every decode step); a float32 predictor on the CPU runs it in numpy
+        (``predictor.host_step``: torch's per-operator dispatch cost more than the arithmetic)."""
+        hs = host_step_for(self, x)
+        if hs is not None:
+            return torch.from_numpy(hs.step(x.reshape(-1).numpy(), hs.states(state)))
         x = x.view(1, -1)
         h = self.inp(x)
         for i, block in enumerate(self.backbone.layers):
@@ -162,6 +167,9 @@ class SeqPredictor(nn.Module):
             float32 logits ``[steps, n, e]``: row j forecasts the step ``j + 2`` after the last consumed input
             (``first`` forecasts step 1).
         """
+        hs = host_step_for(self, first)
+        if hs is not None:
+            return torch.from_numpy(hs.rollout(first.numpy(), hs.states(state), steps))
         snap = snapshot_state(state)
         outs = []
         cur = first
