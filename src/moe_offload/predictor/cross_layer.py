@@ -227,7 +227,7 @@ class CrossLayerForecaster:
             w, k = fast
             hw = self._host_w[layer]
             if hw is not None and x.dtype == torch.float32 and x.device.type == "cpu" and x.numel() == hw.shape[1]:
-                return _one_token_mixture(hw, x.reshape(-1).numpy(), n, k)
+                return _one_token_mixture(hw, x.detach().reshape(-1).numpy(), n, k)
             x = x.reshape(-1, w.shape[1])
             logits = torch.nn.functional.linear(x, w).view(x.shape[0], n, -1).transpose(0, 1).float()
             soft = torch.softmax(logits, dim=-1)                           # [n, T, E]

@@ -151,7 +151,7 @@ class SeqPredictor(nn.Module):
         (``predictor.host_step``: torch's per-operator dispatch cost more than the arithmetic)."""
         hs = host_step_for(self, x)
         if hs is not None:
-            return torch.from_numpy(hs.step(x.reshape(-1).numpy(), hs.states(state)))
+            return torch.from_numpy(hs.step(x.detach().reshape(-1).numpy(), hs.states(state)))
         x = x.view(1, -1)
         h = self.inp(x)
         for i, block in enumerate(self.backbone.layers):
@@ -169,7 +169,7 @@ class SeqPredictor(nn.Module):
         """
         hs = host_step_for(self, first)
         if hs is not None:
-            return torch.from_numpy(hs.rollout(first.numpy(), hs.states(state), steps))
+            return torch.from_numpy(hs.rollout(first.detach().numpy(), hs.states(state), steps))
         snap = snapshot_state(state)
         outs = []
         cur = first
