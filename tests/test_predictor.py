@@ -95,6 +95,26 @@ def test_numpy_step_equals_torch_step():
             torch.testing.assert_close(r0[i], r1[i].detach(), rtol=1e-5, atol=1e-5)
 
 
+def test_numpy_step_is_dropped_when_parameters_move():
+    """The numpy views (``predictor.host_step``) are rebuilt after ``.to()`` / ``load_state_dict``; a float64
+    predictor takes the torch path."""
+    from moe_offload.predictor.host_step import host_step_for
+
+    p = _tiny_predictor()
+    x = torch.zeros(12)
+    with torch.no_grad():
+        first = host_step_for(p, x)
+        assert first is not None and host_step_for(p, x) is first
+        p.double()
+        assert host_step_for(p, x) is None and host_step_for(p, x.double()) is None
+        p.float()
+        second = host_step_for(p, x)
+        assert second is not None and second is not first
+        assert np.shares_memory(second.w_inp, p.inp.weight.numpy())
+        p.load_state_dict({k: v.clone() for k, v in p.state_dict().items()}, assign=True)
+        assert np.shares_memory(host_step_for(p, x).w_inp, p.inp.weight.numpy())
+
+
 def test_loss_hand_worked():
     logits = torch.tensor([[[[3.0, 1.0, 0.0]]]])            # [B=1, T=1, n=1, e=3]
     target = torch.tensor([[[[1.0, 0.0, 0.0]]]])

@@ -20,6 +20,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .recurrent import conv_and_ssm_states
+
 
 def _np(t: torch.Tensor) -> np.ndarray:
     """A numpy view (no copy) of a CPU float32 tensor's data."""
@@ -104,8 +106,6 @@ class HostStep:
     def states(state) -> list[tuple[np.ndarray, np.ndarray]]:
         """numpy views ``(conv [conv_dim, K], ssm [H, P, N])`` per Mamba2 layer of a prefilled ``DynamicCache``
         (``predictor.recurrent.conv_and_ssm_states``; batch 1)."""
-        from .recurrent import conv_and_ssm_states
-
         out = []
         for i in range(len(state.layers)):
             conv, ssm = conv_and_ssm_states(state, i)
@@ -151,16 +151,14 @@ class HostStep:
 
 def host_step_for(pred, x: torch.Tensor) -> HostStep | None:
     """``pred``'s ``HostStep`` when the numpy path applies to input ``x``: float32 parameters and input on the CPU,
-    no autograd, not inside ``torch.compile``; else None (the torch path). Made once, and again when a parameter's
-    storage changed (``.to()``, ``load_state_dict(assign=True)``); in-place updates (training) need nothing."""
+    no autograd, not inside ``torch.compile``; else None (the torch path). Made at the first call and kept in
+    ``pred._host_step`` (False: the parameters are not CPU float32); ``SeqPredictor`` drops it when its parameters
+    are moved, cast or loaded (``_apply``, ``load_state_dict``), and in-place updates (training) need nothing."""
     if x.device.type != "cpu" or x.dtype != torch.float32 or torch.is_grad_enabled() \
             or torch.compiler.is_compiling():
         return None
-    params = list(pred.parameters())
-    if any(p.device.type != "cpu" or p.dtype != torch.float32 for p in params):
-        return None
-    key = tuple(p.data_ptr() for p in params)   # parameters moved or replaced since: new views
-    got = pred.__dict__.get("_host_step")
-    if got is None or got[0] != key:
-        got = pred.__dict__["_host_step"] = (key, HostStep(pred))
-    return got[1]
+    hs = pred.__dict__.get("_host_step")
+    if hs is None:
+        host = all(p.device.type == "cpu" and p.dtype == torch.float32 for p in pred.parameters())
+        hs = pred.__dict__["_host_step"] = HostStep(pred) if host else False
+    return hs or None

@@ -122,6 +122,14 @@ class SeqPredictor(nn.Module):
         # initial gain: an active expert starts 2 logits above an inactive one, i.e. near "persistence"
         self.skip = nn.Parameter(torch.full((feat,), 2.0)) if spec.input_skip else None
 
+    def _apply(self, fn, *args, **kwargs):
+        self.__dict__.pop("_host_step", None)   # numpy views of the parameters (predictor.host_step) go stale
+        return super()._apply(fn, *args, **kwargs)
+
+    def load_state_dict(self, *args, **kwargs):
+        self.__dict__.pop("_host_step", None)
+        return super().load_state_dict(*args, **kwargs)
+
     def forward(self, x: torch.Tensor, cache=None, use_cache: bool = False):
         """Run over a sequence. ``x [B, T, n*e]`` float32 -> ``(logits [B, T, n, e], cache)``; with
         ``use_cache`` (or a ``cache`` to continue) the recurrent state after the last position is returned."""
