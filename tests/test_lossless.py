@@ -85,3 +85,18 @@ def test_logits_bitwise_equal_single_thread(tiny_dirs, arch):
                 assert lm.engine.stats.rounds > lm.engine.stats.layer_calls or slots == 24
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("bad", [-1, 99])
+def test_router_id_out_of_range_is_one_line_error(tiny_dirs, bad):
+    """An expert id outside [0, E) would read another layer's expert: the engine refuses it, naming it."""
+    from moe_offload.errors import MoeOffloadError
+
+    lm = load_offloaded(tiny_dirs[CORE_ARCHS[0]], device="cpu", residency=0.5, progress=False)
+    mod = experts_modules(lm.model)[1][1]
+    k = lm.top_k
+    hidden = torch.zeros(2, lm.model.config.hidden_size)
+    idx = torch.zeros(2, k, dtype=torch.long)
+    idx[1, 0] = bad
+    with pytest.raises(MoeOffloadError, match=f"MoE layer 1: the router chose expert {bad}, outside"):
+        lm.engine.forward(mod, 1, hidden, idx, torch.ones(2, k))

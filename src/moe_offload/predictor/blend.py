@@ -31,9 +31,17 @@ from .runtime import Forecast
 XL_WEIGHTS = (0.3, 0.25, 0.2)
 
 
+_COLUMNS: dict[tuple, np.ndarray] = {}
+
+
 def _weight_column(weights, distances) -> np.ndarray:
-    """float32 ``[n, 1]``: ``w_j`` for each layer distance ``j`` (the last weight for larger distances)."""
-    return np.array([[weights[min(j, len(weights)) - 1]] for j in distances], dtype=np.float32)
+    """float32 ``[n, 1]``: ``w_j`` for each layer distance ``j`` (the last weight for larger distances); made once
+    per (weights, distances) and shared (do not modify it)."""
+    key = (tuple(weights), tuple(distances))
+    col = _COLUMNS.get(key)
+    if col is None:
+        col = _COLUMNS[key] = np.array([[weights[min(j, len(weights)) - 1]] for j in key[1]], dtype=np.float32)
+    return col
 
 
 def mix(xl, seq, weights=XL_WEIGHTS, distances=None):

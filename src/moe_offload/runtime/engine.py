@@ -124,6 +124,24 @@ class OffloadEngine:
         self.stats.load_time_s += time.perf_counter() - t0
         self.stats.bytes_loaded += len(loads) * self.store.layout.expert_bytes
 
+    def _needed(self, moe_layer: int, top_k_index: torch.Tensor) -> tuple[list[int], list[int]]:
+        """The layer's distinct experts as global ids, ascending, and how many of the ``[T, k]`` routed pairs chose
+        each (host lists), from one device->host copy of the expert ids.
+
+        Raises:
+            MoeOffloadError: an id outside ``[0, E)`` (it would read another layer's expert)."""
+        E = self.num_experts
+        local = top_k_index.reshape(-1).cpu().numpy()  # the one device->host transfer
+        try:
+            counts = np.bincount(local, minlength=E)
+        except ValueError:  # a negative id
+            counts = None
+        if counts is None or counts.size > E:
+            bad = int(local.min()) if counts is None else int(local.max())
+            raise MoeOffloadError(f"MoE layer {moe_layer}: the router chose expert {bad}, outside [0, {E})")
+        chosen = np.flatnonzero(counts)
+        return (chosen + moe_layer * E).tolist(), counts[chosen].tolist()
+
     def forward(self, module: torch.nn.Module, moe_layer: int, hidden_states: torch.Tensor,
                 top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         """Experts of MoE layer ``moe_layer``: ``hidden_states [T, H]``, ``top_k_index [T, k]`` int64 expert ids
@@ -139,17 +157,13 @@ class OffloadEngine:
         clock.lap("predictor")
         num_tokens, k = top_k_index.shape
         gid = (top_k_index + moe_layer * self.num_experts).reshape(-1)
-        uniq, counts = np.unique(gid.cpu().numpy(), return_counts=True)  # the one device->host transfer
-        base = moe_layer * self.num_experts
-        if uniq.size and (uniq[0] < base or uniq[-1] >= base + self.num_experts):  # would read another layer's expert
-            raise MoeOffloadError(f"MoE layer {moe_layer}: the router chose expert {int(uniq[-1] - base)}, outside "
-                                  f"[0, {self.num_experts})")
+        needed, counts = self._needed(moe_layer, top_k_index)
         pf = self.prefetcher
         if pf is not None:
             pf.land_ready()
-            plan = self.table.plan_layer(uniq.tolist(), counts.tolist(), layer=moe_layer, hold=True)
+            plan = self.table.plan_layer(needed, counts, layer=moe_layer, hold=True)
         else:
-            plan = self.table.plan_layer(uniq.tolist(), counts.tolist())
+            plan = self.table.plan_layer(needed, counts)
         st = self.stats
         st.hits += plan.hits
         st.misses += plan.misses
