@@ -95,3 +95,36 @@ def test_bad_refresh_policy_names(tiny_dirs):
 def test_refresh_policy_refused_for_autoregressive_models(tiny_dirs):
     with pytest.raises(MoeOffloadError, match="for diffusion models"):
         load_offloaded(tiny_dirs["mixtral"], residency=0.5, policy="tide", progress=False)
+
+
+@pytest.mark.parametrize("overlap, started, blocked, want", [
+    (True, 10.0, 0.0, 10.0 + 5e-3),         # host part counted from the start of the device compute
+    (True, 10.0, 2e-3, 10.0 + 7e-3),        # ... plus blocking copies the layer waited for after that
+    (True, None, 0.0, 20.0 + 5e-3),         # no device compute in the layer: from the start of the host part
+    (False, 10.0, 2e-3, 20.0 + 5e-3),       # the authors' order: after the device part
+])
+def test_host_fallback_emulated_deadline(monkeypatch, overlap, started, blocked, want):
+    """The emulated host duration of a layer (3 token-experts x 1 ms + 1 expert x 2 ms = 5 ms) ends at the
+    deadline the overlap rule gives (runtime.host_fallback), with the pairs computed by the given accumulate."""
+    import moe_offload.runtime.host_fallback as hf
+
+    clock = iter([started if started is not None else 0.0, 20.0, 20.0])
+    deadlines = []
+    monkeypatch.setattr(hf.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(hf, "_sleep_until", deadlines.append)
+    monkeypatch.setattr(hf, "host_expert_rows", lambda store, fmt, g, m, eids: (None, g, eids))
+    calls = []
+    fb = hf.HostFallback(None, None, token_s=1e-3, expert_s=2e-3, overlap=overlap,
+                         accumulate=lambda pairs, *a: (calls.append(a), pairs.add_(1.0)))
+    fb.begin_layer()
+    if started is not None:
+        fb.device_starts()
+        fb.blocked(blocked)
+    else:
+        next(clock)  # keep the clock sequence aligned
+    staged = fb.stage(torch.zeros(2, 4), torch.tensor([7, 9, 7, 9]), torch.ones(4), torch.tensor([1, 0, 1, 0]).bool(),
+                      [9, 7], tokens=3, experts=1)
+    pairs = torch.zeros(4, 4)
+    fb.compute(pairs, None, staged)
+    assert deadlines == [pytest.approx(want)] and staged.eids == [7, 9] and len(calls) == 1
+    assert torch.equal(pairs, torch.ones(4, 4))

@@ -16,7 +16,7 @@ LOOPS = ("prefix-cache", "recompute")
 
 
 def diffusion_regime(trace, fullload_s: float, expert_bytes: int, hardware: str = "rtx4090",
-                     model_profile: str = "llada2.0-mini"):
+                     model_profile: str = "llada2.0-mini", overlap_host: bool = True):
     """The emulated TIDE regime of ``bench diffusion``: a hardware/model profile's costs scaled onto this machine.
 
     ``core.costs.TideCosts.from_profiles(hardware, model_profile)`` gives the profile's seconds for swaps, device
@@ -24,7 +24,9 @@ def diffusion_regime(trace, fullload_s: float, expert_bytes: int, hardware: str 
     tokens per forward). Charged on ``trace`` (``sim.diffusion_sim.fullload_seconds``), FullLoad takes ``P``
     modelled seconds; it took ``fullload_s`` measured seconds here, so every cost is multiplied by
     ``fullload_s / P``: swaps and host fallback then cost, relative to this machine's FullLoad compute, what they
-    cost relative to the profile platform's.
+    cost relative to the profile platform's. ``overlap_host`` (default True, how ``RefreshEngine`` runs host
+    fallback: beside the device compute, ``runtime.host_fallback``) is passed to the cost model, so the simulator
+    charges a layer ``max(device, host)`` as the runtime spends it.
 
     Returns:
         ``(costs, scale)``: the scaled ``TideCosts`` (seconds; its FullLoad time on ``trace`` equals ``fullload_s``)
@@ -48,7 +50,8 @@ def diffusion_regime(trace, fullload_s: float, expert_bytes: int, hardware: str 
               "nonexpert_step_s")
     costs = TideCosts.from_numbers(
         expert_bytes, **{f: getattr(prof, f) * scale for f in fields},
-        num_moe_layers=trace.num_moe_layers, num_experts=trace.num_experts, top_k=trace.top_k)
+        num_moe_layers=trace.num_moe_layers, num_experts=trace.num_experts, top_k=trace.top_k,
+        overlap_host=overlap_host)
     return costs, scale
 
 
@@ -161,7 +164,8 @@ def _bench_loop(path, prompts, budgets, intervals, loop, kw, opts) -> tuple[list
               f"{opts['model_profile']} on {opts['hardware']} scaled x{scale:.3g} onto this machine's FullLoad "
               f"({1e3 * ref_s / trace.num_steps:.1f} ms per step): swap {1e6 * costs.swap_s:.0f} us per expert, host "
               f"fallback {1e6 * costs.fallback_expert_s:.0f} us per expert + {1e6 * costs.fallback_token_s:.1f} us "
-              f"per token-expert, non-expert {1e3 * costs.nonexpert_step_s:.2f} ms per step (modelled).")
+              f"per token-expert, non-expert {1e3 * costs.nonexpert_step_s:.2f} ms per step (modelled); host fallback "
+              f"{'beside' if costs.overlap_host else 'after'} the layer's device compute.")
     return rows, footer, tpf
 
 

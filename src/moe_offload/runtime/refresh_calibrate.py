@@ -7,7 +7,7 @@ import time
 import torch
 
 from .pool import SlotPool
-from .refresh_engine import host_expert_rows
+from .host_fallback import host_expert_rows
 from .experts import slot_pair_outputs
 from .store import HostStore
 from .transfer import TransferEngine
@@ -24,7 +24,7 @@ def _median_seconds(fn, repeats: int = 5) -> float:
 
 def calibrate_costs(module: torch.nn.Module, store: HostStore, pool: SlotPool, transfer: TransferEngine,
                     num_moe_layers: int, num_experts: int, top_k: int, host_seconds_per_token_expert: float = 0.0,
-                    host_seconds_per_expert: float = 0.0, tokens: int = 32):
+                    host_seconds_per_expert: float = 0.0, tokens: int = 32, overlap_host: bool = True):
     """Measure the TIDE cost model on this machine at start-up (``core.costs.TideCosts``, seconds):
 
     * ``swap_s``: one expert's host->device copy through ``transfer`` (its link emulation when set, else the
@@ -33,7 +33,9 @@ def calibrate_costs(module: torch.nn.Module, store: HostStore, pool: SlotPool, t
       from the host store (median of 5), split into a per-call and a per-token-expert part; with an emulated
       host (``host_seconds_per_expert`` / ``host_seconds_per_token_expert``, which ``RefreshEngine`` enforces as a
       minimum duration) each part is the larger of the measured and the emulated one;
-    * ``device_expert_s`` / ``device_token_s``: the same on the slot pool.
+    * ``device_expert_s`` / ``device_token_s``: the same on the slot pool;
+    * ``overlap_host``: as given, how the engine runs host fallback (``RefreshEngine``'s ``overlap_host``: by
+      default beside the device compute, ``runtime.host_fallback``).
 
     Raises:
         RuntimeError: a calibration copy failed.
@@ -75,4 +77,5 @@ def calibrate_costs(module: torch.nn.Module, store: HostStore, pool: SlotPool, t
                      fallback_expert_s=max(h1, host_seconds_per_expert),
                      fallback_token_s=max((hn - h1) / (tokens - 1), host_seconds_per_token_expert, 0.0),
                      num_moe_layers=num_moe_layers, num_experts=num_experts, top_k=top_k,
+                     overlap_host=overlap_host,
                      provenance={"all": "measured at start-up (runtime.refresh_engine.calibrate_costs)"})

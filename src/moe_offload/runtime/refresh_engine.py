@@ -1,7 +1,8 @@
 """Runtime of the diffusion refresh planners (TIDE; DESIGN.md §5 "TIDE refresh planner"): per-layer device working
 sets refreshed by a ``core.refresh.RefreshPlanner`` (reactive, tide-fixed, tide), asynchronous prefetch copies
 through the ``TransferEngine``, and **host fallback**: a needed expert that is not on the device is computed where
-its weights already are, in the host store, and only activations move.
+its weights already are, in the host store, and only activations move, while the layer's device experts compute
+(``runtime.host_fallback``).
 
 Slots: MoE layer ``l`` owns pool slots ``[l * budget, (l + 1) * budget)``; ``pool.lookup`` maps the layer's landed
 experts to them. A planner's asynchronous prefetch evicts its victims when the copies are issued (their slots take
@@ -14,8 +15,8 @@ step_in_block)``; per MoE layer the experts hook calls ``forward``, which lands 
 with the same grouped-GEMM code (``runtime.experts.slot_pair_outputs``), and sums them per token.
 
 On a CPU-only machine "device" and "host" are the same processor; ``host_seconds_per_token_expert`` /
-``host_seconds_per_expert`` then emulate a slower host (every fallback layer call takes at least that long), as
-the copy engine's ``seconds_per_expert`` emulates the link (``runtime.transfer.make_transfer_engine``).
+``host_seconds_per_expert`` then emulate a slower host (``runtime.host_fallback``), as the copy engine's
+``seconds_per_expert`` emulates the link (``runtime.transfer.make_transfer_engine``).
 """
 
 from __future__ import annotations
@@ -30,10 +31,9 @@ from ..core.refresh import RefreshPlanner, Transfer
 from ..errors import MoeOffloadError
 from .engine import EngineStats
 from .experts import IMPLEMENTATION_NAME, device_index, register, slot_pair_outputs
-from .formats import ExpertRows
+from .host_fallback import HostFallback
 from .pool import SlotPool
 from .store import HostStore
-from .copy_worker import _sleep_until
 from .transfer import TransferEngine
 
 
@@ -64,13 +64,15 @@ class RefreshEngine:
         transfer: the copy engine (link emulation included); all copies, blocking ones too, go through it.
         host_seconds_per_token_expert, host_seconds_per_expert: emulated host fallback cost (seconds, >= 0) on a
             machine without an accelerator; 0 = the real cost only.
+        overlap_host: compute a layer's host experts while its device experts compute (default; the cost model
+            must then say ``overlap_host`` too), or after them (the TIDE authors' reference order).
     Raises:
         MoeOffloadError: pool size is not ``L * budget`` or negative emulation costs.
     """
 
     def __init__(self, store: HostStore, pool: SlotPool, planner: RefreshPlanner, num_moe_layers: int,
                  num_experts: int, transfer: TransferEngine, host_seconds_per_token_expert: float = 0.0,
-                 host_seconds_per_expert: float = 0.0):
+                 host_seconds_per_expert: float = 0.0, overlap_host: bool = True):
         if pool.num_slots != num_moe_layers * planner.budget:
             raise MoeOffloadError(f"the pool has {pool.num_slots} slots; the planner needs "
                                   f"{num_moe_layers} x {planner.budget}")
@@ -79,6 +81,9 @@ class RefreshEngine:
         self.store, self.pool, self.planner, self.transfer = store, pool, planner, transfer
         self.L, self.num_experts, self.budget = num_moe_layers, num_experts, planner.budget
         self.host_token_s, self.host_expert_s = float(host_seconds_per_token_expert), float(host_seconds_per_expert)
+        self.overlap_host = bool(overlap_host)
+        self.host = HostFallback(store, pool.format, self.host_token_s, self.host_expert_s, self.overlap_host,
+                                 self._accumulate)
         self.observers: list = []
         self.prefetcher = None  # interface parity with OffloadEngine (SeqMoE prefetching does not apply)
         self.table = None
@@ -269,56 +274,49 @@ class RefreshEngine:
         if dec.slot_plan is not None:  # reactive: on-demand loads in rounds of at most `budget` experts
             return self._forward_rounds(module, moe_layer, hidden_states, top_k_index, top_k_weights, dec,
                                         dec.slot_plan)
-        st = self.stats
+        st, host = self.stats, self.host
         self._count(dec)
+        host.begin_layer()
         gid = (top_k_index + moe_layer * self.num_experts).reshape(-1)
         weights = top_k_weights.reshape(-1)
         pairs = torch.zeros(num_tokens * k, hidden_states.shape[-1], dtype=hidden_states.dtype,
                             device=hidden_states.device)
+        staged = None
         if dec.rounds is not None:  # tide's on-demand swaps: copy, compute, reuse computed experts' slots
             flat = top_k_index.reshape(-1)
             st.rounds += len(dec.rounds)
+            if dec.host:  # staged before the device work is launched (runtime.host_fallback)
+                staged = host.stage(hidden_states, gid, weights, torch.isin(flat, device_index(dec.host, flat.device)),
+                                    [self._gid(moe_layer, e) for e in dec.host], dec.host_tokens, len(dec.host))
             for rnd in dec.rounds:
                 if rnd.load or rnd.evict:
+                    t0 = time.perf_counter()
                     self._apply(Transfer(layer=moe_layer, load=rnd.load, evict=rnd.evict, blocking=True))
+                    host.blocked(time.perf_counter() - t0)
                 if rnd.compute:
+                    host.device_starts()
                     mask = torch.isin(flat, device_index(rnd.compute, flat.device))
                     slots = sorted(self._landed[self._gid(moe_layer, e)] for e in rnd.compute)
                     self._accumulate(pairs, module, self.pool.rows, hidden_states, self.pool.lookup[gid], mask,
                                      weights, k, slots)
-            if dec.host:
-                self._host_pairs(pairs, module, hidden_states, gid, weights,
-                                 torch.isin(flat, device_index(dec.host, flat.device)), dec,
-                                 [self._gid(moe_layer, e) for e in dec.host])
-            return pairs.view(num_tokens, k, -1).sum(dim=1).to(hidden_states.dtype)
-        if dec.transfer is not None:
-            self._apply(dec.transfer)
-        st.rounds += 1
-        slot_ids = self.pool.lookup[gid]
-        on_device = slot_ids >= 0
-        used = [self._gid(moe_layer, e) for e in np.flatnonzero(counts)]
-        dev_slots = sorted(self._landed[g] for g in used if g in self._landed)
-        if dev_slots:
-            self._accumulate(pairs, module, self.pool.rows, hidden_states, slot_ids, on_device, weights, k, dev_slots)
-        if len(dev_slots) < len(used):
-            self._host_pairs(pairs, module, hidden_states, gid, weights, ~on_device, dec,
-                             [g for g in used if g not in self._landed])
+        else:
+            if dec.transfer is not None:
+                self._apply(dec.transfer)
+            st.rounds += 1
+            slot_ids = self.pool.lookup[gid]
+            on_device = slot_ids >= 0
+            used = [self._gid(moe_layer, e) for e in np.flatnonzero(counts)]
+            dev_slots = sorted(self._landed[g] for g in used if g in self._landed)
+            if len(dev_slots) < len(used):
+                staged = host.stage(hidden_states, gid, weights, ~on_device, [g for g in used if g not in self._landed],
+                                    dec.host_tokens, len(dec.host))
+            if dev_slots:
+                host.device_starts()
+                self._accumulate(pairs, module, self.pool.rows, hidden_states, slot_ids, on_device, weights, k,
+                                 dev_slots)
+        if staged is not None:
+            st.fallback_s += host.compute(pairs, module, staged)
         return pairs.view(num_tokens, k, -1).sum(dim=1).to(hidden_states.dtype)
-
-    def _host_pairs(self, pairs, module, hidden_states, gid, weights, mask, dec, eids: list[int]) -> None:
-        """Host fallback: add the pairs selected by ``mask [T * k]`` bool (those of the global experts ``eids``),
-        computed from the host store where the weights are (only activations move), to ``pairs [T * k, H]``; the
-        call lasts at least the emulated host cost of ``dec``'s host experts and tokens."""
-        t0 = time.perf_counter()
-        dev = torch.device("cpu")
-        k = pairs.shape[0] // hidden_states.shape[0]
-        hs, g, w, m = hidden_states.to(dev), gid.to(dev), weights.to(dev), mask.to(dev)
-        host_rows, g, rows = host_expert_rows(self.store, self.pool.format, g, m, sorted(eids))
-        host_pairs = torch.zeros(pairs.shape, dtype=hidden_states.dtype, device=dev)
-        self._accumulate(host_pairs, module, host_rows, hs, g, m, w, k, rows)
-        pairs += host_pairs.to(pairs.device)
-        _sleep_until(t0 + dec.host_tokens * self.host_token_s + len(dec.host) * self.host_expert_s)
-        self.stats.fallback_s += time.perf_counter() - t0
 
     def _count(self, dec) -> None:
         st = self.stats
@@ -365,12 +363,3 @@ class RefreshEngine:
         out, perm, valid = slot_pair_outputs(module, source, hidden_states, ids, weights, k, slots)
         pairs.index_copy_(0, perm, torch.where(valid.unsqueeze(-1), out.to(pairs.dtype), pairs[perm]))
 
-
-def host_expert_rows(store, fmt, gid: torch.Tensor, mask: torch.Tensor, eids: list[int]):
-    """Host rows to compute the experts ``eids`` (sorted; the pairs ``mask`` of ``gid [T * k]``) from, for host
-    fallback: ``(ExpertRows, row ids [T * k], the sorted rows used)``. A private store is used in place (row =
-    global expert id); an mmap store gathers the needed experts' rows."""
-    buf, rows = store.gather(eids if store.mode == "mmap" else [])
-    if rows is None:
-        return ExpertRows(fmt, buf), gid, eids
-    return ExpertRows(fmt, buf), torch.where(mask, rows[gid], gid), list(range(len(eids)))
