@@ -121,3 +121,19 @@ def test_trace_collect_diffusion(tiny_dirs, tmp_path, capsys):
     assert tr.num_experts == 16 and tr.num_steps >= 1 and not tr.synthetic
     assert main(["trace", "info", str(out), "--json"]) == 0
     assert '"kind": "diffusion"' in capsys.readouterr().out
+
+
+def test_trace_collect_diffusion_loop_options(tiny_dirs, tmp_path, capsys):
+    """trace collect records the loop generate runs with --block-length/--steps/--threshold; an autoregressive model
+    refuses them with one line (nothing written)."""
+    out = tmp_path / "d.trace"
+    assert main(["trace", "collect", "--model", str(tiny_dirs["llada2_moe"]), "--prompt", "hi there",
+                 "--max-new-tokens", "8", "--block-length", "8", "--steps", "4", "--out", str(out), "--quiet"]) == 0
+    tr = load_diffusion_trace(out)
+    assert tr.block_length == 8 and tr.num_steps == 4  # one block of 8 tokens in 4 steps (threshold 0.95)
+    assert "steps 4" in capsys.readouterr().out
+    bad = tmp_path / "ar.trace"
+    assert main(["trace", "collect", "--model", str(tiny_dirs["qwen3_moe"]), "--prompt", "hi", "--steps", "4",
+                 "--out", str(bad), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--steps only apply to diffusion models" in err[0] and not bad.exists()

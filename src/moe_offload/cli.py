@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 
 from . import __version__
-from .cliargs import (OneLineErrorParser, add_model_args, float_, load_prompts, nonneg_int, positive_int,
-                      seed)
+from .cliargs import (OneLineErrorParser, add_diffusion_args, add_model_args, float_, load_prompts, nonneg_int,
+                      positive_int, seed)
 from .errors import MoeOffloadError
 from .models.resolve import BUILTIN_MODELS, resolve_model
 
@@ -68,14 +68,7 @@ def _add_generate_parser(sub) -> None:
     g.add_argument("--graph-backend", choices=["inductor", "aot_eager"], default="inductor",
                    help="with --graph: the torch.compile backend (default inductor; aot_eager keeps the eager "
                    "kernels, hence FullLoad eager's tokens bit for bit)")
-    g.add_argument("--block-length", type=int, help="diffusion models (LLaDA2): positions per block (default 32)")
-    g.add_argument("--steps", type=int, help="diffusion models: diffusion steps per block, at most --block-length "
-                   "(default: --block-length)")
-    g.add_argument("--threshold", type=float_, help="diffusion models: commit every masked token whose confidence "
-                   "exceeds this, in (0, 1] (default 0.95)")
-    g.add_argument("--no-prefix-cache", action="store_true", help="diffusion models: recompute the whole prefix at "
-                   "every diffusion step (the reference loop) instead of caching the committed blocks' keys and "
-                   "values (same tokens, slower)")
+    add_diffusion_args(g)
 
 
 def build_parser() -> argparse.ArgumentParser:

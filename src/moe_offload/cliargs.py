@@ -157,6 +157,19 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
+def add_diffusion_args(p) -> None:
+    """The block-diffusion loop's options (diffusion models such as LLaDA2; validated by
+    ``models.diffusion.loop_params``): ``--block-length``, ``--steps``, ``--threshold``, ``--no-prefix-cache``."""
+    p.add_argument("--block-length", type=int, help="diffusion models (LLaDA2): positions per block (default 32)")
+    p.add_argument("--steps", type=int, help="diffusion models: diffusion steps per block, at most --block-length "
+                   "(default: --block-length)")
+    p.add_argument("--threshold", type=float_, help="diffusion models: commit every masked token whose confidence "
+                   "exceeds this, in (0, 1] (default 0.95)")
+    p.add_argument("--no-prefix-cache", action="store_true", help="diffusion models: recompute the whole prefix at "
+                   "every diffusion step (the reference loop) instead of caching the committed blocks' keys and "
+                   "values (same tokens, slower)")
+
+
 def load_prompts(args) -> list[str]:
     """Prompts from ``--prompt``, ``--prompts FILE`` or ``--sharegpt N``; default: a few short ShareGPT turns."""
     prompts: list[str] = list(args.prompt or [])

@@ -56,8 +56,10 @@ class TideCosts:
         nonexpert_step_s: device seconds of one diffusion step's non-expert work, >= 0.
         num_moe_layers, num_experts, top_k: geometry (informative; 0 when unknown).
         overlap_host: True when host fallback runs concurrently with the device's expert compute of the same layer
-            (a layer then costs ``max(device, host)``); False (default) when it is serial, as in the TIDE authors'
-            reference code (its per-expert loop computes CPU and GPU experts one after another).
+            (a layer then costs ``max(device, host)``), as ``runtime.refresh_engine.RefreshEngine`` runs it by default
+            (``runtime.host_fallback``; its calibrated costs and ``bench diffusion``'s say True); False (this
+            dataclass's default, and ``simulate-diffusion`` without ``--overlap-host``) when it is serial, as in the
+            TIDE authors' reference code (its per-expert loop computes CPU and GPU experts one after another).
         provenance: ``{field: how it was obtained}`` (profile derivations or "given").
 
     Raises:

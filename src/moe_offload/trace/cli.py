@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..cliargs import add_model_args, load_prompts, positive_int
+from ..cliargs import add_diffusion_args, add_model_args, load_prompts, positive_int
 from ..errors import MoeOffloadError
 from ..models.resolve import resolve_model
 
@@ -25,8 +25,7 @@ def add_parser(sub) -> None:
                     help="with --xl-forecasts: later MoE layers forecast by each layer (default 3)")
     tc.add_argument("--max-prompt-chars", type=positive_int, default=2000,
                     help="skip prompts longer than this (ShareGPT has very long turns)")
-    tc.add_argument("--no-prefix-cache", action="store_true", help="diffusion models: record the reference loop, "
-                    "which recomputes the whole prefix at every step (default: the block-prefix KV cache)")
+    add_diffusion_args(tc)
     ti = trsub.add_parser("info", help="summary statistics of a trace")
     ti.add_argument("file", help="a trace file (routing or diffusion)")
     ti.add_argument("--json", action="store_true", help="one JSON object instead of text")
@@ -78,13 +77,15 @@ def _collect(args) -> int:
     if not prompts:
         raise MoeOffloadError(f"no prompt is at most --max-prompt-chars {args.max_prompt_chars} characters long")
     path = resolve_model(args.model, progress=not args.quiet)
-    if read_config(path)[2].diffusion:  # a diffusion trace (per block, step, layer: expert token counts)
-        from ..models.diffusion import loop_params, run_diffusion
+    from ..models.diffusion import loop_params
+
+    params = loop_params(read_config(path)[2], args.block_length, args.steps, args.threshold, args.max_new_tokens,
+                         str(path), prefix_cache=not args.no_prefix_cache)
+    if params is not None:  # a diffusion trace (per block, step, layer: expert token counts)
+        from ..models.diffusion import run_diffusion
         from ..models.loader import load_full
         from .diffusion import DiffusionTraceRecorder
 
-        params = loop_params(read_config(path)[2], None, None, None, args.max_new_tokens, str(path),
-                             prefix_cache=not args.no_prefix_cache)
         lm = load_full(path, device=args.device, dtype=args.dtype)
         with DiffusionTraceRecorder(lm, params["block_length"], source=f"moe-offload trace collect on {path}") as rec:
             _, _, results = run_diffusion(lm, prompts, args.max_new_tokens, progress=not args.quiet, recorder=rec,
