@@ -135,3 +135,23 @@ def test_cli_simulate_diffusion(tmp_path, capsys):
                  "h200", "--budget", "0.25", "--policy", "tide-fixed", "--out", str(tmp_path / "g")])
     assert code == 0 and (tmp_path / "g" / "results.md").is_file()
     assert not (tmp_path / "g" / "trace.safetensors").exists()
+
+
+def test_cli_simulate_diffusion_fewer_layers_than_the_profile(tmp_path, capsys):
+    """A trace with the profile's experts but fewer MoE layers (the built-in llada2-medium under llada2.0-mini) is
+    charged the profile's per-expert costs with the non-expert work scaled to its layers, as bench diffusion does:
+    the report's FullLoad equals fullload_seconds under profile_costs_on_trace."""
+    from moe_offload.sim.diffusion_sim import profile_costs_on_trace
+
+    tr = synthetic_diffusion_trace(4, 256, 8, requests=1, blocks=1, seed=1)
+    path = tr.save(tmp_path / "medium.safetensors")
+    out = tmp_path / "sd"
+    assert main(["simulate-diffusion", "--trace", str(path), "--hardware", "rtx4090", "--budget", "0.5",
+                 "--policy", "reactive", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "non-expert work scaled to the trace's 4 MoE layers" in printed
+    costs = profile_costs_on_trace(tr, "rtx4090", "llada2.0-mini")
+    mini = TideCosts.from_profiles("rtx4090", "llada2.0-mini", tokens_per_step=int(round(float(tr.tokens.mean()))))
+    assert costs.swap_s == mini.swap_s and costs.nonexpert_step_s == pytest.approx(mini.nonexpert_step_s * 4 / 19)
+    full_tok_s = tr.committed.sum() / fullload_seconds(tr, costs).sum()
+    assert f"| {full_tok_s:.1f} |" in (out / "results.md").read_text()

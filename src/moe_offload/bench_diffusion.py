@@ -19,9 +19,9 @@ def diffusion_regime(trace, fullload_s: float, expert_bytes: int, hardware: str 
                      model_profile: str = "llada2.0-mini", overlap_host: bool = True):
     """The emulated TIDE regime of ``bench diffusion``: a hardware/model profile's costs scaled onto this machine.
 
-    ``core.costs.TideCosts.from_profiles(hardware, model_profile)`` gives the profile's seconds for swaps, device
-    compute, host fallback and non-expert work (non-expert work per step scaled to the trace's MoE layers and mean
-    tokens per forward). Charged on ``trace`` (``sim.diffusion_sim.fullload_seconds``), FullLoad takes ``P``
+    ``sim.diffusion_sim.profile_costs_on_trace(trace, hardware, model_profile)`` gives the profile's seconds for
+    swaps, device compute, host fallback and non-expert work (non-expert work per step scaled to the trace's MoE
+    layers and mean tokens per forward). Charged on ``trace`` (``sim.diffusion_sim.fullload_seconds``), FullLoad takes ``P``
     modelled seconds; it took ``fullload_s`` measured seconds here, so every cost is multiplied by
     ``fullload_s / P``: swaps and host fallback then cost, relative to this machine's FullLoad compute, what they
     cost relative to the profile platform's. ``overlap_host`` (default True, how ``RefreshEngine`` runs host
@@ -37,14 +37,11 @@ def diffusion_regime(trace, fullload_s: float, expert_bytes: int, hardware: str 
     """
     from .core.costs import TideCosts
     from .errors import MoeOffloadError
-    from .sim.diffusion_sim import fullload_seconds
-    from .sim.profiles import load_model_profile
+    from .sim.diffusion_sim import fullload_seconds, profile_costs_on_trace
 
     if not fullload_s > 0:
         raise MoeOffloadError(f"FullLoad seconds must be > 0, got {fullload_s}")
-    mp = load_model_profile(model_profile)
-    prof = TideCosts.from_profiles(hardware, mp, tokens_per_step=max(1, int(round(float(trace.tokens.mean())))))
-    prof = prof.with_overrides(nonexpert_step_s=prof.nonexpert_step_s * trace.num_moe_layers / mp.num_moe_layers)
+    prof = profile_costs_on_trace(trace, hardware, model_profile)
     scale = fullload_s / float(fullload_seconds(trace, prof).sum())
     fields = ("swap_s", "device_expert_s", "device_token_s", "fallback_expert_s", "fallback_token_s",
               "nonexpert_step_s")

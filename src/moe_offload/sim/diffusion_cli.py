@@ -35,7 +35,7 @@ def run(args) -> int:
     from ..core.costs import TideCosts
     from ..trace.diffusion import load_diffusion_trace
     from ..trace.diffusion_synthetic import synthetic_diffusion_trace
-    from .diffusion_sim import run_diffusion_sweep, write_diffusion_report
+    from .diffusion_sim import profile_costs_on_trace, run_diffusion_sweep, write_diffusion_report
     from .profiles import load_model_profile
 
     budgets = split_floats(args.budget, "--budget")
@@ -62,11 +62,17 @@ def run(args) -> int:
                                        seed=args.seed)
         name = "synthetic"
     geo = (tr.num_moe_layers, tr.num_experts, tr.top_k)
-    if geo != (mp.num_moe_layers, mp.num_experts, mp.top_k):
+    if geo[1:] != (mp.num_experts, mp.top_k):
         raise MoeOffloadError(f"trace geometry {geo[0]}x{geo[1]} top-{geo[2]} differs from model profile {mp.name} "
-                              f"({mp.num_moe_layers}x{mp.num_experts} top-{mp.top_k}); pass a matching --model-profile")
-    costs = {h: TideCosts.from_profiles(h, mp, overlap_host=args.overlap_host) for h in hws}
-    print(f"profiles: model {mp.name}; hardware {', '.join(hws)}")
+                              f"({mp.num_moe_layers}x{mp.num_experts} top-{mp.top_k}); pass a --model-profile with "
+                              "the trace's experts per layer and top-k")
+    if geo[0] == mp.num_moe_layers:
+        costs = {h: TideCosts.from_profiles(h, mp, overlap_host=args.overlap_host) for h in hws}
+        print(f"profiles: model {mp.name}; hardware {', '.join(hws)}")
+    else:  # e.g. llada2-medium: the profile's experts, fewer layers (as bench diffusion charges it)
+        costs = {h: profile_costs_on_trace(tr, h, mp, overlap_host=args.overlap_host) for h in hws}
+        print(f"profiles: model {mp.name} (its per-expert costs; non-expert work scaled to the trace's "
+              f"{geo[0]} MoE layers and {float(tr.tokens.mean()):.1f} tokens per step); hardware {', '.join(hws)}")
     from tqdm.auto import tqdm
 
     n = len(hws) * len(budgets) * sum(len(intervals) if p == "tide-fixed" else 1 for p in policies)

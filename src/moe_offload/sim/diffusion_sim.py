@@ -125,6 +125,26 @@ def fullload_seconds(trace: DiffusionTrace, costs: TideCosts) -> np.ndarray:
     return costs.nonexpert_step_s + (act * costs.device_expert_s + tok * costs.device_token_s).sum(axis=1)
 
 
+def profile_costs_on_trace(trace: DiffusionTrace, hardware, model_profile, overlap_host: bool = False) -> TideCosts:
+    """A model profile's TIDE costs (``core.costs.TideCosts.from_profiles``) charged on a trace of a model with
+    another number of MoE layers — e.g. the built-in ``llada2-medium`` (4 MoE layers of LLaDA2.0-mini's 256
+    experts, top-8) under ``llada2.0-mini``: the per-expert costs (swap, device, host fallback; seconds) are the
+    profile's, and a step's non-expert work is one forward of the trace's mean tokens per step, scaled from the
+    profile's MoE layers to the trace's. ``bench diffusion`` scales every cost onto its measured FullLoad
+    (``bench_diffusion.diffusion_regime``); ``simulate-diffusion`` uses these costs when only the layer count
+    differs.
+
+    Raises:
+        MoeOffloadError: unknown profiles, or a profile lacking a TIDE key.
+    """
+    from .profiles import load_model_profile
+
+    mp = load_model_profile(model_profile) if isinstance(model_profile, str) else model_profile
+    prof = TideCosts.from_profiles(hardware, mp, tokens_per_step=max(1, int(round(float(trace.tokens.mean())))),
+                                   overlap_host=overlap_host)
+    return prof.with_overrides(nonexpert_step_s=prof.nonexpert_step_s * trace.num_moe_layers / mp.num_moe_layers)
+
+
 def budget_experts(fraction: float, num_experts: int) -> int:
     """Experts per layer for a budget fraction in (0, 1]: ``ceil(fraction * E)`` (at least 1).
 
