@@ -128,3 +128,40 @@ def test_host_fallback_emulated_deadline(monkeypatch, overlap, started, blocked,
     fb.compute(pairs, None, staged)
     assert deadlines == [pytest.approx(want)] and staged.eids == [7, 9] and len(calls) == 1
     assert torch.equal(pairs, torch.ones(4, 4))
+
+
+def test_host_fallback_thread_computes_the_same_pairs():
+    """On a CPU pool with overlap the host pairs are computed on the host-fallback thread (start), with the same
+    result as inline; close() stops the thread; without overlap nothing is threaded."""
+    import threading
+
+    from moe_offload.runtime import host_fallback as hf
+
+    def accumulate(pairs, module, rows, hidden, g, mask, weights, k, used):
+        seen.append(threading.current_thread().name)
+        pairs[mask] += hidden.repeat_interleave(k, 0)[mask] * weights[mask].unsqueeze(-1)
+
+    seen = []
+    fb = hf.HostFallback(None, None, 0.0, 0.0, overlap=True, accumulate=accumulate)
+    orig = hf.host_expert_rows
+    hf.host_expert_rows = lambda store, fmt, g, m, eids: (None, g, eids)
+    try:
+        hidden = torch.arange(8.0).view(2, 4)
+        args = (hidden, torch.tensor([3, 5, 3, 6]), torch.tensor([0.5, 1.0, 2.0, 1.0]),
+                torch.tensor([True, False, True, True]), [3, 6])
+        out = {}
+        for threaded in (True, False):
+            fb.threaded = threaded
+            staged = fb.stage(*args, tokens=3, experts=2)
+            fb.begin_layer()
+            fb.start(None, staged, 2, torch.float32)
+            pairs = torch.zeros(4, 4)
+            fb.compute(pairs, None, staged)
+            out[threaded] = pairs
+    finally:
+        hf.host_expert_rows = orig
+        fb.close()
+    assert torch.equal(out[True], out[False])
+    assert torch.equal(out[False][1], torch.zeros(4)) and torch.equal(out[False][2], 2.0 * hidden[1])
+    assert seen[0].startswith("moe-offload-host-fallback") and seen[1] == threading.current_thread().name
+    assert fb._pool is None and not hf.HostFallback(None, None, 0.0, 0.0, overlap=False, accumulate=accumulate).threaded
