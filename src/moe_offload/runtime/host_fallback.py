@@ -15,15 +15,11 @@ On a machine without an accelerator "device" and "host" are the same processor; 
 emulate a slower host: the host part of a layer lasts at least ``tokens * token_s + experts * expert_s`` seconds,
 counted from the start of the layer's device compute with overlap (blocking copies the device waits for in between
 are added, as the simulator charges them before the overlapped compute), from the start of the host part without.
-There, with overlap, the host experts are also *computed* on a second thread (``start``), so that the real work of
-the two parts runs on two cores as it would on a host and an accelerator (torch releases the GIL inside its ops);
-the sums are the same either way (the same ops on the same inputs).
 """
 
 from __future__ import annotations
 
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -54,7 +50,6 @@ class StagedHost:
     mask: torch.Tensor
     eids: list[int]
     emulated_s: float
-    pending: Future | None = None  # the host pairs being computed on the host-fallback thread (``start``)
 
 
 class HostFallback:
@@ -66,17 +61,12 @@ class HostFallback:
         overlap: run the host part during the device part (default) or after it (the authors' reference).
         accumulate: ``accumulate(pairs, module, rows, hidden, row_ids, mask, weights, k, slots)``, the engine's
             grouped-GEMM accumulation (``RefreshEngine._accumulate``), so host and device pairs use the same code.
-        device: the slot pool's device; on a CPU pool with ``overlap`` the host pairs are computed on a second
-            thread (module docstring; ``close`` stops it).
     """
 
-    def __init__(self, store, fmt, token_s: float, expert_s: float, overlap: bool, accumulate,
-                 device: torch.device | str = "cpu"):
+    def __init__(self, store, fmt, token_s: float, expert_s: float, overlap: bool, accumulate):
         self.store, self.fmt = store, fmt
         self.token_s, self.expert_s, self.overlap = float(token_s), float(expert_s), bool(overlap)
         self._accumulate = accumulate
-        self.threaded = self.overlap and torch.device(device).type == "cpu"
-        self._pool: ThreadPoolExecutor | None = None
         self._t_dev: float | None = None   # when the layer's device compute started (overlap)
         self._blocked = 0.0                 # seconds of blocking copies since then
 
@@ -103,39 +93,15 @@ class HostFallback:
         return StagedHost(hidden_states.to(cpu), gid.to(cpu), weights.to(cpu), mask.to(cpu), sorted(eids),
                           tokens * self.token_s + experts * self.expert_s)
 
-    def start(self, module, staged: StagedHost, k: int, dtype: torch.dtype) -> None:
-        """On a CPU pool with overlap, begin computing ``staged``'s host pairs on the host-fallback thread (the
-        caller then computes the device pairs); elsewhere ``compute`` computes them."""
-        if not self.threaded:
-            return
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moe-offload-host-fallback")
-        staged.pending = self._pool.submit(self._host_pairs, module, staged, k, dtype)
-
-    def _host_pairs(self, module, staged: StagedHost, k: int, dtype: torch.dtype) -> torch.Tensor:
-        """``[T * k, H]`` of ``dtype`` on the host: the host pairs' weighted outputs, zeros elsewhere."""
-        with torch.no_grad():  # grad mode is per thread
-            rows, g, used = host_expert_rows(self.store, self.fmt, staged.gid, staged.mask, staged.eids)
-            out = torch.zeros(staged.gid.shape[0], staged.hidden.shape[-1], dtype=dtype)
-            self._accumulate(out, module, rows, staged.hidden, g, staged.mask, staged.weights, k, used)
-        return out
-
     def compute(self, pairs: torch.Tensor, module, staged: StagedHost) -> float:
-        """Add the host pairs to ``pairs [T * k, H]`` (waiting for them if ``start`` began them) and return the
-        seconds the host part held the layer from here (its emulated duration included: module docstring)."""
+        """Add the host pairs to ``pairs [T * k, H]`` and return the seconds the host part held the layer (its
+        emulated duration included: see the module docstring)."""
         t0 = time.perf_counter()
         k = pairs.shape[0] // staged.hidden.shape[0]
-        if staged.pending is not None:
-            host_pairs = staged.pending.result()
-        else:
-            host_pairs = self._host_pairs(module, staged, k, pairs.dtype)
+        rows, g, used = host_expert_rows(self.store, self.fmt, staged.gid, staged.mask, staged.eids)
+        host_pairs = torch.zeros(pairs.shape, dtype=pairs.dtype, device=torch.device("cpu"))
+        self._accumulate(host_pairs, module, rows, staged.hidden, g, staged.mask, staged.weights, k, used)
         pairs += host_pairs.to(pairs.device)
         start = self._t_dev + self._blocked if self.overlap and self._t_dev is not None else t0
         _sleep_until(start + staged.emulated_s)
         return time.perf_counter() - t0
-
-    def close(self) -> None:
-        """Stop the host-fallback thread (if one was started)."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None

@@ -83,7 +83,7 @@ class RefreshEngine:
         self.host_token_s, self.host_expert_s = float(host_seconds_per_token_expert), float(host_seconds_per_expert)
         self.overlap_host = bool(overlap_host)
         self.host = HostFallback(store, pool.format, self.host_token_s, self.host_expert_s, self.overlap_host,
-                                 self._accumulate, pool.device)
+                                 self._accumulate)
         self.observers: list = []
         self.prefetcher = None  # interface parity with OffloadEngine (SeqMoE prefetching does not apply)
         self.table = None
@@ -176,10 +176,8 @@ class RefreshEngine:
         self.stats = RefreshStats()
 
     def close(self) -> None:
-        """Stop the copy worker (which otherwise keeps the store and the pool alive) and the host-fallback thread,
-        and unpin the host store."""
+        """Stop the copy worker (which otherwise keeps the store and the pool alive) and unpin the host store."""
         self.transfer.close()
-        self.host.close()
         self.store.close()
 
     # ---- copies -------------------------------------------------------------------------------------------------
@@ -290,7 +288,6 @@ class RefreshEngine:
             if dec.host:  # staged before the device work is launched (runtime.host_fallback)
                 staged = host.stage(hidden_states, gid, weights, torch.isin(flat, device_index(dec.host, flat.device)),
                                     [self._gid(moe_layer, e) for e in dec.host], dec.host_tokens, len(dec.host))
-                host.start(module, staged, k, hidden_states.dtype)
             for rnd in dec.rounds:
                 if rnd.load or rnd.evict:
                     t0 = time.perf_counter()
@@ -313,7 +310,6 @@ class RefreshEngine:
             if len(dev_slots) < len(used):
                 staged = host.stage(hidden_states, gid, weights, ~on_device, [g for g in used if g not in self._landed],
                                     dec.host_tokens, len(dec.host))
-                host.start(module, staged, k, hidden_states.dtype)
             if dev_slots:
                 host.device_starts()
                 self._accumulate(pairs, module, self.pool.rows, hidden_states, slot_ids, on_device, weights, k,
