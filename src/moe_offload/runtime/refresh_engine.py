@@ -80,10 +80,8 @@ class RefreshEngine:
             raise MoeOffloadError("host fallback costs must be >= 0 seconds")
         self.store, self.pool, self.planner, self.transfer = store, pool, planner, transfer
         self.L, self.num_experts, self.budget = num_moe_layers, num_experts, planner.budget
-        self.host_token_s, self.host_expert_s = float(host_seconds_per_token_expert), float(host_seconds_per_expert)
-        self.overlap_host = bool(overlap_host)
-        self.host = HostFallback(store, pool.format, self.host_token_s, self.host_expert_s, self.overlap_host,
-                                 self._accumulate)
+        self.host = HostFallback(store, pool.format, host_seconds_per_token_expert, host_seconds_per_expert,
+                                 overlap_host, self._accumulate)
         self.observers: list = []
         self.prefetcher = None  # interface parity with OffloadEngine (SeqMoE prefetching does not apply)
         self.table = None
