@@ -10,6 +10,13 @@ decode step (SeqMoE fig. 9 phases, ``runtime.breakdown``):
   backend and timed over ``MGMT_STEPS`` steps in every round right after the row's requests (its shapes are
   fixed, so its cost does not depend on the routing), plus the copy op's own bookkeeping;
 * ``other_compute``: the rest of the step.
+
+With residency 1.0 among the residencies, a row ``graph lookup-only`` runs the same compiled step with every expert
+preloaded and no cache decisions (``GraphEngine.preload_all``): the difference between a policy's step at 1.0 and
+this row's, per round (the two run back to back), is what the decisions cost *inside* the compiled step, where
+inductor may fuse them with their neighbours — the A/B measurement of the management, printed below the
+breakdown next to the replayed one. The plan's shapes grow with the slots (``topk`` over them), so at residency 1.0
+(every expert a slot) it is an upper bound for a lower residency's.
 """
 
 from __future__ import annotations
@@ -17,7 +24,8 @@ from __future__ import annotations
 import copy
 import gc
 import time
-from dataclasses import dataclass
+import statistics
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,6 +35,8 @@ from .runtime.graph_decode import GraphDecoder, load_graph, run_graph
 
 #: steps over which the management (the plan of every layer) is timed
 MGMT_STEPS = 50
+#: the A/B baseline row: every expert preloaded, no cache decisions in the step
+LOOKUP_ONLY = "graph lookup-only"
 
 
 @dataclass
@@ -46,6 +56,7 @@ class GraphRow:
     ops: dict | None = None
     mgmt: object = None
     mgmt_s: float = 0.0
+    round_step_s: list = field(default_factory=list)
 
     @property
     def tok_s(self) -> float:
@@ -99,13 +110,17 @@ def bench_graph(path, prompts: list[str], residencies: list[float], *, policy: s
             lm = load_graph(path, policy=pol, residency=r, device=device, dtype=dtype,
                             predictor=predictor if pol == "seqmoe-cacheonly" else None)
             rows.append(GraphRow(f"graph {pol}", r, GraphDecoder(lm, backend=backend), lm))
+    if 1.0 in residencies:  # the A/B baseline: the same step, every expert resident, no decisions
+        lm = load_graph(path, policy="lru", residency=1.0, device=device, dtype=dtype)
+        lm.engine.preload_all()
+        rows.append(GraphRow(LOOKUP_ONLY, 1.0, GraphDecoder(lm, backend=backend), lm))
     t_compile = {}
     for row in rows:  # compile (and warm up) every step first
         t0 = time.perf_counter()
         run_graph(row.lm, prompts[:1], min(4, max_new_tokens), decoder=row.decoder)
         t_compile[row.name, row.residency] = time.perf_counter() - t0
     for row in rows:
-        if row.lm.engine is not None:
+        if row.lm.engine is not None and not row.lm.engine.lookup_only:
             row.mgmt = management_step(row.lm.engine, full.top_k, backend)
     for _ in range(rounds):
         for row in rows:
@@ -117,12 +132,13 @@ def bench_graph(path, prompts: list[str], residencies: list[float], *, policy: s
              "stall |", "|---|---|---|---|---|---|---|"]
     for row in rows:
         eng = row.lm.engine
-        hit = "-" if eng is None else f"{row.hits / max(1, row.hits + row.misses):.4f}"
+        hit = "-" if eng is None or eng.lookup_only else f"{row.hits / max(1, row.hits + row.misses):.4f}"
         res = "-" if row.residency is None else f"{row.residency:.2f}"
         out.append(f"| {row.name} | {res} | {row.tok_s:.2f} | {row.tok_s / base:.3f} | {hit} | "
                    f"{'yes' if row.same else 'NO'} | {t_compile[row.name, row.residency]:.0f} |")
-        if eng is not None:
+        if eng is not None and not eng.lookup_only:
             lines.append(_breakdown_line(row, res))
+    lines += _ab_lines(rows)
     for row in rows[1:]:
         row.lm.close()
     gc.collect()
@@ -138,7 +154,8 @@ def _measure_round(row: GraphRow, prompts, max_new_tokens: int, ref, rounds: int
     row.decode_s += st.decode_s
     row.tokens += st.decode_tokens
     row.same = row.same and [o.token_ids for o in outs] == ref
-    if row.lm.engine is not None:  # each run starts from zeroed counters
+    row.round_step_s.append(st.decode_s / max(1, st.decode_tokens))
+    if row.mgmt is not None:  # each run starts from zeroed counters
         row.hits += st.offload.hits
         row.misses += st.offload.misses
         row.ops = {k: v + (row.ops or {}).get(k, 0.0) for k, v in row.lm.engine.op_seconds.items()}
@@ -158,3 +175,24 @@ def _breakdown_line(row: GraphRow, res: str) -> str:
 
     return (f"| {row.name} | {res} | {1e3 * step:.2f} | {cell(expert)} | {cell(other)} | {cell(mgmt)} | "
             f"{cell(stall)} |")
+
+
+def _ab_lines(rows: list[GraphRow]) -> list[str]:
+    """The A/B management (module docstring): per policy with a row at residency 1.0, the median over rounds of
+    (its ms per decode step - the lookup-only row's in the same round), and that as a share of each of the policy's
+    rows' step."""
+    base = next((r for r in rows if r.name == LOOKUP_ONLY), None)
+    if base is None:
+        return []
+    out = ["", f"Management inside the compiled step (A/B, module docstring): median over {len(base.round_step_s)} "
+           f"rounds of (step at residency 1.00 - {LOOKUP_ONLY}'s step, "
+           f"{1e3 * statistics.median(base.round_step_s):.2f} ms), as a share of each row's step:", ""]
+    for pol in dict.fromkeys(r.name for r in rows if r.lm.engine is not None and r.name != LOOKUP_ONLY):
+        full = next((r for r in rows if r.name == pol and r.residency == 1.0), None)
+        if full is None:
+            continue
+        d = statistics.median(a - b for a, b in zip(full.round_step_s, base.round_step_s))
+        shares = ", ".join(f"{r.residency:.2f}: {d / (r.decode_s / max(1, r.tokens)):.1%}"
+                           for r in rows if r.name == pol)
+        out.append(f"- {pol}: {1e3 * d:.2f} ms per step ({shares})")
+    return out

@@ -21,6 +21,7 @@ import time
 
 import torch
 
+from ..errors import MoeOffloadError
 from .engine import EngineStats
 from .experts import IMPLEMENTATION_NAME, register, slot_pair_outputs
 from .graph_cache import GraphCache
@@ -69,6 +70,7 @@ class GraphEngine:
         self.prefetcher = None
         self.observers: list = []
         self.predictor = None  # runtime.graph_predictor.GraphPredictor: forecasts inside the step
+        self.lookup_only = False  # set by preload_all: no cache decisions in the step (the A/B baseline)
         self.handle = next(_HANDLES)
         _ENGINES[self.handle] = self
         self._cuda = pool.device.type == "cuda"
@@ -114,6 +116,28 @@ class GraphEngine:
         _ENGINES.pop(self.handle, None)
         self.store.close()
 
+    def preload_all(self) -> None:
+        """Copy every expert into the slot of its global id and turn the step's cache decisions off: a layer then
+        only gathers its pairs' slots from the lookup table (``lookup_only``). The A/B baseline of ``bench graph``:
+        the same compiled step without ``GraphCache.plan``, so the difference in step time is what the decisions
+        cost inside the step. Hit and miss counters stay at zero.
+
+        Raises:
+            MoeOffloadError: fewer slots than experts (residency below 1.0), or a predictor attached.
+        """
+        c = self.cache
+        if c.S < c.N:
+            raise MoeOffloadError(f"preload_all needs a slot for every expert ({c.N}), the pool has {c.S}")
+        if self.predictor is not None:
+            raise MoeOffloadError("preload_all: the lookup-only step runs without a predictor")
+        ids = torch.arange(c.N, dtype=torch.long, device=c.lookup.device)
+        self.copy_rows(ids, ids, torch.ones(c.N, dtype=torch.bool))
+        c.lookup[:c.N] = ids
+        c.expert_in[:c.N] = ids
+        self.lookup_only = True
+        self._no_copy = (torch.zeros(0, dtype=torch.long, device=c.lookup.device),) * 2 + (
+            torch.zeros(0, dtype=torch.bool, device=c.lookup.device),)
+
     # ---- the layer (traced by torch.compile) ----------------------------------------------------------------
 
     def forward(self, module: torch.nn.Module, moe_layer: int, hidden_states: torch.Tensor,
@@ -123,7 +147,11 @@ class GraphEngine:
         data-dependent control flow outside the custom op."""
         if self.predictor is not None:  # its forecast sets the scores before this layer is planned
             self.predictor.observe(moe_layer, top_k_index, top_k_weights)
-        slot_ids, eids, slots, valid = self.cache.plan(moe_layer, top_k_index)
+        if self.lookup_only:  # every expert resident (preload_all): the slots are a gather, nothing is decided
+            slot_ids = self.cache.lookup[moe_layer * self.num_experts + top_k_index.reshape(-1)]
+            eids, slots, valid = self._no_copy
+        else:
+            slot_ids, eids, slots, valid = self.cache.plan(moe_layer, top_k_index)
         return torch.ops.moe_offload.slot_experts(self.handle, moe_layer, hidden_states, slot_ids,
                                                   top_k_weights.reshape(-1), eids, slots, valid)
 
