@@ -96,16 +96,25 @@ def test_graph_predictor_same_decisions_as_python_runtime(tiny_dirs, one_thread,
 
 
 def test_graph_lookup_only_equals_full_load(tiny_dirs, one_thread):
-    """``preload_all``: every expert in the slot of its global id, the step without cache decisions (the A/B
-    baseline of ``bench graph``) still gives FullLoad's tokens; it needs a slot per expert."""
+    """``preload_all`` + ``set_lookup_only``: every expert in the slot of its global id, the step without cache
+    decisions (the A/B baseline of ``bench graph``) still gives FullLoad's tokens, and so does the same decoder with
+    the decisions back on (every expert a hit); lookup-only needs the preload, the preload a slot per expert."""
     path = tiny_dirs["mixtral"]
     ref = [o.token_ids for o in run(load_full(path, device="cpu"), PROMPTS, 6)[0]]
     lm = load_graph(path, residency=1.0, policy="lru", device="cpu")
+    with pytest.raises(MoeOffloadError, match="call preload_all first"):
+        lm.engine.set_lookup_only(True)
     lm.engine.preload_all()
     assert lm.engine.cache.slots_of() == list(range(lm.engine.cache.N))
-    outs, stats = run_graph(lm, PROMPTS, 6, decoder=GraphDecoder(lm, backend="aot_eager"))
+    dec = GraphDecoder(lm, backend="aot_eager")
+    lm.engine.set_lookup_only(True)
+    outs, stats = run_graph(lm, PROMPTS, 6, decoder=dec)
     assert [o.token_ids for o in outs] == ref
     assert (stats.offload.hits, stats.offload.misses, stats.offload.bytes_loaded) == (0, 0, 0)
+    lm.engine.set_lookup_only(False)
+    outs, stats = run_graph(lm, PROMPTS, 6, decoder=dec)
+    assert [o.token_ids for o in outs] == ref
+    assert stats.offload.misses == 0 and stats.offload.hits > 0 and stats.offload.bytes_loaded == 0
     lm.close()
     small = load_graph(path, residency=0.5, policy="lru", device="cpu")
     with pytest.raises(MoeOffloadError, match="needs a slot for every expert"):
@@ -114,13 +123,15 @@ def test_graph_lookup_only_equals_full_load(tiny_dirs, one_thread):
 
 
 def test_bench_graph_ab_rows(tiny_dirs, one_thread):
-    """``bench graph`` with residency 1.0: the lookup-only row, tokens equal FullLoad's in every row, and the A/B
-    management line for the policy."""
+    """``bench graph`` with residency 1.0: the policy's lookup-only row next to it, tokens equal FullLoad's in every
+    row, and the A/B management line for the policy."""
     from moe_offload.bench_graph import LOOKUP_ONLY, bench_graph
 
     table = bench_graph(tiny_dirs["mixtral"], PROMPTS[:1], [1.0, 0.5], policy="lru", max_new_tokens=4, rounds=2,
                         backend="aot_eager", device="cpu")
     rows = [ln for ln in table.splitlines() if ln.startswith("| graph") or ln.startswith("| FullLoad")]
-    assert [r.split("|")[1].strip() for r in rows[:4]] == ["FullLoad compiled", "graph lru", "graph lru", LOOKUP_ONLY]
+    assert [r.split("|")[1].strip() for r in rows[:4]] == ["FullLoad compiled", "graph lru", f"graph lru {LOOKUP_ONLY}",
+                                                           "graph lru"]
+    assert [r.split("|")[5].strip() for r in rows[:4]] == ["-", "1.0000", "-", rows[3].split("|")[5].strip()]
     assert all(r.split("|")[6].strip() == "yes" for r in rows[:4])
     assert "- graph lru: " in table and "(1.00: " in table and ", 0.50: " in table

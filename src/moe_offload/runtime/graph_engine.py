@@ -70,7 +70,7 @@ class GraphEngine:
         self.prefetcher = None
         self.observers: list = []
         self.predictor = None  # runtime.graph_predictor.GraphPredictor: forecasts inside the step
-        self.lookup_only = False  # set by preload_all: no cache decisions in the step (the A/B baseline)
+        self.lookup_only = False  # set_lookup_only: no cache decisions in the step (the A/B baseline)
         self.handle = next(_HANDLES)
         _ENGINES[self.handle] = self
         self._cuda = pool.device.type == "cuda"
@@ -117,26 +117,35 @@ class GraphEngine:
         self.store.close()
 
     def preload_all(self) -> None:
-        """Copy every expert into the slot of its global id and turn the step's cache decisions off: a layer then
-        only gathers its pairs' slots from the lookup table (``lookup_only``). The A/B baseline of ``bench graph``:
-        the same compiled step without ``GraphCache.plan``, so the difference in step time is what the decisions
-        cost inside the step. Hit and miss counters stay at zero.
+        """Copy every expert into the slot of its global id (the plan then finds every expert resident) and allow
+        ``set_lookup_only``. For ``bench graph``'s A/B measurement of the cache decisions; hit and miss counters
+        are left as they were.
 
         Raises:
-            MoeOffloadError: fewer slots than experts (residency below 1.0), or a predictor attached.
+            MoeOffloadError: fewer slots than experts (residency below 1.0).
         """
         c = self.cache
         if c.S < c.N:
             raise MoeOffloadError(f"preload_all needs a slot for every expert ({c.N}), the pool has {c.S}")
-        if self.predictor is not None:
-            raise MoeOffloadError("preload_all: the lookup-only step runs without a predictor")
         ids = torch.arange(c.N, dtype=torch.long, device=c.lookup.device)
         self.copy_rows(ids, ids, torch.ones(c.N, dtype=torch.bool))
         c.lookup[:c.N] = ids
         c.expert_in[:c.N] = ids
-        self.lookup_only = True
+        self._preloaded = True
         self._no_copy = (torch.zeros(0, dtype=torch.long, device=c.lookup.device),) * 2 + (
             torch.zeros(0, dtype=torch.bool, device=c.lookup.device),)
+
+    def set_lookup_only(self, on: bool) -> None:
+        """Turn the step's cache decisions off (``on``) or back on. Off, a layer only gathers its pairs' slots from
+        the lookup table: the same step without ``GraphCache.plan`` (a compiled step specialises on this flag, so
+        one decoder holds both graphs, over the same weights, pool and KV cache).
+
+        Raises:
+            MoeOffloadError: ``on`` before ``preload_all``.
+        """
+        if on and not getattr(self, "_preloaded", False):
+            raise MoeOffloadError("lookup-only decode needs every expert resident: call preload_all first")
+        self.lookup_only = bool(on)
 
     # ---- the layer (traced by torch.compile) ----------------------------------------------------------------
 
@@ -147,7 +156,7 @@ class GraphEngine:
         data-dependent control flow outside the custom op."""
         if self.predictor is not None:  # its forecast sets the scores before this layer is planned
             self.predictor.observe(moe_layer, top_k_index, top_k_weights)
-        if self.lookup_only:  # every expert resident (preload_all): the slots are a gather, nothing is decided
+        if self.lookup_only:  # every expert resident (preload_all): the slots are a gather, nothing decided
             slot_ids = self.cache.lookup[moe_layer * self.num_experts + top_k_index.reshape(-1)]
             eids, slots, valid = self._no_copy
         else:
