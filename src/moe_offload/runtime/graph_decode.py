@@ -22,6 +22,10 @@ from .graph_engine import GraphEngine
 
 #: static KV cache lengths are multiples of this many positions
 CACHE_BUCKET = 256
+#: compiled graphs of the decode step one process may hold (``torch._dynamo.config.recompile_limit`` is at least
+#: this while a decoder exists): every ``GraphDecoder`` compiles its own graph of the one ``_step`` code object, which
+#: dynamo counts as recompiles of it (default limit 8), e.g. ``bench graph`` with several policies and residencies
+DECODER_GRAPHS = 64
 #: compiler backends ``--graph-backend`` accepts: inductor (generated kernels, the speed), aot_eager (the traced
 #: graph run op by op: the eager kernels, hence FullLoad eager's tokens bit for bit)
 BACKENDS = ("inductor", "aot_eager")
@@ -92,6 +96,7 @@ class GraphDecoder:
             raise MoeOffloadError("graph mode needs a model loaded with runtime.graph_decode.load_graph")
         self.lm = lm
         self.cache = None
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, DECODER_GRAPHS)
         opts = dict(fullgraph=True, backend=backend)
         if cuda_graphs and backend == "inductor" and lm.device.type == "cuda":
             opts["mode"] = "reduce-overhead"
