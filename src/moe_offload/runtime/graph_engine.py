@@ -170,6 +170,10 @@ class GraphEngine:
         """The op's copies: host store -> slot for the valid entries."""
         t0 = time.perf_counter()
         n = int(valid.sum())
+        if not n:  # most decode layers: nothing to copy (no slicing, no lists)
+            if self._decoding:
+                self.op_seconds["copy_overhead"] += time.perf_counter() - t0
+            return
         t1 = time.perf_counter()
         pool, dst = self.pool, self.pool._bytes
         for e, s in zip(eids[:n].tolist(), slots[:n].tolist()):
