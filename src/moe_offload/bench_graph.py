@@ -184,7 +184,7 @@ def _breakdown_line(row: GraphRow, res: str) -> str:
 
 def _set_mode(row: GraphRow) -> None:
     """Decisions on or off (``lookup_only``) for the row's engine, which an A/B pair shares."""
-    if row.lm.engine is not None and getattr(row.lm.engine, "_preloaded", False):
+    if row.lm.engine is not None and row.lm.engine.preloaded:
         row.lm.engine.set_lookup_only(row.lookup_only)
 
 

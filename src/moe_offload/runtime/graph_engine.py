@@ -71,6 +71,7 @@ class GraphEngine:
         self.observers: list = []
         self.predictor = None  # runtime.graph_predictor.GraphPredictor: forecasts inside the step
         self.lookup_only = False  # set_lookup_only: no cache decisions in the step (the A/B baseline)
+        self.preloaded = False  # preload_all: every expert in the slot of its global id
         self.handle = next(_HANDLES)
         _ENGINES[self.handle] = self
         self._cuda = pool.device.type == "cuda"
@@ -129,9 +130,10 @@ class GraphEngine:
             raise MoeOffloadError(f"preload_all needs a slot for every expert ({c.N}), the pool has {c.S}")
         ids = torch.arange(c.N, dtype=torch.long, device=c.lookup.device)
         self.copy_rows(ids, ids, torch.ones(c.N, dtype=torch.bool))
+        c.expert_in[:c.S] = -1
         c.lookup[:c.N] = ids
         c.expert_in[:c.N] = ids
-        self._preloaded = True
+        self.preloaded = True
         self._no_copy = (torch.zeros(0, dtype=torch.long, device=c.lookup.device),) * 2 + (
             torch.zeros(0, dtype=torch.bool, device=c.lookup.device),)
 
@@ -143,7 +145,7 @@ class GraphEngine:
         Raises:
             MoeOffloadError: ``on`` before ``preload_all``.
         """
-        if on and not getattr(self, "_preloaded", False):
+        if on and not self.preloaded:
             raise MoeOffloadError("lookup-only decode needs every expert resident: call preload_all first")
         self.lookup_only = bool(on)
 
