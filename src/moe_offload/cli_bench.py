@@ -73,7 +73,8 @@ def add_parsers(sub):
     bq.add_argument("--work", help="directory for the generated checkpoints (default: a temporary one, removed)")
     bq.add_argument("--out", help="also write the tables (markdown) to this new file (default: none)")
     bg = bsub.add_parser("graph", help="graph mode: the compiled decode step vs compiled FullLoad, with the "
-                         "management share of the step (issue 20)")
+                         "management share of the step, replayed and (with residency 1.0) measured A/B against the "
+                         "same step without decisions (issue 20)")
     add_model_args(bg)
     bg.set_defaults(policy="lru", max_new_tokens=32)
     bg.add_argument("--residencies", default="1.0,0.45", help="comma-separated residencies (default 1.0,0.45)")
