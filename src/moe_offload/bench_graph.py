@@ -17,8 +17,9 @@ cache and decoder shared — with the cache decisions turned off (``GraphEngine.
 gathers its slots). Per round the two run back to back; the median difference of their steps is what the decisions
 cost *inside* the compiled step, where inductor fuses them with their neighbours. It is printed below the breakdown
 next to the replayed figure. The plan's shapes grow with the slots (``topk`` over them), so at residency 1.0 (every
-expert a slot) it bounds a lower residency's from above. Separately loaded models differ by up to ~2% in step
-time with nothing else changed (where their weights land in memory), which is why the pair shares one model.
+expert a slot) it bounds a lower residency's from above. Two separately loaded copies of a model differed by 1-2 ms
+per step with nothing else changed (measured with a second model as the baseline; memory placement is the likely
+cause), which is why the pair shares one model.
 """
 
 from __future__ import annotations
