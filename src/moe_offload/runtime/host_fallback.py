@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .copy_worker import _sleep_until
+from .virtual_link import sleep_until
 from .formats import ExpertRows
 
 
@@ -103,5 +103,5 @@ class HostFallback:
         self._accumulate(host_pairs, module, rows, staged.hidden, g, staged.mask, staged.weights, k, used)
         pairs += host_pairs.to(pairs.device)
         start = self._t_dev + self._blocked if self.overlap and self._t_dev is not None else t0
-        _sleep_until(start + staged.emulated_s)
+        sleep_until(start + staged.emulated_s)
         return time.perf_counter() - t0
