@@ -110,8 +110,8 @@ def test_host_fallback_emulated_deadline(monkeypatch, overlap, started, blocked,
 
     clock = iter([started if started is not None else 0.0, 20.0, 20.0])
     deadlines = []
-    monkeypatch.setattr(hf.time, "perf_counter", lambda: next(clock))
-    monkeypatch.setattr(hf, "sleep_until", deadlines.append)
+    monkeypatch.setattr(hf, "now", lambda: next(clock))
+    monkeypatch.setattr(hf, "wait_until", deadlines.append)
     monkeypatch.setattr(hf, "host_expert_rows", lambda store, fmt, g, m, eids: (None, g, eids))
     calls = []
     fb = hf.HostFallback(None, None, token_s=1e-3, expert_s=2e-3, overlap=overlap,

@@ -7,13 +7,13 @@ tokens/s) and so later issues can hook per-step decisions (prediction, prefetch)
 from __future__ import annotations
 
 import inspect
-import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
 from .models.loader import LoadedModel
+from .runtime.emulated_clock import now
 from .runtime.engine import EngineStats
 from .seeds import make_generator
 
@@ -125,13 +125,13 @@ def generate_ids(lm: LoadedModel, prompt_ids: list[int], max_new_tokens: int, *,
         return o
 
     ids = torch.tensor([prompt_ids], dtype=torch.long, device=dev)
-    t0 = time.perf_counter()
+    t0 = now()
     out = forward(0, input_ids=ids)
     tok = _pick(out.logits[:, -1], temperature, top_p, gen)
     past = out.get(cache_kw)
     new = [int(tok)]
     _sync(dev)
-    t1 = time.perf_counter()
+    t1 = now()
     stop = on_token is not None and bool(on_token(new[-1]))
     while not stop and len(new) < max_new_tokens and new[-1] not in eos:
         out = forward(len(new), input_ids=tok.view(1, 1), **{cache_kw: past})
@@ -142,7 +142,7 @@ def generate_ids(lm: LoadedModel, prompt_ids: list[int], max_new_tokens: int, *,
     _sync(dev)
     if engine is not None and hasattr(engine, "end_step"):
         engine.end_step()
-    return new, t1 - t0, time.perf_counter() - t1
+    return new, t1 - t0, now() - t1
 
 
 def run_requests(lm: LoadedModel, prompts: list[str], generate_one, *, progress: bool = False,

@@ -27,11 +27,12 @@ when the engine has one.
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable
+
 import torch
 
 from ..errors import MoeOffloadError
+from ..runtime.emulated_clock import now
 from .diffusion_forward import StepForward
 from .diffusion_result import BlockStats, DiffusionResult, diffusion_summary  # noqa: F401 (re-exported)
 from .loader import LoadedModel
@@ -217,7 +218,7 @@ def diffusion_generate_ids(lm: LoadedModel, prompt_ids: list[int], max_new_token
         start, end = b * block_length, (b + 1) * block_length
         loop.run_block(start, end)
         if len(loop.blocks) == 1:
-            first_block_s = time.perf_counter() - loop.t_start
+            first_block_s = now() - loop.t_start
         if on_block is not None:
             final = _cut_after_eos(x[0, prompt_len:min(end, prompt_len + max_new_tokens)].tolist(), eos)
             stop = bool(on_block(final[emitted:]))
@@ -228,7 +229,7 @@ def diffusion_generate_ids(lm: LoadedModel, prompt_ids: list[int], max_new_token
             break
     new = _cut_after_eos(x[0, prompt_len:min(end, prompt_len + max_new_tokens)].tolist(), eos)
     return DiffusionResult(new, prompt_len, loop.blocks, loop.step_seconds, first_block_s,
-                           time.perf_counter() - loop.t_start)
+                           now() - loop.t_start)
 
 
 class _BlockLoop:
@@ -243,7 +244,7 @@ class _BlockLoop:
         self.blocks: list[BlockStats] = []
         self.step_seconds: list[float] = []
         self.global_step = 0
-        self.t_start = time.perf_counter()
+        self.t_start = now()
 
     def run_block(self, start: int, end: int) -> BlockStats:
         """Refine block ``[start, end)`` until no mask token is left (at most ``len(schedule)`` steps)."""
@@ -252,12 +253,12 @@ class _BlockLoop:
         block = self.x[0, start:end]  # a view: commits write into x
         stats = BlockStats(index=len(self.blocks), start=start, masks=int((block == self.mask_id).sum()))
         engine = self.lm.engine
-        t_block = time.perf_counter()
+        t_block = now()
         for s, scheduled in enumerate(self.schedule):
             masked = block == self.mask_id
             if not bool(masked.any()):
                 break
-            t0 = time.perf_counter()
+            t0 = now()
             if engine is not None:
                 engine.begin_step(self.request, self.global_step)
                 if hasattr(engine, "begin_diffusion_step"):  # refresh planners (TIDE) need the block and step
@@ -276,9 +277,9 @@ class _BlockLoop:
             _sync(self.lm.device)
             if engine is not None and hasattr(engine, "end_diffusion_step"):
                 engine.end_diffusion_step()
-            self.step_seconds.append(time.perf_counter() - t0)
+            self.step_seconds.append(now() - t0)
             self.global_step += 1
-        stats.seconds = time.perf_counter() - t_block
+        stats.seconds = now() - t_block
         self.blocks.append(stats)
         return stats
 

@@ -17,8 +17,9 @@ asynchronously, and their time shows up where the host next waits for the device
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
+
+from .emulated_clock import now
 
 PHASES = ("expert_compute", "other_compute", "predictor", "management", "stall")
 
@@ -56,7 +57,7 @@ class StepClock:
         """A forward pass begins (``decode``: a decode step, which is timed); closes the previous step."""
         self.end_step()
         if decode:
-            self._mark = time.perf_counter()
+            self._mark = now()
             self.result.steps += 1
 
     def end_step(self) -> None:
@@ -68,9 +69,9 @@ class StepClock:
     def lap(self, phase: str) -> None:
         if self._mark is None:
             return
-        now = time.perf_counter()
-        self.result.seconds[phase] += now - self._mark
-        self._mark = now
+        t = now()
+        self.result.seconds[phase] += t - self._mark
+        self._mark = t
 
     def reset(self) -> None:
         self.result = TimeBreakdown()

@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from .virtual_link import sleep_until as _sleep_until
+from .emulated_clock import sleep_until as _sleep_until
 
 _QUEUED, _RUNNING, _DONE = 0, 1, 2
 

@@ -12,7 +12,6 @@ Per layer execution:
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,6 +20,7 @@ import torch
 from ..core.slots import SlotTable
 from ..errors import MoeOffloadError
 from .breakdown import StepClock
+from .emulated_clock import now
 from .experts import IMPLEMENTATION_NAME, device_index, register, slot_pair_outputs
 from .pool import SlotPool
 from .store import HostStore
@@ -118,10 +118,10 @@ class OffloadEngine:
     def _load(self, loads) -> None:
         if not loads:
             return
-        t0 = time.perf_counter()
+        t0 = now()
         self.pool.load(self.store, [l.eid for l in loads], [l.slot for l in loads],
                        [l.evicted for l in loads if l.evicted >= 0])
-        self.stats.load_time_s += time.perf_counter() - t0
+        self.stats.load_time_s += now() - t0
         self.stats.bytes_loaded += len(loads) * self.store.layout.expert_bytes
 
     def _needed(self, moe_layer: int, top_k_index: torch.Tensor) -> tuple[list[int], list[int]]:
@@ -174,10 +174,10 @@ class OffloadEngine:
         for rnd in plan.rounds:
             clock.lap("management")
             if pf is not None:
-                t0 = time.perf_counter()
+                t0 = now()
                 pf.fetch_waits(rnd.waits)
                 pf.load_on_demand(rnd.loads)
-                st.load_time_s += time.perf_counter() - t0
+                st.load_time_s += now() - t0
                 st.bytes_loaded += len(rnd.loads) * self.store.layout.expert_bytes
                 clock.lap("stall")
                 if len(plan.rounds) == 1:  # overlap the copies with this layer's compute

@@ -14,17 +14,16 @@ are given the same flag). The TIDE authors' reference code computes CPU and GPU 
 On a machine without an accelerator "device" and "host" are the same processor; ``token_s`` / ``expert_s`` then
 emulate a slower host: the host part of a layer lasts at least ``tokens * token_s + experts * expert_s`` seconds,
 counted from the start of the layer's device compute with overlap (blocking copies the device waits for in between
-are added, as the simulator charges them before the overlapped compute), from the start of the host part without.
+are added, as the simulator charges them before the overlapped compute), from the start of the host part without (slept out, or skipped on ``runtime.emulated_clock``'s clock).
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
 
-from .virtual_link import sleep_until
+from .emulated_clock import now, wait_until
 from .formats import ExpertRows
 
 
@@ -77,7 +76,7 @@ class HostFallback:
     def device_starts(self) -> None:
         """The layer's device compute is about to be launched (its first round's, if several)."""
         if self._t_dev is None:
-            self._t_dev = time.perf_counter()
+            self._t_dev = now()
 
     def blocked(self, seconds: float) -> None:
         """A blocking copy held the layer for ``seconds`` (counted only after the device compute started)."""
@@ -96,12 +95,12 @@ class HostFallback:
     def compute(self, pairs: torch.Tensor, module, staged: StagedHost) -> float:
         """Add the host pairs to ``pairs [T * k, H]`` and return the seconds the host part held the layer (its
         emulated duration included: see the module docstring)."""
-        t0 = time.perf_counter()
+        t0 = now()
         k = pairs.shape[0] // staged.hidden.shape[0]
         rows, g, used = host_expert_rows(self.store, self.fmt, staged.gid, staged.mask, staged.eids)
         host_pairs = torch.zeros(pairs.shape, dtype=pairs.dtype, device=torch.device("cpu"))
         self._accumulate(host_pairs, module, rows, staged.hidden, g, staged.mask, staged.weights, k, used)
         pairs += host_pairs.to(pairs.device)
         start = self._t_dev + self._blocked if self.overlap and self._t_dev is not None else t0
-        sleep_until(start + staged.emulated_s)
-        return time.perf_counter() - t0
+        wait_until(start + staged.emulated_s)
+        return now() - t0

@@ -21,7 +21,6 @@ On a CPU-only machine "device" and "host" are the same processor; ``host_seconds
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,6 +29,7 @@ import torch
 from ..core.refresh import RefreshPlanner, Transfer
 from ..errors import MoeOffloadError
 from .engine import EngineStats
+from .emulated_clock import now
 from .experts import IMPLEMENTATION_NAME, device_index, register, slot_pair_outputs
 from .host_fallback import HostFallback
 from .pool import SlotPool
@@ -125,10 +125,10 @@ class RefreshEngine:
         """Diffusion step ``step`` of ``block`` of ``request`` begins: tell the planner (a new block first: every
         block starts at step 0, also when the same request and block numbers come again, e.g. a benchmark's
         warm-up and its timed run) and issue its asynchronous prefetches."""
-        now = time.perf_counter()
+        t = now()
         if self._step_t0 is not None:
-            self.planner.end_step(now - self._step_t0)
-        self._step_t0 = now
+            self.planner.end_step(t - self._step_t0)
+        self._step_t0 = t
         if step == 0 or (request, block) != self._block:
             self._block = (request, block)
             self.planner.begin_block(request, block)
@@ -143,7 +143,7 @@ class RefreshEngine:
         """The diffusion step begun last finished: the planner gets its wall seconds (``RefreshPlanner.end_step``),
         so idle time between steps (another request's tokenisation, a benchmark's pause) is never counted."""
         if self._step_t0 is not None:
-            self.planner.end_step(time.perf_counter() - self._step_t0)
+            self.planner.end_step(now() - self._step_t0)
             self._step_t0 = None
 
     def restart(self, planner: RefreshPlanner | None = None) -> None:
@@ -231,13 +231,13 @@ class RefreshEngine:
         for e in tr.evict:
             self._release(tr.layer, e)
         if tr.blocking:
-            t0 = time.perf_counter()
+            t0 = now()
             self.transfer.pause()  # on-demand / synchronous refresh copies go ahead of queued prefetches
             try:
                 self._copy_now(tr.layer, tr.load)
             finally:
                 self.transfer.resume()
-            self.stats.load_time_s += time.perf_counter() - t0
+            self.stats.load_time_s += now() - t0
             self.stats.blocking_loads += len(tr.load)
         else:
             for e in tr.load:
@@ -288,9 +288,9 @@ class RefreshEngine:
                                     [self._gid(moe_layer, e) for e in dec.host], dec.host_tokens, len(dec.host))
             for rnd in dec.rounds:
                 if rnd.load or rnd.evict:
-                    t0 = time.perf_counter()
+                    t0 = now()
                     self._apply(Transfer(layer=moe_layer, load=rnd.load, evict=rnd.evict, blocking=True))
-                    host.blocked(time.perf_counter() - t0)
+                    host.blocked(now() - t0)
                 if rnd.compute:
                     host.device_starts()
                     mask = torch.isin(flat, device_index(rnd.compute, flat.device))
@@ -339,13 +339,13 @@ class RefreshEngine:
                             device=hidden_states.device)
         for rnd in plan.rounds:
             if rnd.loads:
-                t0 = time.perf_counter()
+                t0 = now()
                 for ld in rnd.loads:
                     if ld.evicted >= 0:
                         self._set_lookup(self._gid(layer, ld.evicted), -1)
                 self._load_blocking([self._gid(layer, ld.eid) for ld in rnd.loads],
                                     [base + ld.slot for ld in rnd.loads])
-                self.stats.load_time_s += time.perf_counter() - t0
+                self.stats.load_time_s += now() - t0
                 self.stats.blocking_loads += len(rnd.loads)
                 self.stats.bytes_loaded += len(rnd.loads) * self.store.layout.expert_bytes
             in_round = torch.isin(top_k_index.reshape(-1), device_index(rnd.eids, gid.device))

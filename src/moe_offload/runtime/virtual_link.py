@@ -21,40 +21,21 @@ computed 2.8 ms per decode step slower than LRU with the same tokens). Here noth
 the memcpy it does instead is the cheaper distortion.
 
 Single-threaded: one thread (the inference thread) drives the engine. Units: seconds (``clock``, default
-``time.perf_counter``); bytes; GB/s = 1e9 bytes per second.
+``runtime.emulated_clock.now``, whose waits are slept or skipped); bytes; GB/s = 1e9 bytes per second.
 """
 
 from __future__ import annotations
 
 import math
-import time
 from collections import deque
 from typing import Callable
 
 from ..core.prefetch_tasks import LINK_CHUNKS, link_time_after_chunk
 from ..errors import MoeOffloadError
+from . import emulated_clock
 from .landing import Landing, TransferStats
 from .pool import SlotPool
 from .store import HostStore
-
-# a sleep shorter than this is replaced by yielding (time.sleep(0), which releases the GIL) until the deadline:
-# Linux sleeps overshoot by ~50-100 us, which would dominate the emulated time of a small expert
-_SPIN_S = 5e-4
-
-
-def sleep_until(deadline: float, spin: bool = True) -> None:
-    """Return at or after ``time.perf_counter() >= deadline`` (seconds): sleeps, then (``spin``) yields the GIL in a
-    loop for the last 0.5 ms for accuracy. A background thread passes ``spin=False`` (sleep only, a few tens of
-    microseconds late at worst): a spinning thread keeps taking the GIL from the thread that computes."""
-    while True:
-        rem = deadline - time.perf_counter()
-        if rem <= 0:
-            return
-        if not spin:
-            time.sleep(rem)
-        else:
-            time.sleep(rem - _SPIN_S if rem > 2 * _SPIN_S else 0)
-
 
 def emulated_seconds_per_expert(expert_bytes: int, link_gbps=None, seconds_per_expert=None) -> float | None:
     """Seconds one expert copy holds an emulated link: ``expert_bytes / (link_gbps * 1e9)``, or
@@ -100,15 +81,16 @@ class VirtualLinkEngine:
         seconds_per_expert: emulated seconds per expert copy, > 0; or None. At most one of the two; neither: copies
             take no link time (they land at the next call).
         clock, sleep_until: the time source (seconds) and a function returning once ``clock() >= t``; the defaults
-            are ``time.perf_counter`` and this module's ``sleep_until``. Tests pass a manual clock.
+            are ``runtime.emulated_clock``'s ``now`` and ``wait_until`` (waits slept, or skipped inside its
+            ``skipping_waits``). Tests pass a manual clock.
     Raises:
         MoeOffloadError: a bad ``link_gbps`` / ``seconds_per_expert``, a pool not on the CPU, or the store's and
             pool's layouts differ.
     """
 
     def __init__(self, store: HostStore, pool: SlotPool, link_gbps: float | None = None,
-                 seconds_per_expert: float | None = None, *, clock: Callable[[], float] = time.perf_counter,
-                 sleep_until: Callable[[float], None] = sleep_until):
+                 seconds_per_expert: float | None = None, *, clock: Callable[[], float] = emulated_clock.now,
+                 sleep_until: Callable[[float], None] = emulated_clock.wait_until):
         if pool.device.type != "cpu":
             raise MoeOffloadError(f"the virtual link copies into a pool on the CPU, not {pool.device}")
         if store.layout != pool.layout:
