@@ -95,10 +95,13 @@ def test_bench_diffusion_table(tiny_dirs):
     assert len(labels) == 10 and labels[0] == "FullLoad" and labels[4] == "**tide**"
     assert labels[2].startswith("tide-fixed, best T (T=") and labels[3].startswith("tide-fixed, worst T (T=")
     assert "emulated regime llada2.0-mini on rtx4090" in table and "tokens per forward" in table
-    assert "- prefix cache: FullLoad" in table
+    assert "- prefix cache: FullLoad" in table and "emulated waits slept" in table
     only = bench_diffusion(tiny_dirs["llada2_moe"], PROMPTS[:1], [0.5], [2], max_new_tokens=8, block_length=8,
-                           steps=4, progress=False, loops=("recompute",))
+                           steps=4, progress=False, loops=("recompute",), skip_waits=True)
     assert "| prefix-cache |" not in only and "| recompute | tide |" in only
+    assert "emulated waits skipped on a virtual clock" in only
+    rows = [ln.split(" | ") for ln in only.split("Every row")[1].splitlines() if ln.startswith("| recompute")]
+    assert [(r[-2], r[-1].strip(" |")) for r in rows] == [("yes", "-"), ("yes", "yes"), ("yes", "yes"), ("yes", "-")]
 
 
 def test_bench_diffusion_cli_errors(tiny_dirs, capsys):

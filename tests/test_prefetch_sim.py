@@ -135,3 +135,10 @@ def test_bench_decode_replays_the_routing_of_its_own_runs(tiny_dirs, capsys):
     rows = [ln.split(" | ") for ln in capsys.readouterr().out.splitlines() if ln.startswith("| ")]
     assert rows[0][5] == "simulated vs FullLoad" and rows[1][5] == "1.000"     # FullLoad
     assert [r[0] for r in rows[2:4]] == ["| lru", "| lfu"] and all(0 < float(r[5]) <= 1 for r in rows[2:4])
+    # the same with the waits skipped on a virtual clock: same decisions, FullLoad's tokens
+    assert main(["bench", "decode", "--model", str(d), "--prompt", "hi there", "--max-new-tokens", "4", "--quiet",
+                 "--residencies", "0.5", "--policy", "lru", "--link-regime", "rtx4090", "--emulated-waits",
+                 "skip"]) == 0
+    out = capsys.readouterr().out
+    rows = [ln.split(" | ") for ln in out.splitlines() if ln.startswith("| lru")]
+    assert "its waits skipped on a virtual clock" in out and 0 < float(rows[0][5]) <= 1 and rows[0][9] == "yes"

@@ -4,13 +4,13 @@ next to what the simulator predicts for the same requests under the same link mo
 from __future__ import annotations
 
 import gc
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from .generate import run
 from .models.loader import load_full, load_offloaded
 from .predictor.runtime import ROLLOUT_EVERY
+from .runtime.emulated_clock import check_skip_device, now, skipping_waits, wait_until
 
 
 @dataclass
@@ -45,7 +45,7 @@ class DecodeRow:
 def bench_decode(path: Path, prompts: list[str], residencies: list[float], *, max_new_tokens: int = 64,
                  device: str | None = None, dtype: str | None = None, policy: str = "lru",
                  progress: bool = True, predictor: str | None = None, link_epl: float | None = None,
-                 rollout_every: int = ROLLOUT_EVERY) -> str:
+                 rollout_every: int = ROLLOUT_EVERY, skip_waits: bool = False) -> str:
     """Run FullLoad and then the offloaded model at each residency and policy on the same prompts (greedy).
 
     Args:
@@ -60,13 +60,16 @@ def bench_decode(path: Path, prompts: list[str], residencies: list[float], *, ma
             and every row also shows the simulator's prediction for it (``sim.prefetch_sim.replay_policy``, the
             same slot count, link speed and predictor settings): the gap to the measured fraction is what the
             runtime loses to its own overhead.
+        skip_waits: the emulated copies' waits skipped on a virtual clock instead of slept
+            (``runtime.emulated_clock``; CPU only): every timer, tok/s included, reads that clock.
 
     Returns a markdown table: policy, residency, slots, decode tok/s, ratio to FullLoad (same run), the simulator's
     ratio, hit rate, bytes loaded, mean TTFT, whether the tokens equal FullLoad's, device expert bytes; then the
     decode-step time breakdown per row. A warm-up request precedes each measurement.
 
     Raises:
-        MoeOffloadError: as ``load_offloaded``; a forecast-driven policy without ``predictor``.
+        MoeOffloadError: as ``load_offloaded``; a forecast-driven policy without ``predictor``; ``skip_waits`` on
+            a device that is not the CPU.
     """
     from .errors import MoeOffloadError
     from .models.loader import PREDICTOR_POLICIES
@@ -76,6 +79,7 @@ def bench_decode(path: Path, prompts: list[str], residencies: list[float], *, ma
         raise MoeOffloadError("--policy " + ",".join(p for p in policies if p in PREDICTOR_POLICIES)
                               + " needs --predictor DIR")
     full = load_full(path, device=device, dtype=dtype)
+    check_skip_device(skip_waits, full.device)
     ref_out, ref = _measure(full, prompts, max_new_tokens, progress)
     ref_tokens = [o.token_ids for o in ref_out]
     full_row = DecodeRow("FullLoad", "FullLoad", None, None, ref.decode_tokens_per_s, 1.0, None, 0,
@@ -88,8 +92,9 @@ def bench_decode(path: Path, prompts: list[str], residencies: list[float], *, ma
     rows, breakdowns = [full_row], []
     for pol in policies:
         for r in residencies:
-            row, bd = _measure_policy(path, prompts, max_new_tokens, pol, r, device, dtype, progress, predictor,
-                                      link_epl, spe, rollout_every, ref_tokens)
+            with skipping_waits(skip_waits):
+                row, bd = _measure_policy(path, prompts, max_new_tokens, pol, r, device, dtype, progress, predictor,
+                                          link_epl, spe, rollout_every, ref_tokens)
             row.ratio = row.tok_s / full_row.tok_s
             rows.append(row)
             breakdowns.append((row.policy, r, bd))
@@ -98,7 +103,8 @@ def bench_decode(path: Path, prompts: list[str], residencies: list[float], *, ma
                                 xl=any(p in ("xl", "seqmoe-xl") for p in policies))
         _simulate_rows(rows[1:], trace, link_epl, predictor, rollout_every)
     regime = (f"; emulated link: {link_epl} experts per layer time = {1e6 * spe:.0f} us per expert copy "
-              f"(FullLoad layer time {1e6 * t_layer:.0f} us)" if spe else "")
+              f"(FullLoad layer time {1e6 * t_layer:.0f} us), its waits "
+              + ("skipped on a virtual clock" if skip_waits else "slept") if spe else "")
     return "\n".join(_table(rows) + [f"\n{len(prompts)} prompts x {max_new_tokens} new tokens, model {path}"
                                      + (f", predictor {predictor} (rollout every {rollout_every} steps)"
                                         if predictor else "") + regime, "", *breakdown_table(breakdowns)])
@@ -232,10 +238,8 @@ def _emulate_on_demand(lm, seconds_per_expert: float) -> None:
     plain = eng._load
 
     def slow_load(loads):
-        t0 = time.perf_counter()
+        t0 = now()
         plain(loads)
-        end = t0 + len(loads) * seconds_per_expert
-        while time.perf_counter() < end:
-            time.sleep(0)
+        wait_until(t0 + len(loads) * seconds_per_expert)
 
     eng._load = slow_load

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import gc
 import statistics
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from .models.loader import load_full, load_offloaded
+from .runtime.emulated_clock import check_skip_device, now, skipping_waits
 
 #: the diffusion loops ``bench diffusion`` can run: with the block-prefix KV cache, and recomputing the prefix
 LOOPS = ("prefix-cache", "recompute")
@@ -85,10 +85,10 @@ def _measure(lm, prompts, max_new_tokens, kw, repeats, progress, recorder=None, 
     for r in range(repeats):
         if planner is not None:
             lm.engine.restart(planner())
-        t0 = time.perf_counter()
+        t0 = now()
         outs, stats, results = run_diffusion(lm, prompts, max_new_tokens, progress=progress,
                                              recorder=recorder if r == 0 else None, **kw)
-        secs = time.perf_counter() - t0
+        secs = now() - t0
         tokens.append([o.token_ids for o in outs])
         rates.append(sum(len(t) for t in tokens[-1]) / secs)
     if any(t != tokens[0] for t in tokens):
@@ -143,7 +143,8 @@ def _bench_loop(path, prompts, budgets, intervals, loop, kw, opts) -> tuple[list
                 return make_refresh_planner(name, trace.num_moe_layers, trace.num_experts, per_layer, costs=costs)
 
             try:
-                outs, stats, _, rates = _measure(lm, prompts, planner=planner, **run)
+                with skipping_waits(opts["skip_waits"]):
+                    outs, stats, _, rates = _measure(lm, prompts, planner=planner, **run)
             finally:
                 lm.engine.close()
             st, tps = stats.offload, statistics.median(rates)
@@ -162,7 +163,8 @@ def _bench_loop(path, prompts, budgets, intervals, loop, kw, opts) -> tuple[list
               f"({1e3 * ref_s / trace.num_steps:.1f} ms per step): swap {1e6 * costs.swap_s:.0f} us per expert, host "
               f"fallback {1e6 * costs.fallback_expert_s:.0f} us per expert + {1e6 * costs.fallback_token_s:.1f} us "
               f"per token-expert, non-expert {1e3 * costs.nonexpert_step_s:.2f} ms per step (modelled); host fallback "
-              f"{'beside' if costs.overlap_host else 'after'} the layer's device compute.")
+              f"{'beside' if costs.overlap_host else 'after'} the layer's device compute; emulated waits "
+              f"{'skipped on a virtual clock' if opts['skip_waits'] else 'slept'}.")
     return rows, footer, tpf
 
 
@@ -174,7 +176,7 @@ def bench_diffusion(path: Path, prompts: list[str], budgets: list[float], interv
                     max_new_tokens: int = 64, block_length: int = 32, steps: int | None = None,
                     threshold: float = 0.95, hardware: str = "rtx4090", model_profile: str = "llada2.0-mini",
                     device: str | None = None, dtype: str | None = None, progress: bool = True,
-                    repeats: int = 1, loops: tuple[str, ...] = LOOPS) -> str:
+                    repeats: int = 1, loops: tuple[str, ...] = LOOPS, skip_waits: bool = False) -> str:
     """TIDE on this machine (``bench diffusion``), for each diffusion loop of ``loops`` (``"prefix-cache"``: the
     block-prefix KV cache; ``"recompute"``: the reference loop): tokens/s of FullLoad, ``reactive``,
     ``tide-fixed-T<n>`` for every ``n`` in ``intervals`` and ``tide`` at each per-layer budget, greedy, measured in
@@ -199,6 +201,8 @@ def bench_diffusion(path: Path, prompts: list[str], budgets: list[float], interv
         repeats: timed runs per row (>= 1); a row's tok/s is their median, its spread (max - min) / median (the
             counters are the last run's).
         loops: a non-empty subset of ``LOOPS``.
+        skip_waits: the emulated waits (copies, host fallback) skipped on a virtual clock instead of slept
+            (``runtime.emulated_clock``; CPU only): every timer, tok/s included, reads that clock.
 
     Returns:
         Markdown: the summary table (per loop and budget: FullLoad, reactive, best and worst fixed interval, tide),
@@ -206,9 +210,10 @@ def bench_diffusion(path: Path, prompts: list[str], budgets: list[float], interv
 
     Raises:
         MoeOffloadError: a model that is not a diffusion model, bad budgets/intervals/loops/diffusion parameters, or
-            as ``load_offloaded``.
+            as ``load_offloaded``; ``skip_waits`` on a device that is not the CPU.
     """
     from .errors import MoeOffloadError
+    from .models.loader import resolve_device
     from .models.diffusion import check_params
 
     steps = block_length if steps is None else steps
@@ -221,8 +226,9 @@ def bench_diffusion(path: Path, prompts: list[str], budgets: list[float], interv
         raise MoeOffloadError(f"repeats must be >= 1, got {repeats}")
     if not loops or any(lp not in LOOPS for lp in loops):
         raise MoeOffloadError(f"loops must be among {', '.join(LOOPS)}, got {', '.join(loops) or 'none'}")
+    check_skip_device(skip_waits, resolve_device(device))
     kw = dict(block_length=block_length, steps=steps, threshold=threshold)
-    opts = dict(max_new_tokens=max_new_tokens, repeats=repeats, progress=progress, device=device, dtype=dtype,
+    opts = dict(skip_waits=skip_waits, max_new_tokens=max_new_tokens, repeats=repeats, progress=progress, device=device, dtype=dtype,
                 hardware=hardware, model_profile=model_profile)
     rows, footers, tpf = [], [], {}
     for loop in loops:

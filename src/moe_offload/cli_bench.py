@@ -12,6 +12,7 @@ from .cliargs import (add_model_args, add_prompt_args, float_, int_in, load_prom
 from .errors import MoeOffloadError
 from .models.resolve import resolve_model
 from .predictor.runtime import ROLLOUT_EVERY
+from .runtime.emulated_clock import WAIT_MODES
 
 # --link-regime: experts whose transfer one layer's FullLoad compute overlaps (SeqMoE §2.2)
 LINK_REGIMES = {"rtx4090": 1.39}
@@ -35,6 +36,7 @@ def add_parsers(sub):
     bd.add_argument("--link-regime", choices=["rtx4090"],
                     help="emulate the papers' link regime on this machine: one layer's FullLoad compute overlaps the "
                     "transfer of 1.39 experts (SeqMoE §2.2, Qwen3-30B-A3B-FP8 on an RTX 4090; default: no emulation)")
+    add_waits_arg(bd)
     bl = bsub.add_parser("link", help="measure host->device copy bandwidth; saves the this-machine profile")
     bl.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
     bl.add_argument("--size-mb", type=int_in(1, 16384), default=256, help="MiB per timed copy, in [1, 16384]")
@@ -62,6 +64,7 @@ def add_parsers(sub):
                     "recompute (the reference loop; --no-prefix-cache elsewhere); default both")
     bf.add_argument("--out", help="also write the table (markdown) to this new file (default: stdout only)")
     bf.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_waits_arg(bf)
     bq = bsub.add_parser("formats", help="bf16 / FP8 / MXFP4 experts: bytes per expert and decode speed vs FullLoad "
                          "under one emulated link; host memory of --host-store pinned vs mmap on a 2.4 GB checkpoint")
     bq.add_argument("--residency", type=float_, default=0.25, help="residency of the speed rows (default 0.25)")
@@ -90,6 +93,15 @@ def add_parsers(sub):
     return bsub
 
 
+def add_waits_arg(p) -> None:
+    """``--emulated-waits sleep|skip`` (``runtime.emulated_clock``)."""
+    p.add_argument("--emulated-waits", choices=WAIT_MODES, default="sleep",
+                   help="how the inference thread waits out the emulated link and host fallback: sleep (default; "
+                   "wall clock) or skip (the clock jumps over each wait, no time passes: on a shared VM sleeping "
+                   "lets other tenants evict the model from the cache, which slows the compute after each wait; "
+                   "CPU only)")
+
+
 def _link(args) -> int:
     from .sim.profiles import measure_link, this_machine_path
 
@@ -114,7 +126,7 @@ def _diffusion(args) -> int:
                                         block_length=args.block_length, steps=args.steps, threshold=args.threshold,
                                         hardware=args.hardware, model_profile=args.model_profile, device=args.device,
                                         dtype=args.dtype, progress=not args.quiet, repeats=args.repeats,
-                                        loops=loops))
+                                        loops=loops, skip_waits=args.emulated_waits == "skip"))
 
 
 def _residencies_prompts_model(args):
@@ -132,7 +144,8 @@ def _decode(args) -> int:
     return _table(args, bench_decode(path, prompts, residencies, max_new_tokens=args.max_new_tokens,
                                      device=args.device, dtype=args.dtype, policy=args.policy,
                                      progress=not args.quiet, predictor=args.predictor,
-                                     link_epl=LINK_REGIMES.get(args.link_regime), rollout_every=args.rollout_every))
+                                     link_epl=LINK_REGIMES.get(args.link_regime), rollout_every=args.rollout_every,
+                                     skip_waits=args.emulated_waits == "skip"))
 
 
 def _graph(args) -> int:
