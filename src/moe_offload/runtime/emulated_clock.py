@@ -10,13 +10,12 @@ to wait (``skipping_waits``):
     every timer read through ``now()`` (tok/s, the time breakdowns, the planners' step times) sees the wait.
 
 Why skip: the emulated waits are not real work, but sleeping them out lets wall time pass between two computations,
-and on a shared virtual machine that time costs the computation after it. The small models that fit this machine sit
-in a last-level cache shared with other tenants, which evict them while the inference thread waits: measured on this
-2-core VM (480 MiB shared L3), 64 matrix products over ~100 MB of expert weights took 1.40 ms back to back and 1.65 ms
-(+18%) with 20 ms of busy waiting between calls. FullLoad, whose compute the simulator's time model is built on,
-never waits; an offloaded run with waits slept computed 15-20% slower for that reason alone (issue 19's
-simulator-vs-runtime gaps). A GPU computing from its own memory pays nothing of the kind. Skipping also makes
-emulated runs as fast as their real work.
+and on this shared virtual machine that time costs the computation after it (the likely cause: the small models that
+fit here sit in a last-level cache shared with other tenants, who evict them while the inference thread waits;
+spinning instead of sleeping did not remove it). FullLoad, whose compute the simulator's time model is built on,
+never waits; an offloaded run whose waits are slept computes slower for that reason alone (docs/benchmarks.md,
+"Emulated waits skipped on a virtual clock: TIDE on the cached loop", measures both modes A B B A). A GPU computing
+from its own memory pays nothing of the kind. Skipping also makes emulated runs as fast as their real work.
 
 Single-threaded: only the inference thread may wait while skipping (``skipping_waits`` is process-wide; a copy
 worker thread, the CUDA path's ``TransferEngine``, always sleeps with ``sleep_until``). Units: seconds.
