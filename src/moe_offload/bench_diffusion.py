@@ -213,8 +213,8 @@ def bench_diffusion(path: Path, prompts: list[str], budgets: list[float], interv
             as ``load_offloaded``; ``skip_waits`` on a device that is not the CPU.
     """
     from .errors import MoeOffloadError
-    from .models.loader import resolve_device
     from .models.diffusion import check_params
+    from .models.loader import resolve_device
 
     steps = block_length if steps is None else steps
     check_params(max_new_tokens, block_length, steps, threshold)
@@ -228,8 +228,8 @@ def bench_diffusion(path: Path, prompts: list[str], budgets: list[float], interv
         raise MoeOffloadError(f"loops must be among {', '.join(LOOPS)}, got {', '.join(loops) or 'none'}")
     check_skip_device(skip_waits, resolve_device(device))
     kw = dict(block_length=block_length, steps=steps, threshold=threshold)
-    opts = dict(skip_waits=skip_waits, max_new_tokens=max_new_tokens, repeats=repeats, progress=progress, device=device, dtype=dtype,
-                hardware=hardware, model_profile=model_profile)
+    opts = dict(max_new_tokens=max_new_tokens, repeats=repeats, progress=progress, device=device, dtype=dtype,
+                hardware=hardware, model_profile=model_profile, skip_waits=skip_waits)
     rows, footers, tpf = [], [], {}
     for loop in loops:
         r, f, tpf[loop] = _bench_loop(path, prompts, budgets, intervals, loop, kw, opts)

@@ -4,10 +4,11 @@ A CPU-only machine stands in for a GPU behind PCIe by making the inference threa
 virtual link, ``runtime.virtual_link``) and each emulated host-fallback duration (``runtime.host_fallback``). Two ways
 to wait (``skipping_waits``):
 
-  * **sleep** (the default): the thread sleeps until the deadline; ``now()`` is ``time.perf_counter()``.
+  * **sleep** (the default): the thread sleeps until the deadline; ``now()`` moves with ``time.perf_counter()``.
   * **skip**: the wait returns at once and the clock jumps to the deadline: ``now()`` is ``time.perf_counter()``
-    plus every second skipped so far. Compute, Python overhead and everything else still run in real time, and
-    every timer read through ``now()`` (tok/s, the time breakdowns, the planners' step times) sees the wait.
+    plus every second skipped so far (in this process: it stays counted after the skipping ends). Compute, Python
+    overhead and everything else still run in real time, and every timer read through ``now()`` (tok/s, the time
+    breakdowns, the planners' step times) sees the wait.
 
 Why skip: the emulated waits are not real work, but sleeping them out lets wall time pass between two computations,
 and on this shared virtual machine that time costs the computation after it (the likely cause: the small models that
@@ -38,7 +39,8 @@ WAIT_MODES = ("sleep", "skip")
 
 
 def now() -> float:
-    """Seconds on the emulation's clock: ``time.perf_counter()`` plus the waits skipped so far (none when sleeping)."""
+    """Seconds on the emulation's clock: ``time.perf_counter()`` plus the waits skipped so far in this process (0
+    until a wait is first skipped)."""
     return time.perf_counter() + _skipped
 
 
@@ -58,7 +60,7 @@ def sleep_until(deadline: float, spin: bool = True) -> None:
 
 def wait_until(deadline: float) -> None:
     """Return once ``now() >= deadline`` (seconds on this clock): at once, the clock moved to ``deadline``, while
-    skipping; else after sleeping (``sleep_until``; ``now()`` is then ``time.perf_counter()``)."""
+    skipping; else after sleeping the real distance to it (``sleep_until``)."""
     global _skipped
     if _skip:
         rem = deadline - now()

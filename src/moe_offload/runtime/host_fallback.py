@@ -14,7 +14,8 @@ are given the same flag). The TIDE authors' reference code computes CPU and GPU 
 On a machine without an accelerator "device" and "host" are the same processor; ``token_s`` / ``expert_s`` then
 emulate a slower host: the host part of a layer lasts at least ``tokens * token_s + experts * expert_s`` seconds,
 counted from the start of the layer's device compute with overlap (blocking copies the device waits for in between
-are added, as the simulator charges them before the overlapped compute), from the start of the host part without (slept out, or skipped on ``runtime.emulated_clock``'s clock).
+are added, as the simulator charges them before the overlapped compute), from the start of the host part without;
+slept out, or skipped on ``runtime.emulated_clock``'s clock.
 """
 
 from __future__ import annotations

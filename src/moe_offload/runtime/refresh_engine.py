@@ -28,8 +28,8 @@ import torch
 
 from ..core.refresh import RefreshPlanner, Transfer
 from ..errors import MoeOffloadError
-from .engine import EngineStats
 from .emulated_clock import now
+from .engine import EngineStats
 from .experts import IMPLEMENTATION_NAME, device_index, register, slot_pair_outputs
 from .host_fallback import HostFallback
 from .pool import SlotPool
