@@ -45,7 +45,7 @@ class DecodeRow:
 def bench_decode(path: Path, prompts: list[str], residencies: list[float], *, max_new_tokens: int = 64,
                  device: str | None = None, dtype: str | None = None, policy: str = "lru",
                  progress: bool = True, predictor: str | None = None, link_epl: float | None = None,
-                 rollout_every: int = ROLLOUT_EVERY, skip_waits: bool = False) -> str:
+                 rollout_every: int = ROLLOUT_EVERY, skip_waits: bool = False, predictor_lag: int | None = None) -> str:
     """Run FullLoad and then the offloaded model at each residency and policy on the same prompts (greedy).
 
     Args:
@@ -62,6 +62,9 @@ def bench_decode(path: Path, prompts: list[str], residencies: list[float], *, ma
             runtime loses to its own overhead.
         skip_waits: the emulated copies' waits skipped on a virtual clock instead of slept
             (``runtime.emulated_clock``; CPU only): every timer, tok/s included, reads that clock.
+        predictor_lag: None: the predictor runs inside the decode step; else in a process of its own, each forecast
+            used this many MoE layers after its trigger layer (``predictor.lagged``; seqmoe, seqmoe-cacheonly), and
+            the simulator replays the same hand-over positions.
 
     Returns a markdown table: policy, residency, slots, decode tok/s, ratio to FullLoad (same run), the simulator's
     ratio, hit rate, bytes loaded, mean TTFT, whether the tokens equal FullLoad's, device expert bytes; then the
@@ -69,7 +72,7 @@ def bench_decode(path: Path, prompts: list[str], residencies: list[float], *, ma
 
     Raises:
         MoeOffloadError: as ``load_offloaded``; a forecast-driven policy without ``predictor``; ``skip_waits`` on
-            a device that is not the CPU.
+            a device that is not the CPU; ``predictor_lag`` with ``xl`` or ``seqmoe-xl``.
     """
     from .errors import MoeOffloadError
     from .models.loader import PREDICTOR_POLICIES
@@ -78,6 +81,9 @@ def bench_decode(path: Path, prompts: list[str], residencies: list[float], *, ma
     if any(p in PREDICTOR_POLICIES for p in policies) and not predictor:
         raise MoeOffloadError("--policy " + ",".join(p for p in policies if p in PREDICTOR_POLICIES)
                               + " needs --predictor DIR")
+    if predictor_lag is not None and (not predictor or {"xl", "seqmoe-xl"} & set(policies)):
+        raise MoeOffloadError("--predictor-lag needs --predictor and runs the SeqMoE predictor alone (seqmoe, "
+                              "seqmoe-cacheonly), not with --policy xl or seqmoe-xl")
     full = load_full(path, device=device, dtype=dtype)
     check_skip_device(skip_waits, full.device)
     ref_out, ref = _measure(full, prompts, max_new_tokens, progress)
@@ -94,20 +100,22 @@ def bench_decode(path: Path, prompts: list[str], residencies: list[float], *, ma
         for r in residencies:
             with skipping_waits(skip_waits):
                 row, bd = _measure_policy(path, prompts, max_new_tokens, pol, r, device, dtype, progress, predictor,
-                                          link_epl, spe, rollout_every, ref_tokens)
+                                          link_epl, spe, rollout_every, ref_tokens, predictor_lag)
             row.ratio = row.tok_s / full_row.tok_s
             rows.append(row)
             breakdowns.append((row.policy, r, bd))
     if link_epl:
         trace = _record_routing(path, prompts, max_new_tokens, device, dtype,
                                 xl=any(p in ("xl", "seqmoe-xl") for p in policies))
-        _simulate_rows(rows[1:], trace, link_epl, predictor, rollout_every)
+        _simulate_rows(rows[1:], trace, link_epl, predictor, rollout_every, predictor_lag)
     regime = (f"; emulated link: {link_epl} experts per layer time = {1e6 * spe:.0f} us per expert copy "
               f"(FullLoad layer time {1e6 * t_layer:.0f} us), its waits "
               + ("skipped on a virtual clock" if skip_waits else "slept") if spe else "")
     return "\n".join(_table(rows) + [f"\n{len(prompts)} prompts x {max_new_tokens} new tokens, model {path}"
-                                     + (f", predictor {predictor} (rollout every {rollout_every} steps)"
-                                        if predictor else "") + regime, "", *breakdown_table(breakdowns)])
+                                     + (f", predictor {predictor} (rollout every {rollout_every} steps"
+                                        + ("" if predictor_lag is None else
+                                           f"; in a process of its own, forecasts used {predictor_lag} MoE layers "
+                                           "after their trigger layer") + ")" if predictor else "") + regime, "", *breakdown_table(breakdowns)])
 
 
 def _measure(lm, prompts: list[str], max_new_tokens: int, progress: bool):
@@ -117,7 +125,7 @@ def _measure(lm, prompts: list[str], max_new_tokens: int, progress: bool):
 
 
 def _measure_policy(path, prompts, max_new_tokens, pol, r, device, dtype, progress, predictor, link_epl, spe,
-                    rollout_every, ref_tokens) -> tuple[DecodeRow, dict]:
+                    rollout_every, ref_tokens, lag=None) -> tuple[DecodeRow, dict]:
     """Load the offloaded model with policy ``pol`` at residency ``r`` (the predictor attached when it needs one,
     the link emulated when ``spe``), measure it, and return its row (``ratio`` left for the caller) and its
     time breakdown."""
@@ -131,7 +139,7 @@ def _measure_policy(path, prompts, max_new_tokens, pol, r, device, dtype, progre
         if pol in FORECAST_RUNTIME_POLICIES:
             pset = load_predictor(predictor, model_id=lm.model_id, device=lm.device) if pol in PREDICTOR_POLICIES \
                 else None
-            attach_forecasts(lm, pol, pset, rollout_every=rollout_every)
+            attach_forecasts(lm, pol, pset, rollout_every=rollout_every, lag=lag)
         if spe is not None and lm.engine.prefetcher is None:  # a prefetcher's TransferEngine paces its copies
             _emulate_on_demand(lm, spe)
         outs, s = _measure(lm, prompts, max_new_tokens, progress)
@@ -177,7 +185,8 @@ def _record_routing(path, prompts, max_new_tokens, device, dtype, xl: bool = Fal
         lm.close()
 
 
-def _simulate_rows(rows: list[DecodeRow], trace, link_epl: float, predictor: str | None, rollout_every: int) -> None:
+def _simulate_rows(rows: list[DecodeRow], trace, link_epl: float, predictor: str | None, rollout_every: int,
+                   lag: int | None = None) -> None:
     """Fill each row's ``simulated``: the replay of ``trace`` with the row's policy and slot count under the link
     model of ``sim.prefetch_sim`` at ``link_epl``, the predictor's forecasts replayed with the runtime's settings."""
     from .models.loader import PREDICTOR_POLICIES
@@ -193,7 +202,7 @@ def _simulate_rows(rows: list[DecodeRow], trace, link_epl: float, predictor: str
 
         pset = load_predictor(predictor, model_id=trace.header["model_id"])
         streams = dict.fromkeys(wanted & set(PREDICTOR_POLICIES) - {"seqmoe-xl"},
-                                forecast_stream(pset, trace, rollout_every=rollout_every))
+                                forecast_stream(pset, trace, rollout_every=rollout_every, lag=lag))
     for p in wanted & {"xl", "seqmoe-xl"}:
         streams[p] = xl_stream(trace, pset if p == "seqmoe-xl" else None, rollout_every=rollout_every)
     for row in rows:

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from . import __version__
-from .cliargs import (OneLineErrorParser, add_diffusion_args, add_model_args, float_, load_prompts, nonneg_int,
+from .cliargs import (OneLineErrorParser, add_diffusion_args, add_model_args, add_predictor_lag_arg, float_, load_prompts, nonneg_int,
                       positive_int, seed)
 from .errors import MoeOffloadError
 from .models.resolve import BUILTIN_MODELS, resolve_model
@@ -58,6 +58,7 @@ def _add_generate_parser(sub) -> None:
     g.add_argument("--rollout", type=nonneg_int, default=0,
                    help="with --predictor: recursive forecast steps per decode step (default 0; the seqmoe* policies "
                    "use at least 7: SeqMoE's c = 8 CacheScore rows)")
+    add_predictor_lag_arg(g)
     g.add_argument("--xl-depth", type=positive_int, default=3, metavar="D",
                    help="with --policy xl / seqmoe-xl: later MoE layers each layer's cross-layer forecast covers "
                    "(default 3)")
@@ -116,6 +117,8 @@ def _attach_predictor(args, lm):
     """The predictor runner for ``--predictor`` (fed to the engine as an observer), or None."""
     if args.rollout and not args.predictor:
         raise MoeOffloadError("--rollout needs --predictor")
+    if args.predictor_lag is not None and not args.predictor:
+        raise MoeOffloadError("--predictor-lag needs --predictor")
     forecast_policy = lm.engine is not None and hasattr(getattr(lm.engine.table, "policy", None), "observe")
     if forecast_policy and not args.predictor and args.policy != "xl":
         raise MoeOffloadError(f"--policy {args.policy} needs --predictor DIR (it evicts by the predictor's forecast)")
@@ -127,7 +130,8 @@ def _attach_predictor(args, lm):
     from .predictor.model import load_predictor
 
     pset = load_predictor(args.predictor, model_id=lm.model_id, device=lm.device) if args.predictor else None
-    return attach_forecasts(lm, args.policy, pset, rollout=args.rollout, xl_depth=args.xl_depth)
+    return attach_forecasts(lm, args.policy, pset, rollout=args.rollout, xl_depth=args.xl_depth,
+                            lag=args.predictor_lag)
 
 
 def _print_outputs(args, path, outputs, info) -> bool:

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from .cliargs import (add_model_args, add_prompt_args, float_, int_in, load_prompts, parse_intervals,
+from .cliargs import (add_model_args, add_predictor_lag_arg, add_prompt_args, float_, int_in, load_prompts, parse_intervals,
                       positive_int, split_floats)
 from .errors import MoeOffloadError
 from .models.resolve import resolve_model
@@ -33,6 +33,7 @@ def add_parsers(sub):
     bd.add_argument("--rollout-every", type=int_in(1, 64), default=ROLLOUT_EVERY,
                     help="with --predictor: decode steps between the predictor's recursive rollouts (default "
                     f"{ROLLOUT_EVERY}; 1 = every step, as SeqMoE)")
+    add_predictor_lag_arg(bd)
     bd.add_argument("--link-regime", choices=["rtx4090"],
                     help="emulate the papers' link regime on this machine: one layer's FullLoad compute overlaps the "
                     "transfer of 1.39 experts (SeqMoE §2.2, Qwen3-30B-A3B-FP8 on an RTX 4090; default: no emulation)")
@@ -145,7 +146,7 @@ def _decode(args) -> int:
                                      device=args.device, dtype=args.dtype, policy=args.policy,
                                      progress=not args.quiet, predictor=args.predictor,
                                      link_epl=LINK_REGIMES.get(args.link_regime), rollout_every=args.rollout_every,
-                                     skip_waits=args.emulated_waits == "skip"))
+                                     skip_waits=args.emulated_waits == "skip", predictor_lag=args.predictor_lag))
 
 
 def _graph(args) -> int:

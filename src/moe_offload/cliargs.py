@@ -157,6 +157,14 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
+def add_predictor_lag_arg(p: argparse.ArgumentParser) -> None:
+    """``--predictor-lag LAYERS`` (``predictor.lagged``; read as ``args.predictor_lag``, None when not given)."""
+    p.add_argument("--predictor-lag", type=int_in(0, 64), metavar="LAYERS",
+                   help="with --predictor and --policy seqmoe / seqmoe-cacheonly: run the predictor in a process of "
+                   "its own and use each forecast LAYERS MoE layers after the layer that triggers it, so it computes "
+                   "beside the decode step instead of in it (default: in the step, at its trigger layer)")
+
+
 def add_diffusion_args(p) -> None:
     """The block-diffusion loop's options (diffusion models such as LLaDA2; validated by
     ``models.diffusion.loop_params``): ``--block-length``, ``--steps``, ``--threshold``, ``--no-prefix-cache``."""

@@ -327,18 +327,24 @@ def attach_cross_layer(lm, pset=None, depth: int = XL_DEPTH, rollout_every: int 
 
 
 def attach_forecasts(lm, policy: str, pset=None, rollout: int = 0, rollout_every: int | None = None,
-                     xl_depth: int = XL_DEPTH):
+                     xl_depth: int = XL_DEPTH, lag: int | None = None):
     """What ``generate`` and ``bench decode`` attach for a runtime ``policy``: cross-layer forecasts for ``xl`` and
     ``seqmoe-xl`` (``attach_cross_layer``), else ``pset`` through ``predictor.runtime.attach_predictor`` (None when
-    there is no ``pset``). Returns the ``PredictorRunner`` (None for ``xl``).
+    there is no ``pset``). Returns the ``PredictorRunner`` (None for ``xl``; with ``lag`` the ``LaggedFeed``).
+
+    ``lag`` (MoE layers; None: inline): the predictor in a process of its own, each forecast used ``lag`` layers
+    after its trigger (``predictor.lagged``); not for ``xl`` / ``seqmoe-xl``.
 
     Raises:
-        MoeOffloadError: as ``attach_cross_layer`` / ``attach_predictor``.
+        MoeOffloadError: as ``attach_cross_layer`` / ``attach_predictor``; ``lag`` with ``xl`` / ``seqmoe-xl``.
     """
     from .runtime import ROLLOUT_EVERY, attach_predictor
 
     if policy in ("xl", "seqmoe-xl"):
+        if lag is not None:
+            raise MoeOffloadError("--predictor-lag runs the SeqMoE predictor alone (seqmoe, seqmoe-cacheonly), not "
+                                  f"--policy {policy}")
         return attach_cross_layer(lm, pset if policy == "seqmoe-xl" else None, xl_depth, rollout_every).runner
     if pset is None:
         return None
-    return attach_predictor(lm.engine, pset, rollout=rollout, rollout_every=rollout_every or ROLLOUT_EVERY)
+    return attach_predictor(lm.engine, pset, rollout=rollout, rollout_every=rollout_every or ROLLOUT_EVERY, lag=lag)

@@ -133,8 +133,17 @@ class PredictorRunner:
     def _trigger(self, i: int, pred) -> None:
         bufs = self._bufs[i]
         self._bufs[i] = [None] * pred.spec.num_layers
+        self.predict(i, torch.stack([b[0] for b in bufs], 1), torch.stack([b[1] for b in bufs], 1))
+
+    @torch.no_grad()
+    def predict(self, i: int, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> Forecast:
+        """Predictor ``i``'s forecast from its whole layer range's routing of the current step (what ``__call__``
+        does at the trigger layer): ``top_k_index`` int64 / ``top_k_weights`` float32 ``[T, n, k]`` (``n`` layers
+        of its range, ``T`` tokens: the prompt at step 0, else normally 1). Updates the recurrent state, sets and
+        returns ``forecasts[i]`` (probs ``[1 + c, n, e]`` float32 tensor, SeqMoE §5.3)."""
+        pred = self.pset.predictors[i]
         # Psi of the whole range at once: ids/weights [T, n, k] -> [T, n*e]
-        x = psi(torch.stack([b[0] for b in bufs], 1), torch.stack([b[1] for b in bufs], 1), self.E)
+        x = psi(top_k_index, top_k_weights, self.E)
         if self._states[i] is None:
             logits, self._states[i] = pred.prefill(x)
         else:
@@ -144,11 +153,12 @@ class PredictorRunner:
         if self.rollout:
             rows.extend(self._future_rows(i, pred, logits))
         probs = torch.softmax(torch.stack(rows) if len(rows) > 1 else logits.unsqueeze(0), dim=-1)
-        self.forecasts[i] = Forecast(self.request, self.step, pred.spec.layers, probs)
+        self.forecasts[i] = f = Forecast(self.request, self.step, pred.spec.layers, probs)
         if self.step == 0:
             self.stats.prefill_calls += 1
         else:
             self.stats.decode_calls += 1
+        return f
 
     def _future_rows(self, i: int, pred, logits: torch.Tensor):
         """Logits of the steps after the next one: a fresh rollout when due (every ``rollout_every`` steps), else
@@ -197,8 +207,8 @@ class ForecastFeed:
                     c.observe(new)
 
 
-def attach_predictor(engine, pset: PredictorSet, rollout: int = 0,
-                     rollout_every: int = ROLLOUT_EVERY) -> PredictorRunner:
+def attach_predictor(engine, pset: PredictorSet, rollout: int = 0, rollout_every: int = ROLLOUT_EVERY,
+                     lag: int | None = None):
     """Run ``pset`` inside ``engine`` (a ``runtime.engine.OffloadEngine``) and return its runner.
 
     With a forecast-driven eviction policy (one with ``observe``, e.g. probabilistic Belady) and/or a prefetcher,
@@ -207,8 +217,12 @@ def attach_predictor(engine, pset: PredictorSet, rollout: int = 0,
     (``rollout`` rows, for measuring). The CLI's ``generate`` and ``bench decode`` attach through this, and
     ``sim.forecasts.forecast_stream`` replays the same runner settings.
 
+    With ``lag`` (MoE layers, not None) and consumers, the predictors run in a worker process and each forecast
+    is handed over ``lag`` layers after its trigger layer (``predictor.lagged.LaggedFeed``); the feed is returned
+    (it has the runner's ``rollout`` and ``stats``, this process's side) and ``engine.close`` stops the worker.
+
     Raises:
-        MoeOffloadError: ``rollout < 0`` or ``rollout_every < 1``.
+        MoeOffloadError: ``rollout < 0``, ``rollout_every < 1``, ``lag < 0``, or the worker did not start.
     """
     consumers = forecast_consumers(engine)
     if not consumers:
@@ -216,8 +230,17 @@ def attach_predictor(engine, pset: PredictorSet, rollout: int = 0,
         engine.observers.append(runner)
         return runner
     runner = PredictorRunner(pset, rollout=max(rollout, ROLLOUT), rollout_every=rollout_every)
-    connect_feed(engine, pset, ForecastFeed(runner, *consumers))
-    return runner
+    if lag is None:
+        connect_feed(engine, pset, ForecastFeed(runner, *consumers))
+        return runner
+    from .lagged import LaggedFeed, PredictorProcess
+
+    if lag < 0:
+        raise MoeOffloadError(f"the predictor lag must be >= 0 MoE layers, got {lag}")
+    feed = LaggedFeed(PredictorProcess(pset, runner.rollout, rollout_every), pset, *consumers, lag=lag,
+                      rollout=runner.rollout)
+    connect_feed(engine, pset, feed)
+    return feed
 
 
 def forecast_consumers(engine) -> list:

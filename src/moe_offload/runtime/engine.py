@@ -109,10 +109,15 @@ class OffloadEngine:
         self.clock.reset()
 
     def close(self) -> None:
-        """Stop the prefetcher's copy worker (which otherwise keeps the store and the pool alive) and unpin the
-        host store. The engine must not run afterwards."""
+        """Stop the prefetcher's copy worker (which otherwise keeps the store and the pool alive), close the
+        observers that have a ``close`` (a predictor worker process) and unpin the host store. The engine must not
+        run afterwards."""
         if self.prefetcher is not None:
             self.prefetcher.close()
+        for obs in self.observers:  # e.g. a predictor.lagged.LaggedFeed's worker process
+            close = getattr(obs, "close", None)
+            if close is not None:
+                close()
         self.store.close()
 
     def _load(self, loads) -> None:

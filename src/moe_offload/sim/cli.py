@@ -8,7 +8,7 @@ import json
 import math
 from pathlib import Path
 
-from ..cliargs import float_, int_in, split_floats
+from ..cliargs import add_predictor_lag_arg, float_, int_in, split_floats
 from ..errors import MoeOffloadError
 from ..predictor.runtime import ROLLOUT_EVERY
 
@@ -40,6 +40,7 @@ def add_parser(sub) -> None:
     sm.add_argument("--rollout-every", type=int_in(1, 64), default=ROLLOUT_EVERY,
                     help="with --predictor: decode steps between the predictor's recursive rollouts, as the runtime "
                     f"runs it (default {ROLLOUT_EVERY}; 1 = every step, as SeqMoE)")
+    add_predictor_lag_arg(sm)
     sm.add_argument("--link-epl", type=float_,
                     help="link speed in experts per layer compute time for the prefetching replay (default: the model "
                     "profile's measured value on --hardware, SeqMoE §2.2: 1.39 for qwen3-30b-a3b-fp8 on rtx4090)")
@@ -120,10 +121,14 @@ def run(args) -> int:
              and p.lower() != "xl"]
     if args.predictor:
         seq = [p for p in wants if p.lower() not in XL_POLICIES]
+        if args.predictor_lag is not None and len(seq) < len(wants):
+            raise MoeOffloadError("--predictor-lag replays the SeqMoE predictor alone, not --policy xl or seqmoe-xl")
         traces, forecasts, popularity, pset = _predictor_replay_set(args.predictor, traces, bool(seq),
-                                                                    args.rollout_every)
+                                                                    args.rollout_every, args.predictor_lag)
     elif wants:
         raise MoeOffloadError(f"--policy {','.join(wants)} needs --predictor DIR")
+    elif args.predictor_lag is not None:
+        raise MoeOffloadError("--predictor-lag needs --predictor")
     epl = args.link_epl or mp.paper_overlap_experts_per_layer.get(hw.name) or (
         tm.experts_per_layer_compute if tm else None)
     if epl is not None and not epl > 0:
@@ -186,10 +191,12 @@ def _replays(traces, policies, residencies, mp, hw, tm, epl, forecasts, populari
     return rows
 
 
-def _predictor_replay_set(predictor: str, traces: list, need_forecasts: bool, rollout_every: int):
+def _predictor_replay_set(predictor: str, traces: list, need_forecasts: bool, rollout_every: int,
+                          lag: int | None = None):
     """For ``simulate --predictor``: the traces to replay (the predictor's held-out requests merged into one trace
     when these are its training traces, else all of them), if needed the forecasts for each, and the predictor's
-    prefill popularity profile (SeqMoE §8.4; None for a predictor saved without one)."""
+    prefill popularity profile (SeqMoE §8.4; None for a predictor saved without one). ``lag``: as
+    ``sim.forecasts.forecast_stream``."""
     from ..predictor.features import trace_sequences, training_split
     from ..predictor.model import load_predictor
     from ..trace.format import merge_requests
@@ -206,7 +213,7 @@ def _predictor_replay_set(predictor: str, traces: list, need_forecasts: bool, ro
         name = f"heldout-{len(chosen)}-of-{len(keys)}"
         print(f"replaying the predictor's {len(chosen)} held-out requests of {len(keys)} (all policies)")
         traces = [(name, merged)]
-    fc = ({name: forecast_stream(pset, tr, rollout_every=rollout_every, progress=True) for name, tr in traces}
+    fc = ({name: forecast_stream(pset, tr, rollout_every=rollout_every, progress=True, lag=lag) for name, tr in traces}
           if need_forecasts else {})
     return traces, fc, pset.header.prefill_popularity, pset
 

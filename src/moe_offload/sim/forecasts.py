@@ -19,7 +19,7 @@ from ..trace.format import Trace
 
 @torch.no_grad()
 def forecast_stream(pset: PredictorSet, trace: Trace, rollout: int = ROLLOUT, rollout_every: int = ROLLOUT_EVERY,
-                    progress: bool = False) -> list[list[tuple[int, Forecast]]]:
+                    progress: bool = False, lag: int | None = None) -> list[list[tuple[int, Forecast]]]:
     """Run the predictors over ``trace`` in the runtime's execution modes.
 
     Args:
@@ -28,12 +28,22 @@ def forecast_stream(pset: PredictorSet, trace: Trace, rollout: int = ROLLOUT, ro
         rollout: recursive steps after each one-step prediction (7: with the one-step row, the c = 8 rows of
             SeqMoE §7.1's CacheScore).
         rollout_every: decode steps between recursive rollouts (``PredictorRunner``; the runtime's setting).
+        lag: None: each forecast at its trigger layer (``ForecastFeed``); else ``lag`` MoE layers later, where the
+            runtime's predictor process hands it over (``predictor.lagged.LaggedFeed``, computed here inline).
 
     Returns:
-        For each step of ``trace.steps()`` (replay order), the ``(trigger MoE layer, Forecast)`` pairs produced in it.
+        For each step of ``trace.steps()`` (replay order), the ``(MoE layer, Forecast)`` pairs handed over in it (the
+        layer before whose planning the forecast reaches the policy and the prefetcher).
+    Raises:
+        MoeOffloadError: ``lag < 0``.
     """
-    return _replay_feed(ForecastFeed(PredictorRunner(pset, rollout=rollout, rollout_every=rollout_every), _Sink()),
-                        trace, progress)
+    runner = PredictorRunner(pset, rollout=rollout, rollout_every=rollout_every)
+    if lag is None:
+        return _replay_feed(ForecastFeed(runner, _Sink()), trace, progress)
+    from ..predictor.lagged import InlinePredictions, LaggedFeed
+
+    return _replay_feed(LaggedFeed(InlinePredictions(runner), pset, _Sink(), lag=lag, rollout=rollout), trace,
+                        progress)
 
 
 class _Sink:
