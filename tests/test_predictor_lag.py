@@ -135,3 +135,22 @@ def test_cli_predictor_lag_errors(tiny_dirs, capsys):
         main(["generate", "--model", d, "--prompt", "hi", "--predictor-lag", "-1"])
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1 and "--predictor-lag: expected an integer in [0, 64]" in err[0]
+
+
+def test_bench_decode_with_the_predictor_process(tiny_dirs, random_pset, tmp_path, capsys):
+    """``bench decode --predictor-lag``: seqmoe with its predictor in a process, FullLoad's tokens, the simulator's
+    fraction beside the measured one, and the footer says how the predictor ran."""
+    from moe_offload.cli import main
+    from moe_offload.models.loader import load_offloaded
+
+    d = tiny_dirs["mixtral"]
+    lm = load_offloaded(d, residency=0.5, progress=False)
+    random_pset(lm, seed=2).save(tmp_path / "pred")
+    lm.close()
+    assert main(["bench", "decode", "--model", str(d), "--prompt", "hi there", "--max-new-tokens", "6", "--quiet",
+                 "--residencies", "0.5", "--policy", "seqmoe", "--predictor", str(tmp_path / "pred"),
+                 "--predictor-lag", "2", "--link-regime", "rtx4090", "--emulated-waits", "skip"]) == 0
+    out = capsys.readouterr().out
+    row = next(ln.split(" | ") for ln in out.splitlines() if ln.startswith("| seqmoe"))
+    assert row[9] == "yes" and 0 < float(row[5]) <= 1
+    assert "forecasts used 2 MoE layers after their trigger layer" in out

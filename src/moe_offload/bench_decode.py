@@ -111,11 +111,11 @@ def bench_decode(path: Path, prompts: list[str], residencies: list[float], *, ma
     regime = (f"; emulated link: {link_epl} experts per layer time = {1e6 * spe:.0f} us per expert copy "
               f"(FullLoad layer time {1e6 * t_layer:.0f} us), its waits "
               + ("skipped on a virtual clock" if skip_waits else "slept") if spe else "")
-    return "\n".join(_table(rows) + [f"\n{len(prompts)} prompts x {max_new_tokens} new tokens, model {path}"
-                                     + (f", predictor {predictor} (rollout every {rollout_every} steps"
-                                        + ("" if predictor_lag is None else
-                                           f"; in a process of its own, forecasts used {predictor_lag} MoE layers "
-                                           "after their trigger layer") + ")" if predictor else "") + regime, "", *breakdown_table(breakdowns)])
+    lag = ("" if predictor_lag is None else
+           f"; in a process of its own, forecasts used {predictor_lag} MoE layers after their trigger layer")
+    pred = f", predictor {predictor} (rollout every {rollout_every} steps{lag})" if predictor else ""
+    return "\n".join(_table(rows) + [f"\n{len(prompts)} prompts x {max_new_tokens} new tokens, model {path}" + pred
+                                     + regime, "", *breakdown_table(breakdowns)])
 
 
 def _measure(lm, prompts: list[str], max_new_tokens: int, progress: bool):

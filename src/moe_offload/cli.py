@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 
 from . import __version__
-from .cliargs import (OneLineErrorParser, add_diffusion_args, add_model_args, add_predictor_lag_arg, float_, load_prompts, nonneg_int,
-                      positive_int, seed)
+from .cliargs import (OneLineErrorParser, add_diffusion_args, add_model_args, add_predictor_lag_arg, float_,
+                      load_prompts, nonneg_int, positive_int, seed)
 from .errors import MoeOffloadError
 from .models.resolve import BUILTIN_MODELS, resolve_model
 

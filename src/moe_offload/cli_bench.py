@@ -7,8 +7,8 @@ import json
 import sys
 from pathlib import Path
 
-from .cliargs import (add_model_args, add_predictor_lag_arg, add_prompt_args, float_, int_in, load_prompts, parse_intervals,
-                      positive_int, split_floats)
+from .cliargs import (add_model_args, add_predictor_lag_arg, add_prompt_args, float_, int_in, load_prompts,
+                      parse_intervals, positive_int, split_floats)
 from .errors import MoeOffloadError
 from .models.resolve import resolve_model
 from .predictor.runtime import ROLLOUT_EVERY
