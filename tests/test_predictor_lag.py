@@ -1,6 +1,8 @@
 """The predictor beside the decode step (``predictor.lagged``): forecasts handed over ``lag`` MoE layers after their
 trigger layer, computed inline (the simulator) or in a worker process (the runtime), with the same decisions."""
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -73,17 +75,19 @@ def test_lag_zero_hands_over_at_the_trigger_layer():
 
 def test_predictor_process_computes_what_the_inline_runner_computes():
     """The worker process's forecasts equal the inline runner's bit for bit (same numpy path, same weights), over
-    two requests, with answers dropped at a request's end; a closed worker says so in one line."""
+    four requests — two of them numbered 0 again with only a prefill, as when ``generate.run`` is called twice — with
+    answers dropped at a request's end; a closed worker says so in one line."""
     pset = _pset(seed=4)
     inline, proc = _Sink(), _Sink()
+    steps = STEPS + [(0, 0, 2), (0, 0, 3), (0, 1, 1)]
     _drive(LaggedFeed(InlinePredictions(PredictorRunner(pset, rollout=7)), pset, inline, lag=2, rollout=7), inline,
-           STEPS, seed=5)
+           steps, seed=5)
     src = PredictorProcess(pset, rollout=7, rollout_every=4)
     try:
-        _drive(LaggedFeed(src, pset, proc, lag=2, rollout=7), proc, STEPS, seed=5)
+        _drive(LaggedFeed(src, pset, proc, lag=2, rollout=7), proc, steps, seed=5)
     finally:
         src.close()
-    assert [at for at, _ in proc.got] == [at for at, _ in inline.got] and len(proc.got) == 8
+    assert [at for at, _ in proc.got] == [at for at, _ in inline.got] and len(proc.got) == 12
     for (_, a), (_, b) in zip(inline.got, proc.got):
         assert np.array_equal(a.probs, b.probs)
     with pytest.raises(MoeOffloadError, match="the predictor process is closed"):
@@ -154,3 +158,13 @@ def test_bench_decode_with_the_predictor_process(tiny_dirs, random_pset, tmp_pat
     row = next(ln.split(" | ") for ln in out.splitlines() if ln.startswith("| seqmoe"))
     assert row[9] == "yes" and 0 < float(row[5]) <= 1
     assert "forecasts used 2 MoE layers after their trigger layer" in out
+    # generate --json reports the lag; a policy that does not use forecasts, or xl, refuses it in one line
+    gen = ["generate", "--model", str(d), "--prompt", "hi", "--max-new-tokens", "3", "--quiet", "--residency", "0.5",
+           "--predictor", str(tmp_path / "pred"), "--predictor-lag", "1"]
+    assert main(gen + ["--policy", "seqmoe-cacheonly", "--json"]) == 0
+    p = json.loads(capsys.readouterr().out)["stats"]["predictor"]
+    assert p["lag_layers"] == 1 and p["rollout"] == 7 and p["ms_receiving_per_decode_step"] >= 0
+    for policy, msg in [("lru", "needs a policy that uses the forecasts"), ("xl", "not --policy xl")]:
+        assert main(gen + ["--policy", policy]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and msg in err[0], err

@@ -215,6 +215,9 @@ def _cmd_generate(args) -> int:
         info["predictor"] = {"path": args.predictor, "rollout": runner.rollout, "prefill_s": ps.prefill_s,
                              "decode_s": ps.decode_s, "decode_steps": ps.decode_steps,
                              "ms_per_decode_step": 1e3 * ps.decode_s / max(1, ps.decode_steps)}
+        if args.predictor_lag is not None:  # the predictor in its own process (predictor.lagged.LaggedFeed)
+            info["predictor"] |= {"lag_layers": args.predictor_lag, "ms_receiving_per_decode_step":
+                                  1e3 * runner.receive_s / max(1, ps.decode_steps)}
     info["notes"] = offload_notes(info)
     if _print_outputs(args, path, outputs, info):
         return 0

@@ -63,7 +63,7 @@ class InlinePredictions:
 
 def _serve(conn, header, state: dict, rollout: int, rollout_every: int) -> None:
     """The worker process of ``PredictorProcess``: rebuild the predictor set, then answer each
-    ``(request, step, i, ids, weights)`` with predictor ``i``'s probs until it receives None."""
+    ``(forward pass number, request, step, i, ids, weights)`` with predictor ``i``'s probs until it receives None."""
     try:
         torch.set_num_threads(1)
         from .model import PredictorSet
@@ -72,10 +72,12 @@ def _serve(conn, header, state: dict, rollout: int, rollout_every: int) -> None:
         pset.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()})
         runner = PredictorRunner(pset.eval(), rollout=rollout, rollout_every=rollout_every)
         conn.send(("ready", None))
+        last = -1
         while (msg := conn.recv()) is not None:
-            request, step, i, ids, w = msg
-            if (runner.request, runner.step) != (request, step):
+            forward, request, step, i, ids, w = msg
+            if forward != last:  # the first submission of a forward pass
                 runner.begin_step(request, step)
+                last = forward
             conn.send(("ok", runner.predict(i, torch.from_numpy(ids), torch.from_numpy(w)).probs.numpy()))
     except (EOFError, KeyboardInterrupt):
         return
@@ -106,7 +108,7 @@ class PredictorProcess:
                                  name="moe-offload-predictor", daemon=True)
         self._proc.start()
         child.close()
-        self._step = (-1, 0)
+        self._step = (-1, -1, 0)   # (forward pass number, request, step)
         self._sent = deque()   # handles of the submissions not answered yet, oldest first
         self._next = 0
         if not self._conn.poll(START_TIMEOUT_S):
@@ -124,8 +126,8 @@ class PredictorProcess:
         return payload
 
     def begin_step(self, request: int, step: int) -> None:
-        """A forward pass begins (sent with the next submission)."""
-        self._step = (request, step)
+        """A forward pass begins (sent with its first submission)."""
+        self._step = (self._step[0] + 1, request, step)
 
     def submit(self, i: int, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> int:
         """Send predictor ``i``'s routing ``[T, n, k]`` (int64 ids, float32 weights) to the worker; returns a
@@ -181,6 +183,8 @@ class LaggedFeed:
         rollout: the source's recursive steps (reported as ``rollout``).
     Attributes:
         stats: ``PredictorStats`` of this process's side: submitting, and waiting for late answers.
+        receive_s: seconds of ``stats.decode_s`` spent taking answers at their hand-over positions (receiving them,
+            and waiting for those not ready yet).
     Raises:
         MoeOffloadError: ``lag < 0``.
     """
@@ -197,6 +201,7 @@ class LaggedFeed:
         self._pending: deque = deque()   # (hand-over position, handle, Forecast without probs), oldest first
         self.request, self.step = -1, 0
         self.stats = PredictorStats()
+        self.receive_s = 0.0
 
     def begin_step(self, request: int, step: int) -> None:
         """Before each forward pass (0 = prefill): a new request drops the previous one's pending forecasts."""
@@ -227,10 +232,14 @@ class LaggedFeed:
                 else:
                     self.stats.decode_calls += 1
         due = []
-        while self._pending and self._pending[0][0] <= pos:
-            _, h, f = self._pending.popleft()
-            f.probs = self.source.result(h)
-            due.append(f)
+        if self._pending and self._pending[0][0] <= pos:
+            t1 = time.perf_counter()
+            while self._pending and self._pending[0][0] <= pos:
+                _, h, f = self._pending.popleft()
+                f.probs = self.source.result(h)
+                due.append(f)
+            if self.step:
+                self.receive_s += time.perf_counter() - t1
         dt = time.perf_counter() - t0
         if self.step == 0:
             self.stats.prefill_s += dt

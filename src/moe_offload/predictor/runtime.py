@@ -222,9 +222,12 @@ def attach_predictor(engine, pset: PredictorSet, rollout: int = 0, rollout_every
     (it has the runner's ``rollout`` and ``stats``, this process's side) and ``engine.close`` stops the worker.
 
     Raises:
-        MoeOffloadError: ``rollout < 0``, ``rollout_every < 1``, ``lag < 0``, or the worker did not start.
+        MoeOffloadError: ``rollout < 0``, ``rollout_every < 1``, ``lag < 0`` or given without consumers, or the
+            worker did not start.
     """
     consumers = forecast_consumers(engine)
+    if lag is not None and not consumers:
+        raise MoeOffloadError("--predictor-lag needs a policy that uses the forecasts (seqmoe, seqmoe-cacheonly)")
     if not consumers:
         runner = PredictorRunner(pset, rollout=rollout, rollout_every=rollout_every)
         engine.observers.append(runner)
