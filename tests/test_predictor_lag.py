@@ -75,8 +75,8 @@ def test_lag_zero_hands_over_at_the_trigger_layer():
 
 def test_predictor_process_computes_what_the_inline_runner_computes():
     """The worker process's forecasts equal the inline runner's bit for bit (same numpy path, same weights), over
-    four requests — two of them numbered 0 again with only a prefill, as when ``generate.run`` is called twice — with
-    answers dropped at a request's end; a closed worker says so in one line."""
+    four requests (two of them numbered 0 again, one with a prefill only, as when ``generate.run`` is called
+    twice), with answers dropped at a request's end; a closed worker says so in one line."""
     pset = _pset(seed=4)
     inline, proc = _Sink(), _Sink()
     steps = STEPS + [(0, 0, 2), (0, 0, 3), (0, 1, 1)]

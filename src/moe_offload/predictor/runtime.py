@@ -232,16 +232,18 @@ def attach_predictor(engine, pset: PredictorSet, rollout: int = 0, rollout_every
         runner = PredictorRunner(pset, rollout=rollout, rollout_every=rollout_every)
         engine.observers.append(runner)
         return runner
-    runner = PredictorRunner(pset, rollout=max(rollout, ROLLOUT), rollout_every=rollout_every)
     if lag is None:
+        runner = PredictorRunner(pset, rollout=max(rollout, ROLLOUT), rollout_every=rollout_every)
         connect_feed(engine, pset, ForecastFeed(runner, *consumers))
         return runner
     from .lagged import LaggedFeed, PredictorProcess
 
     if lag < 0:
         raise MoeOffloadError(f"the predictor lag must be >= 0 MoE layers, got {lag}")
-    feed = LaggedFeed(PredictorProcess(pset, runner.rollout, rollout_every), pset, *consumers, lag=lag,
-                      rollout=runner.rollout)
+    if rollout < 0 or rollout_every < 1:
+        raise MoeOffloadError(f"need rollout >= 0 and rollout_every >= 1, got {rollout} and {rollout_every}")
+    rollout = max(rollout, ROLLOUT)
+    feed = LaggedFeed(PredictorProcess(pset, rollout, rollout_every), pset, *consumers, lag=lag, rollout=rollout)
     connect_feed(engine, pset, feed)
     return feed
 
