@@ -164,6 +164,14 @@ def test_bench_decode_with_the_predictor_process(tiny_dirs, random_pset, tmp_pat
     assert main(gen + ["--policy", "seqmoe-cacheonly", "--json"]) == 0
     p = json.loads(capsys.readouterr().out)["stats"]["predictor"]
     assert p["lag_layers"] == 1 and p["rollout"] == 7 and p["ms_receiving_per_decode_step"] >= 0
+    # as a user runs it: the process exits without a word from the worker on stderr
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "moe_offload.cli", *gen, "--policy", "seqmoe"], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0 and r.stderr.strip() == "", r.stderr
+    assert "in its own process, forecasts used 1 MoE layers late" in r.stdout
     for policy, msg in [("lru", "needs a policy that uses the forecasts"), ("xl", "not --policy xl")]:
         assert main(gen + ["--policy", policy]) == 2
         err = capsys.readouterr().err.strip().splitlines()

@@ -63,7 +63,7 @@ def bench_decode(path: Path, prompts: list[str], residencies: list[float], *, ma
         skip_waits: the emulated copies' waits skipped on a virtual clock instead of slept
             (``runtime.emulated_clock``; CPU only): every timer, tok/s included, reads that clock.
         predictor_lag: None: the predictor runs inside the decode step; else in a process of its own, each forecast
-            used this many MoE layers after its trigger layer (``predictor.lagged``; seqmoe, seqmoe-cacheonly), and
+            used this many MoE layers after its trigger layer (``predictor.lagged``; the seqmoe policies but seqmoe-xl), and
             the simulator replays the same hand-over positions.
 
     Returns a markdown table: policy, residency, slots, decode tok/s, ratio to FullLoad (same run), the simulator's

@@ -223,8 +223,9 @@ def _cmd_generate(args) -> int:
         return 0
     if "predictor" in info:
         p = info["predictor"]
+        lag = f", in its own process, forecasts used {p['lag_layers']} MoE layers late" if "lag_layers" in p else ""
         print(f"predictor: {p['ms_per_decode_step']:.2f} ms per decode step ({p['decode_steps']} steps, "
-              f"rollout {p['rollout']}), {p['prefill_s']:.3f} s in prefill")
+              f"rollout {p['rollout']}{lag}), {p['prefill_s']:.3f} s in prefill")
     for note in info["notes"]:
         print(note)
     return 0

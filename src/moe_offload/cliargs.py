@@ -160,9 +160,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 def add_predictor_lag_arg(p: argparse.ArgumentParser) -> None:
     """``--predictor-lag LAYERS`` (``predictor.lagged``; read as ``args.predictor_lag``, None when not given)."""
     p.add_argument("--predictor-lag", type=int_in(0, 64), metavar="LAYERS",
-                   help="with --predictor and --policy seqmoe / seqmoe-cacheonly: run the predictor in a process of "
-                   "its own and use each forecast LAYERS MoE layers after the layer that triggers it, so it computes "
-                   "beside the decode step instead of in it (default: in the step, at its trigger layer)")
+                   help="with --predictor and --policy seqmoe / seqmoe-cacheonly / seqmoe-infinity: run the predictor "
+                   "in a process of its own and use each forecast LAYERS MoE layers after the layer that triggers it "
+                   "(at most 64; past the model's MoE layers the forecast waits into the next decode step), so it "
+                   "computes beside the decode step instead of in it; simulate replays the forecasts at those "
+                   "positions (default: in the step, at its trigger layer)")
 
 
 def add_diffusion_args(p) -> None:

@@ -342,7 +342,7 @@ def attach_forecasts(lm, policy: str, pset=None, rollout: int = 0, rollout_every
 
     if policy in ("xl", "seqmoe-xl"):
         if lag is not None:
-            raise MoeOffloadError("--predictor-lag runs the SeqMoE predictor alone (seqmoe, seqmoe-cacheonly), not "
+            raise MoeOffloadError("--predictor-lag runs the SeqMoE predictor alone (seqmoe, seqmoe-cacheonly, seqmoe-infinity), not "
                                   f"--policy {policy}")
         return attach_cross_layer(lm, pset if policy == "seqmoe-xl" else None, xl_depth, rollout_every).runner
     if pset is None:

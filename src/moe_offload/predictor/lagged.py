@@ -79,10 +79,13 @@ def _serve(conn, header, state: dict, rollout: int, rollout_every: int) -> None:
                 runner.begin_step(request, step)
                 last = forward
             conn.send(("ok", runner.predict(i, torch.from_numpy(ids), torch.from_numpy(w)).probs.numpy()))
-    except (EOFError, KeyboardInterrupt):
+    except (EOFError, OSError, KeyboardInterrupt):  # the main process closed the pipe or exited
         return
     except Exception as e:  # reported to the main process, which raises it as a MoeOffloadError
-        conn.send(("error", f"{type(e).__name__}: {e}"))
+        try:
+            conn.send(("error", f"{type(e).__name__}: {e}"))
+        except OSError:
+            pass
 
 
 class PredictorProcess:

@@ -227,7 +227,8 @@ def attach_predictor(engine, pset: PredictorSet, rollout: int = 0, rollout_every
     """
     consumers = forecast_consumers(engine)
     if lag is not None and not consumers:
-        raise MoeOffloadError("--predictor-lag needs a policy that uses the forecasts (seqmoe, seqmoe-cacheonly)")
+        raise MoeOffloadError("--predictor-lag needs a policy that uses the forecasts (seqmoe, seqmoe-cacheonly, "
+                              "seqmoe-infinity)")
     if not consumers:
         runner = PredictorRunner(pset, rollout=rollout, rollout_every=rollout_every)
         engine.observers.append(runner)

@@ -121,8 +121,9 @@ def run(args) -> int:
              and p.lower() != "xl"]
     if args.predictor:
         seq = [p for p in wants if p.lower() not in XL_POLICIES]
-        if args.predictor_lag is not None and len(seq) < len(wants):
-            raise MoeOffloadError("--predictor-lag replays the SeqMoE predictor alone, not --policy xl or seqmoe-xl")
+        if args.predictor_lag is not None and (len(seq) < len(wants) or not seq):
+            raise MoeOffloadError("--predictor-lag replays the SeqMoE predictor's forecasts for the seqmoe policies, "
+                                  "not --policy xl or seqmoe-xl (and needs one of them)")
         traces, forecasts, popularity, pset = _predictor_replay_set(args.predictor, traces, bool(seq),
                                                                     args.rollout_every, args.predictor_lag)
     elif wants:
