@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from ..errors import MoeOffloadError
-from .runtime import Forecast, PredictorRunner, PredictorStats
+from .runtime import Forecast, PredictorRunner, PredictorStats, RangeRouting
 
 #: seconds a ``PredictorProcess`` waits for its worker to start (importing torch in a fresh interpreter)
 START_TIMEOUT_S = 120.0
@@ -198,9 +198,7 @@ class LaggedFeed:
         self.source, self.consumers, self.lag, self.rollout = source, consumers, lag, rollout
         self.L = pset.header.num_moe_layers
         self._ranges = [p.spec.layers for p in pset.predictors]
-        self._by_layer = {layer: (i, layer - lo) for i, (lo, hi) in enumerate(self._ranges)
-                          for layer in range(lo, hi)}
-        self._bufs: list[list] = [[None] * (hi - lo) for lo, hi in self._ranges]
+        self._routing = RangeRouting(self._ranges)
         self._pending: deque = deque()   # (hand-over position, handle, Forecast without probs), oldest first
         self.request, self.step = -1, 0
         self.stats = PredictorStats()
@@ -221,19 +219,16 @@ class LaggedFeed:
         trigger layer's routing, then hand over every forecast due at this position."""
         t0 = time.perf_counter()
         pos = self.step * self.L + layer
-        hit = self._by_layer.get(layer)
-        if hit is not None:
-            i, off = hit
-            bufs = self._bufs[i]
-            bufs[off] = (top_k_index, top_k_weights)
-            if off == len(bufs) - 1:
-                h = self.source.submit(i, torch.stack([b[0] for b in bufs], 1), torch.stack([b[1] for b in bufs], 1))
-                self._bufs[i] = [None] * len(bufs)
-                self._pending.append((pos + self.lag, h, Forecast(self.request, self.step, self._ranges[i], None)))
-                if self.step == 0:
-                    self.stats.prefill_calls += 1
-                else:
-                    self.stats.decode_calls += 1
+        hit = self._routing.by_layer.get(layer)
+        full = None if hit is None else self._routing.add(hit, top_k_index, top_k_weights)
+        if full is not None:
+            i = full[0]
+            self._pending.append((pos + self.lag, self.source.submit(*full),
+                                  Forecast(self.request, self.step, self._ranges[i], None)))
+            if self.step == 0:
+                self.stats.prefill_calls += 1
+            else:
+                self.stats.decode_calls += 1
         due = []
         if self._pending and self._pending[0][0] <= pos:
             t1 = time.perf_counter()

@@ -55,6 +55,33 @@ class PredictorStats:
     decode_steps: int = 0
 
 
+class RangeRouting:
+    """Gathers each predictor's layer range of routing within a step, layer by layer (SeqMoE §5.3: a predictor reads
+    its layers ``[l, l')`` and runs at ``l' - 1``), for ``PredictorRunner`` and ``predictor.lagged.LaggedFeed``.
+
+    Args:
+        ranges: per predictor, its MoE layers ``(l, l')``.
+    Attributes:
+        by_layer: MoE layer -> (predictor index, offset in its range); layers no predictor covers are absent.
+    """
+
+    def __init__(self, ranges: list[tuple[int, int]]):
+        self.by_layer = {layer: (i, layer - lo) for i, (lo, hi) in enumerate(ranges) for layer in range(lo, hi)}
+        # per predictor, per layer of its range: this step's (top_k_index [T, k], top_k_weights [T, k])
+        self._bufs: list[list[tuple | None]] = [[None] * (hi - lo) for lo, hi in ranges]
+
+    def add(self, hit: tuple[int, int], top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        """Keep one layer's routing (``hit`` = ``by_layer[layer]``); at its range's last layer return ``(i, ids,
+        weights)``, the range stacked to int64 / float32 ``[T, n, k]``, and start the range afresh; else None."""
+        i, off = hit
+        bufs = self._bufs[i]
+        bufs[off] = (top_k_index, top_k_weights)
+        if off < len(bufs) - 1:
+            return None
+        self._bufs[i] = [None] * len(bufs)
+        return i, torch.stack([b[0] for b in bufs], 1), torch.stack([b[1] for b in bufs], 1)
+
+
 class PredictorRunner:
     """Engine observer that feeds each predictor its layers' activations and runs it at its trigger layer.
 
@@ -89,13 +116,7 @@ class PredictorRunner:
         self.rollout = rollout
         self.rollout_every = rollout_every
         self.E, self.k = pset.header.num_experts, pset.header.top_k
-        self._by_layer: dict[int, tuple[int, int]] = {}   # layer -> (predictor index, offset in its range)
-        for i, p in enumerate(pset.predictors):
-            lo, hi = p.spec.layers
-            for layer in range(lo, hi):
-                self._by_layer[layer] = (i, layer - lo)
-        # per predictor, per layer of its range: this step's (top_k_index [T, k], top_k_weights [T, k])
-        self._bufs: list[list[tuple | None]] = [[None] * p.spec.num_layers for p in pset.predictors]
+        self._routing = RangeRouting([p.spec.layers for p in pset.predictors])
         self._states: list = [None] * len(pset.predictors)
         # per predictor: the last recursive rollout (logits [c, n, e]) and the step it was made at
         self._rolled: list[tuple[torch.Tensor, int] | None] = [None] * len(pset.predictors)
@@ -115,25 +136,18 @@ class PredictorRunner:
 
     @torch.no_grad()
     def __call__(self, layer: int, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> None:
-        hit = self._by_layer.get(layer)
+        hit = self._routing.by_layer.get(layer)
         if hit is None:
             return
-        i, off = hit
-        pred = self.pset.predictors[i]
         t0 = time.perf_counter()
-        self._bufs[i][off] = (top_k_index, top_k_weights)
-        if off == pred.spec.num_layers - 1:
-            self._trigger(i, pred)
+        full = self._routing.add(hit, top_k_index, top_k_weights)
+        if full is not None:
+            self.predict(*full)
         dt = time.perf_counter() - t0
         if self.step == 0:
             self.stats.prefill_s += dt
         else:
             self.stats.decode_s += dt
-
-    def _trigger(self, i: int, pred) -> None:
-        bufs = self._bufs[i]
-        self._bufs[i] = [None] * pred.spec.num_layers
-        self.predict(i, torch.stack([b[0] for b in bufs], 1), torch.stack([b[1] for b in bufs], 1))
 
     @torch.no_grad()
     def predict(self, i: int, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> Forecast:
@@ -172,7 +186,7 @@ class PredictorRunner:
 
     def forecast_for(self, layer: int) -> tuple[Forecast, int] | None:
         """The latest forecast covering MoE ``layer`` and the layer's row in it, or None."""
-        hit = self._by_layer.get(layer)
+        hit = self._routing.by_layer.get(layer)
         if hit is None or self.forecasts[hit[0]] is None:
             return None
         return self.forecasts[hit[0]], hit[1]
