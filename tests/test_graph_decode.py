@@ -135,3 +135,69 @@ def test_bench_graph_ab_rows(tiny_dirs, one_thread):
     assert [r.split("|")[5].strip() for r in rows[:4]] == ["-", "1.0000", "-", rows[3].split("|")[5].strip()]
     assert all(r.split("|")[6].strip() == "yes" for r in rows[:4])
     assert "- graph lru: " in table and "(1.00: " in table and ", 0.50: " in table
+
+
+def test_graph_seqmoe_prefetching_equals_full_load(tiny_dirs, one_thread, random_pset, tmp_path):
+    """``seqmoe`` in graph mode: probabilistic Belady plus JSD prefetching by the CPU worker through the control
+    region, eager and compiled. FullLoad's tokens; the worker requested and copied experts, and every reservation
+    it was granted was copied (no Fetch slot left waiting once the run is over)."""
+    import time
+
+    from moe_offload.runtime.graph_prefetch import GRANT_SHIFT
+
+    path = tiny_dirs["qwen3_moe"]
+    ref = [o.token_ids for o in run(load_full(path, device="cpu"), PROMPTS, 8)[0]]
+    probe = load_graph(path, residency=0.6, policy="lru", device="cpu")
+    pdir = random_pset(probe, 3).save(tmp_path / "pred")
+    probe.close()
+    torch._dynamo.utils.counters.clear()
+    for compiled in (False, True):
+        lm = load_graph(path, residency=0.6, policy="seqmoe", device="cpu", predictor=str(pdir))
+        pf = lm.engine.prefetcher
+        outs, stats = (run_graph(lm, PROMPTS, 8, decoder=GraphDecoder(lm, backend="aot_eager")) if compiled
+                       else run(lm, PROMPTS, 8))
+        assert [o.token_ids for o in outs] == ref
+        deadline = time.time() + 5
+        granted = lambda: pf.ctrl.grant >> GRANT_SHIFT  # noqa: E731
+        while (granted() > pf.ctrl.done_tag).any() and time.time() < deadline:
+            time.sleep(0.01)
+        assert not (granted() > pf.ctrl.done_tag).any()  # every granted copy was made and its tag returned
+        assert pf.requested > 0 and pf.copied > 0 and pf.failed is None
+        assert int(lm.engine.cache.landed) + pf.waited > 0  # prefetched experts landed or were waited for
+        assert stats.offload.hits > 0
+        lm.close()
+        assert not pf._thread.is_alive()
+    assert not torch._dynamo.utils.counters["graph_break"]
+
+
+def test_graph_seqmoe_waits_for_slow_prefetch_copies(tiny_dirs, one_thread, random_pset, tmp_path, monkeypatch):
+    """A slow worker (20 ms per copy): layers adopt experts whose copies are still running and wait for them by
+    tag inside the compiled step (the grants reach the worker during the step, not at its end); FullLoad's
+    tokens."""
+    import time
+
+    from moe_offload.runtime.graph_prefetch import GraphPrefetcher
+
+    path = tiny_dirs["qwen3_moe"]
+    ref = [o.token_ids for o in run(load_full(path, device="cpu"), PROMPTS, 8)[0]]
+    probe = load_graph(path, residency=0.6, policy="lru", device="cpu")
+    pdir = random_pset(probe, 3).save(tmp_path / "pred")
+    probe.close()
+    copy = GraphPrefetcher._copy_granted
+
+    def slow(self):
+        if (self._host.grant >> 24 > self._host.done_tag).any():
+            time.sleep(0.02)
+        return copy(self)
+
+    monkeypatch.setattr(GraphPrefetcher, "_copy_granted", slow)
+    lm = load_graph(path, residency=0.6, policy="seqmoe", device="cpu", predictor=str(pdir))
+    outs, _ = run_graph(lm, PROMPTS, 8, decoder=GraphDecoder(lm, backend="aot_eager"))
+    assert [o.token_ids for o in outs] == ref
+    assert lm.engine.prefetcher.waited > 0
+    lm.close()
+
+
+def test_graph_seqmoe_needs_a_predictor(tiny_dirs):
+    with pytest.raises(MoeOffloadError, match="needs --predictor"):
+        load_graph(tiny_dirs["qwen3_moe"], policy="seqmoe")

@@ -70,14 +70,30 @@ class GraphRow:
 def management_step(engine, top_k: int, backend: str):
     """A function running ``GraphCache.plan`` of every MoE layer once (one decode step, batch 1), compiled with
     ``backend`` on a copy of the engine's cache state, with random routing (distinct experts per layer); its
-    shapes are fixed, so its cost does not depend on the routing. Call it to time the management."""
+    shapes are fixed, so its cost does not depend on the routing. With prefetching (a ``FetchingGraphCache``)
+    each layer also lands (no copy finished), reserves (no request) and releases, as in the step. Call it to time
+    the management."""
+    from .runtime.graph_fetch_cache import FetchingGraphCache
+
     cache = copy.deepcopy(engine.cache)
     g = torch.Generator().manual_seed(0)
     idx = [torch.randperm(cache.E, generator=g)[:top_k].view(1, top_k).to(cache.lookup.device)
            for _ in range(cache.L)]
+    fetching = isinstance(cache, FetchingGraphCache)
+    if fetching:
+        done = torch.zeros(cache.S, dtype=torch.long, device=cache.lookup.device)
+        none = torch.full((cache.R,), cache.N, dtype=torch.long, device=cache.lookup.device)
 
     def all_layers(idx):
-        return [cache.plan(layer, i)[0] for layer, i in enumerate(idx)]
+        out = []
+        for layer, i in enumerate(idx):
+            if fetching:
+                cache.land(done)
+            out.append(cache.plan(layer, i)[0])
+            if fetching:
+                cache.reserve_slots(none)
+                cache.release(layer)
+        return out
 
     fn = torch.compile(all_layers, fullgraph=True, backend=backend)
     fn(idx)
@@ -97,8 +113,8 @@ def bench_graph(path, prompts: list[str], residencies: list[float], *, policy: s
                 dtype: str | None = None, predictor: str | None = None) -> str:
     """Compiled FullLoad vs graph mode at each residency and policy (greedy), in ``rounds`` interleaved rounds.
 
-    ``policy``: one or several comma-separated graph-mode policies (``seqmoe-cacheonly`` runs ``predictor``
-    inside the step).
+    ``policy``: one or several comma-separated graph-mode policies (``seqmoe-cacheonly`` and ``seqmoe`` run
+    ``predictor`` inside the step; ``seqmoe`` also prefetches through the CPU worker, ``runtime.graph_prefetch``).
 
     Returns a markdown table: configuration, residency, decode tok/s, ratio to compiled FullLoad, hit rate, whether
     the tokens equal FullLoad eager's; then the graph-mode step breakdown (ms per step and share).
@@ -112,7 +128,7 @@ def bench_graph(path, prompts: list[str], residencies: list[float], *, policy: s
     for pol in [p.strip() for p in policy.split(",") if p.strip()]:
         for r in residencies:
             lm = load_graph(path, policy=pol, residency=r, device=device, dtype=dtype,
-                            predictor=predictor if pol == "seqmoe-cacheonly" else None)
+                            predictor=predictor if pol in ("seqmoe-cacheonly", "seqmoe") else None)
             row = GraphRow(f"graph {pol}", r, GraphDecoder(lm, backend=backend), lm)
             rows.append(row)
             if r == 1.0 and lm.engine.predictor is None:  # the A/B pair (module docstring)
@@ -143,7 +159,7 @@ def bench_graph(path, prompts: list[str], residencies: list[float], *, policy: s
                    f"{'yes' if row.same else 'NO'} | {t_compile[row.name, row.residency]:.0f} |")
         if eng is not None and not row.lookup_only:
             lines.append(_breakdown_line(row, res))
-    lines += _ab_lines(rows)
+    lines += _ab_lines(rows) + _prefetch_lines(rows)
     for lm in {id(r.lm): r.lm for r in rows[1:]}.values():
         lm.close()
     gc.collect()
@@ -181,6 +197,19 @@ def _breakdown_line(row: GraphRow, res: str) -> str:
 
     return (f"| {row.name} | {res} | {1e3 * step:.2f} | {cell(expert)} | {cell(other)} | {cell(mgmt)} | "
             f"{cell(stall)} |")
+
+
+def _prefetch_lines(rows: list[GraphRow]) -> list[str]:
+    """Per row with a prefetch worker: its requests, copies, landings and waits since the model was loaded
+    (compile run and every round)."""
+    out = []
+    for row in rows:
+        pf = row.lm.engine.prefetcher if row.lm.engine is not None else None
+        if pf is not None:
+            out.append(f"\n{row.name} {row.residency:.2f}: the prefetch worker requested {pf.requested} experts and "
+                       f"copied {pf.copied} ({pf.copy_s:.2f} s); {int(row.lm.engine.cache.landed)} landed before "
+                       f"their layer, {pf.waited} were waited for (compile run and all rounds)")
+    return out
 
 
 def _set_mode(row: GraphRow) -> None:

@@ -152,8 +152,9 @@ def _decode(args) -> int:
 def _graph(args) -> int:
     from .bench_graph import bench_graph
 
-    if "seqmoe-cacheonly" in args.policy and not args.predictor:
-        raise MoeOffloadError("--policy seqmoe-cacheonly needs --predictor DIR")
+    needs = [p for p in ("seqmoe-cacheonly", "seqmoe") if p in (x.strip() for x in args.policy.split(","))]
+    if needs and not args.predictor:
+        raise MoeOffloadError(f"--policy {needs[0]} needs --predictor DIR")
     residencies, prompts, path = _residencies_prompts_model(args)
     return _table(args, bench_graph(path, prompts, residencies, policy=args.policy, max_new_tokens=args.max_new_tokens,
                                     rounds=args.rounds, backend=args.graph_backend, device=args.device,

@@ -25,9 +25,9 @@ misses, evicted experts, destination slots and slot contents after every layer):
 
 Scope (each refused with a one-line error by ``check_graph_policy``): the policies above only (``lfru`` needs a
 log-space float key per access and ``prefill-hot`` a top-N over prefill counts at the first decode step; both are
-expressible but not built); no prefetching (no Fetch state: the prefetcher's control-region protocol is not built);
-and at least ``E`` slots, so that every layer fits in one round (``plan_layer``'s rounds when a layer needs more
+expressible but not built); and at least ``E`` slots, so that every layer fits in one round (``plan_layer``'s rounds when a layer needs more
 distinct experts than there are slots are data-dependent).
+Prefetching (``seqmoe``) adds the Fetch and Compute states: ``runtime.graph_fetch_cache.FetchingGraphCache``.
 
 Ties: LRU and probabilistic-Belady stamps are distinct among resident experts, and so are LFU stamps when every
 resident expert was accessed (always true without prefetching), so the id tie-breaks of the policies never
@@ -43,7 +43,10 @@ import torch
 from ..errors import MoeOffloadError
 
 #: graph-mode eviction policies and the runtime policy names that select them
-GRAPH_POLICIES = {"lru": "lru", "lfu": "lfu", "seqmoe-cacheonly": "prob-belady", "prob-belady": "prob-belady"}
+GRAPH_POLICIES = {"lru": "lru", "lfu": "lfu", "seqmoe-cacheonly": "prob-belady", "seqmoe": "prob-belady",
+                  "prob-belady": "prob-belady"}
+#: graph-mode policies that prefetch (``runtime.graph_fetch_cache``, ``runtime.graph_prefetch``): JSD scheduling
+GRAPH_PREFETCH_POLICIES = {"seqmoe": "jsd"}
 _INT_MAX = torch.iinfo(torch.int64).max
 #: LFU key = count * 2**LFU_SHIFT + stamp (stamps stay below 2**40: ~1e12 accesses)
 LFU_SHIFT = 40

@@ -17,7 +17,7 @@ import time
 import torch
 
 from ..errors import MoeOffloadError
-from .graph_cache import GraphCache, check_graph_policy
+from .graph_cache import GRAPH_PREFETCH_POLICIES, GraphCache, check_graph_policy
 from .graph_engine import GraphEngine
 
 #: static KV cache lengths are multiples of this many positions
@@ -33,25 +33,33 @@ BACKENDS = ("inductor", "aot_eager")
 
 def load_graph(model_dir, *, policy: str = "lru", residency: float | None = None, slots: int | None = None,
                device: str | None = None, dtype: str | None = None, progress: bool = False,
-               predictor: str | None = None):
+               predictor: str | None = None, link_epl: float = 1.39):
     """``models.loader.load_offloaded`` with a ``GraphEngine`` (graph mode) instead of the Python slot table.
 
     Args:
-        policy: ``lru``, ``lfu`` or ``seqmoe-cacheonly`` (probabilistic Belady; ``runtime.graph_cache``).
+        policy: ``lru``, ``lfu``, ``seqmoe-cacheonly`` (probabilistic Belady; ``runtime.graph_cache``) or
+            ``seqmoe`` (probabilistic Belady plus JSD prefetching by a CPU worker through the control region:
+            ``runtime.graph_fetch_cache``, ``runtime.graph_prefetch``).
         residency, slots, device, dtype, progress: as ``load_offloaded``.
-        predictor: a trained predictor directory (``seqmoe-cacheonly``): run inside the step
-            (``runtime.graph_predictor``, rollout every step).
+        predictor: a trained predictor directory (``seqmoe-cacheonly``, ``seqmoe``: required): run inside the
+            step (``runtime.graph_predictor``, rollout every step).
+        link_epl: with ``seqmoe``: the JSD scheduler's transfer budget B_avg, experts per layer time (as
+            ``load_offloaded``).
     Returns:
         A ``LoadedModel`` whose ``engine`` is a ``GraphEngine``.
     Raises:
         MoeOffloadError: as ``load_offloaded``; a policy graph mode does not support, or fewer slots than one
         layer's experts (``graph_cache.check_graph_policy``); a predictor with another policy than
-        ``seqmoe-cacheonly`` or one that does not fit the model.
+        ``seqmoe-cacheonly``/``seqmoe`` or one that does not fit the model; ``seqmoe`` without a predictor, or with
+        fewer slots than one layer's experts plus one.
     """
     from ..models.capability import experts_modules
     from ..models.loader import load_offloaded
 
     kind = check_graph_policy(policy, 1 << 30, 1)  # the policy first, before loading anything
+    scheduler = GRAPH_PREFETCH_POLICIES.get(policy)
+    if scheduler and not predictor:
+        raise MoeOffloadError(f"--graph --policy {policy} needs --predictor DIR (its forecasts drive prefetching)")
     lm = load_offloaded(model_dir, device=device, dtype=dtype, residency=residency, slots=slots,
                         policy="lru", progress=progress)
     old = lm.engine
@@ -60,7 +68,17 @@ def load_graph(model_dir, *, policy: str = "lru", residency: float | None = None
     except MoeOffloadError:
         lm.close()
         raise
-    cache = GraphCache(old.pool.num_slots, lm.num_experts, lm.num_moe_layers, kind, device=old.pool.device)
+    try:
+        if scheduler:
+            from .graph_fetch_cache import FetchingGraphCache
+
+            cache = FetchingGraphCache(old.pool.num_slots, lm.num_experts, lm.num_moe_layers, kind,
+                                       device=old.pool.device)
+        else:
+            cache = GraphCache(old.pool.num_slots, lm.num_experts, lm.num_moe_layers, kind, device=old.pool.device)
+    except MoeOffloadError as exc:
+        lm.close()
+        raise MoeOffloadError(f"--graph --policy {policy}: {exc}") from None
     engine = GraphEngine(old.store, old.pool, cache, lm.num_experts, policy)
     engine.attach([m for _, m in experts_modules(lm.model)])
     lm.engine = engine
@@ -73,6 +91,13 @@ def load_graph(model_dir, *, policy: str = "lru", residency: float | None = None
         except MoeOffloadError:
             lm.close()
             raise
+    if scheduler:
+        from ..core.prefetch import make_scheduler
+        from .graph_prefetch import GraphPrefetcher
+
+        engine.prefetcher = GraphPrefetcher(engine, make_scheduler(scheduler, num_moe_layers=lm.num_moe_layers,
+                                                                   b_avg=link_epl, auto_ema=False),
+                                            engine.predictor, lm.num_moe_layers, lm.num_experts, lm.top_k)
     return lm
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from typing import Optional
 
 import torch
 
@@ -29,6 +30,8 @@ from .pool import SlotPool
 from .store import HostStore
 
 _ENGINES: dict[int, "GraphEngine"] = {}
+#: seconds a layer waits for an in-flight expert before it reports the prefetch worker stuck
+WAIT_TIMEOUT_S = 60.0
 _HANDLES = itertools.count(1)
 
 
@@ -49,12 +52,43 @@ def _slot_experts_fake(handle, layer, hidden_states, slot_ids, pair_weights, loa
     return torch.empty_like(hidden_states)
 
 
+@torch.library.custom_op("moe_offload::slot_experts_fetching", mutates_args=())
+def slot_experts_fetching(handle: int, layer: int, hidden_states: torch.Tensor, slot_ids: torch.Tensor,
+                          pair_weights: torch.Tensor, load_eids: torch.Tensor, load_slots: torch.Tensor,
+                          valid: torch.Tensor, wait_slots: torch.Tensor, wait_tags: torch.Tensor,
+                          wait_valid: torch.Tensor, grant_slots: torch.Tensor, grants: torch.Tensor,
+                          taken: torch.Tensor, forecast: Optional[torch.Tensor],
+                          predictor_index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``slot_experts`` with prefetching (``runtime.graph_prefetch``): first the control-region exchange
+    (``GraphPrefetcher.exchange``: position, grants ``[R]`` int64 into slots ``grant_slots [R]``, taken request
+    entries ``taken [R]`` bool, a forecast ``[1 + c, n, e]`` made at this layer or None), then the waits until the
+    worker returned tag ``wait_tags[j]`` for slot ``wait_slots[j]`` (``[E]``, every ``wait_valid[j]``: in-flight
+    experts the layer adopted), the on-demand copies and the experts. Returns ``(out [T, H], done_tag [S],
+    requests [R])``: the output and the region's snapshot for the next layer."""
+    eng = _ENGINES[handle]
+    pf = eng.prefetcher
+    pf.exchange(layer, grant_slots, grants, taken, forecast, predictor_index)
+    eng.wait_fetches(wait_slots, wait_tags, wait_valid)
+    eng.copy_rows(load_eids, load_slots, valid)
+    out = eng.compute(layer, hidden_states, slot_ids, pair_weights)
+    return (out, *pf.snapshot())
+
+
+@slot_experts_fetching.register_fake
+def _slot_experts_fetching_fake(handle, layer, hidden_states, slot_ids, pair_weights, load_eids, load_slots, valid,
+                                wait_slots, wait_tags, wait_valid, grant_slots, grants, taken, forecast,
+                                predictor_index):
+    c = _ENGINES[handle].cache
+    return (torch.empty_like(hidden_states), grants.new_empty(c.S), grants.new_empty(c.R))
+
+
 class GraphEngine:
     """The experts of every MoE layer from a shared slot pool, planned by a ``GraphCache`` (graph mode).
 
     Drop-in for ``OffloadEngine`` where ``generate`` and the reports use it (``attach``, ``begin_step``,
-    ``end_step``, ``stats``, ``reset_stats``, ``close``, ``policy_name``, ``pool``, ``store``); no prefetcher and
-    no observers; a ``predictor`` (``runtime.graph_predictor.GraphPredictor``) runs inside the step.
+    ``end_step``, ``stats``, ``reset_stats``, ``close``, ``policy_name``, ``pool``, ``store``); no observers; a
+    ``predictor`` (``runtime.graph_predictor.GraphPredictor``) runs inside the step, and a ``prefetcher``
+    (``runtime.graph_prefetch.GraphPrefetcher``, with a ``FetchingGraphCache``) beside it.
 
     Args:
         store: the host store; pool: the device slot pool (its ``lookup`` is not used: ``cache.lookup`` is);
@@ -67,11 +101,14 @@ class GraphEngine:
         self._policy_name = policy_name
         self.modules: list[torch.nn.Module] = []
         self._views: dict[str, torch.Tensor] = {}  # field -> [S, *shape] compute view of the whole pool
-        self.prefetcher = None
+        self.prefetcher = None  # runtime.graph_prefetch.GraphPrefetcher: a CPU worker and the control region
         self.observers: list = []
         self.predictor = None  # runtime.graph_predictor.GraphPredictor: forecasts inside the step
         self.lookup_only = False  # set_lookup_only: no cache decisions in the step (the A/B baseline)
         self.preloaded = False  # preload_all: every expert in the slot of its global id
+        dev = cache.lookup.device
+        self._no_copy = (torch.zeros(0, dtype=torch.long, device=dev),) * 2 + (torch.zeros(0, dtype=torch.bool,
+                                                                                          device=dev),)
         self.handle = next(_HANDLES)
         _ENGINES[self.handle] = self
         self._cuda = pool.device.type == "cuda"
@@ -94,6 +131,8 @@ class GraphEngine:
         self.cache.begin_step(request, step)
         if self.predictor is not None:
             self.predictor.begin_step(request, step)
+        if self.prefetcher is not None:
+            self.prefetcher.begin_step(request, step)
         self._decoding = step >= 1
 
     def end_step(self) -> None:
@@ -113,7 +152,10 @@ class GraphEngine:
         self._decoding = False
 
     def close(self) -> None:
-        """Forget the engine's handle and unpin the host store; the engine must not run afterwards."""
+        """Stop the prefetch worker, forget the engine's handle and unpin the host store; the engine must not run
+        afterwards."""
+        if self.prefetcher is not None:
+            self.prefetcher.close()
         _ENGINES.pop(self.handle, None)
         self.store.close()
 
@@ -134,8 +176,7 @@ class GraphEngine:
         c.lookup[:c.N] = ids
         c.expert_in[:c.N] = ids
         self.preloaded = True
-        self._no_copy = (torch.zeros(0, dtype=torch.long, device=c.lookup.device),) * 2 + (
-            torch.zeros(0, dtype=torch.bool, device=c.lookup.device),)
+
 
     def set_lookup_only(self, on: bool) -> None:
         """Turn the step's cache decisions off (``on``) or back on. Off, a layer only gathers its pairs' slots from
@@ -156,6 +197,9 @@ class GraphEngine:
         """Experts of MoE layer ``moe_layer``: ``hidden_states [T, H]``, ``top_k_index [T, k]`` int64 ids of this
         layer, ``top_k_weights [T, k]`` -> ``[T, H]`` of ``hidden_states.dtype``. No host synchronisation and no
         data-dependent control flow outside the custom op."""
+        pf = self.prefetcher
+        if pf is not None:
+            return self._forward_fetching(pf, moe_layer, hidden_states, top_k_index, top_k_weights)
         if self.predictor is not None:  # its forecast sets the scores before this layer is planned
             self.predictor.observe(moe_layer, top_k_index, top_k_weights)
         if self.lookup_only:  # every expert resident (preload_all): the slots are a gather, nothing decided
@@ -166,10 +210,49 @@ class GraphEngine:
         return torch.ops.moe_offload.slot_experts(self.handle, moe_layer, hidden_states, slot_ids,
                                                   top_k_weights.reshape(-1), eids, slots, valid)
 
+    def _forward_fetching(self, pf, moe_layer: int, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
+        """``forward`` with prefetching (``runtime.graph_prefetch``): land, forecast, plan (the layer's experts stay
+        in Compute while the requests get their slots), reserve, release; the op does the rest."""
+        requests = pf.land(moe_layer)
+        forecast, index = None, -1
+        if self.predictor is not None:
+            self.predictor.fresh = -1
+            self.predictor.observe(moe_layer, top_k_index, top_k_weights)
+            if self.predictor.fresh >= 0:
+                index = self.predictor.fresh
+                forecast = self.predictor.probs[index]
+        slot_ids, eids, slots, valid, *waits = self.cache.plan(moe_layer, top_k_index)
+        grants = pf.reserve(moe_layer, requests)
+        out, done, requests = torch.ops.moe_offload.slot_experts_fetching(
+            self.handle, moe_layer, hidden_states, slot_ids, top_k_weights.reshape(-1), eids, slots, valid, *waits,
+            *grants, forecast, index)
+        pf.carry = (done, requests)
+        return out
+
     # ---- the ops' eager bodies ------------------------------------------------------------------------------
 
+    def wait_fetches(self, slots: torch.Tensor, tags: torch.Tensor, valid: torch.Tensor) -> None:
+        """The op's waits: until the prefetch worker returns tag ``tags[j]`` for slot ``slots[j]`` (valid
+        entries; SlotTable's ``waits``). Raises RuntimeError if the worker has died."""
+        if not valid.numel() or not bool(valid.any()):
+            return
+        t0 = time.perf_counter()
+        pf = self.prefetcher
+        done = pf.ctrl.done_tag.numpy()
+        for s, t in zip(slots[valid].tolist(), tags[valid].tolist()):
+            give_up = time.perf_counter() + WAIT_TIMEOUT_S
+            while done[s] < t:
+                pf.check()
+                if time.perf_counter() > give_up:
+                    raise RuntimeError(f"the graph-mode prefetch worker did not finish the copy tagged {t} into slot "
+                                       f"{s} within {WAIT_TIMEOUT_S:.0f} s")
+                time.sleep(0)
+        pf.waited += int(valid.sum())
+        if self._decoding:
+            self.op_seconds["stall"] += time.perf_counter() - t0
+
     def copy_rows(self, eids: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor) -> None:
-        """The op's copies: host store -> slot for the valid entries."""
+        """The op's copies: host store -> slot for the valid entries (prefetch copies paused meanwhile)."""
         t0 = time.perf_counter()
         n = int(valid.sum())
         if not n:  # most decode layers: nothing to copy (no slicing, no lists)
@@ -178,8 +261,15 @@ class GraphEngine:
             return
         t1 = time.perf_counter()
         pool, dst = self.pool, self.pool._bytes
-        for e, s in zip(eids[:n].tolist(), slots[:n].tolist()):
-            self.store.copy_to(e, dst[s] if dst is not None else pool.buf[s], non_blocking=self._cuda)
+        pause = self.prefetcher.ctrl.pause if self.prefetcher is not None else None
+        if pause is not None:
+            pause.fill_(1)
+        try:
+            for e, s in zip(eids[:n].tolist(), slots[:n].tolist()):
+                self.store.copy_to(e, dst[s] if dst is not None else pool.buf[s], non_blocking=self._cuda)
+        finally:
+            if pause is not None:
+                pause.fill_(0)
         st = self._stats
         st.bytes_loaded += n * self.store.layout.expert_bytes
         t2 = time.perf_counter()

@@ -49,7 +49,8 @@ class FetchingGraphCache(GraphCache):
 
     State besides ``GraphCache``'s (int64; index S or N is the scratch entry): ``state [S + 1]`` slot state codes;
     ``tag [S + 1]`` each slot's expected tag (0: never reserved); ``next_tag []``; ``fetch_of [N + 1]`` the Fetch
-    slot of an expert in flight, else -1. ``lookup`` holds resident (Compute or Used) experts only.
+    slot of an expert in flight, else -1; ``landed []`` landings applied. ``lookup`` holds resident (Compute or
+    Used) experts only.
 
     Raises:
         MoeOffloadError: LFU, ``reserve`` outside ``[E, S - 1]``, ``max_requests < 1``, or as ``GraphCache``.
@@ -74,6 +75,7 @@ class FetchingGraphCache(GraphCache):
         self.tag = torch.zeros(num_slots + 1, **i64)
         self.next_tag = torch.ones((), **i64)
         self.fetch_of = torch.full((self.N + 1,), -1, **i64)
+        self.landed = torch.zeros((), **i64)  # prefetches landed (Fetch -> Compute by a matching tag)
         self._r_ar = torch.arange(max_requests, **i64)
         self._r_upto = torch.ones(max_requests, max_requests, dtype=torch.bool, device=self.lookup.device).tril()
 
@@ -93,6 +95,7 @@ class FetchingGraphCache(GraphCache):
         self.fetch_of.index_put_((eid,), torch.full_like(eid, -1))
         self.last.index_put_((eid,), torch.where(landed, stamps, 0))
         self.state[:S] = torch.where(landed, COMPUTE, self.state[:S])
+        self.landed.add_(landed.sum())
         last_tag = torch.where(landed, tag, 0).max()
         self.seq.copy_(torch.where(landed.any(), self.seq + 1 + last_tag - first, self.seq))
 

@@ -36,6 +36,9 @@ class GraphPredictor:
 
     Attributes:
         probs: per predictor, float32 ``[1 + rollout, n, e]``: its latest forecast (row j: step i + j).
+        layers: per predictor, ``(l, l')``, the MoE layers it forecasts.
+        fresh: the predictor whose forecast the current MoE layer published, or -1 (the engine hands it to a
+            prefetch worker, ``runtime.graph_prefetch``, and resets it).
     Raises:
         MoeOffloadError: the cache's policy is not probabilistic Belady, or the set does not match the cache.
     """
@@ -53,6 +56,8 @@ class GraphPredictor:
         self.by_layer: dict[int, tuple[int, int]] = {}
         dev = cache.lookup.device
         self.ids, self.weights, self.probs = [], [], []
+        self.layers = [p.spec.layers for p in pset.predictors]
+        self.fresh = -1
         for i, p in enumerate(pset.predictors):
             lo, hi = p.spec.layers
             self.by_layer.update({layer: (i, layer - lo) for layer in range(lo, hi)})
@@ -107,3 +112,4 @@ class GraphPredictor:
     def _publish(self, i: int, layers: tuple[int, int], probs: torch.Tensor) -> None:
         self.probs[i].copy_(probs)
         self.cache.update_forecast(layers, probs)
+        self.fresh = i
