@@ -170,31 +170,47 @@ def test_graph_seqmoe_prefetching_equals_full_load(tiny_dirs, one_thread, random
     assert not torch._dynamo.utils.counters["graph_break"]
 
 
-def test_graph_seqmoe_waits_for_slow_prefetch_copies(tiny_dirs, one_thread, random_pset, tmp_path, monkeypatch):
-    """A slow worker (20 ms per copy): layers adopt experts whose copies are still running and wait for them by
-    tag inside the compiled step (the grants reach the worker during the step, not at its end); FullLoad's
-    tokens."""
-    import time
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_graph_seqmoe_waits_for_prefetch_copies(tiny_dirs, one_thread, random_pset, tmp_path, monkeypatch, backend):
+    """A worker that copies only while a layer waits: every prefetched expert a layer needs is adopted in flight and
+    waited for by tag inside the compiled step (the grants reach the worker during the step, not at its end).
+    FullLoad's tokens (under inductor, whose own exp/SiLU may drift from eager: its lru run's tokens). Under inductor
+    this failed while the graph read the control region itself at layer 0: a request read in two kernels, with the
+    worker writing between them, gave a grant and a reservation for different experts."""
+    import threading
 
+    from moe_offload.runtime.graph_engine import GraphEngine
     from moe_offload.runtime.graph_prefetch import GraphPrefetcher
 
     path = tiny_dirs["qwen3_moe"]
-    ref = [o.token_ids for o in run(load_full(path, device="cpu"), PROMPTS, 8)[0]]
     probe = load_graph(path, residency=0.6, policy="lru", device="cpu")
     pdir = random_pset(probe, 3).save(tmp_path / "pred")
+    if backend == "aot_eager":
+        ref = [o.token_ids for o in run(load_full(path, device="cpu"), PROMPTS, 12)[0]]
+    else:
+        ref = [o.token_ids for o in run_graph(probe, PROMPTS, 12, decoder=GraphDecoder(probe))[0]]
     probe.close()
-    copy = GraphPrefetcher._copy_granted
+    waiting = threading.Event()
+    copy, wait = GraphPrefetcher._copy_granted, GraphEngine.wait_fetches
 
-    def slow(self):
-        if (self._host.grant >> 24 > self._host.done_tag).any():
-            time.sleep(0.02)
-        return copy(self)
+    def copy_when_waited_for(self):
+        return copy(self) if waiting.is_set() else False
 
-    monkeypatch.setattr(GraphPrefetcher, "_copy_granted", slow)
+    def wait_flagged(self, slots, valid):
+        waiting.set()
+        try:
+            wait(self, slots, valid)
+        finally:
+            waiting.clear()
+
+    monkeypatch.setattr(GraphPrefetcher, "_copy_granted", copy_when_waited_for)
+    monkeypatch.setattr(GraphEngine, "wait_fetches", wait_flagged)
     lm = load_graph(path, residency=0.6, policy="seqmoe", device="cpu", predictor=str(pdir))
-    outs, _ = run_graph(lm, PROMPTS, 8, decoder=GraphDecoder(lm, backend="aot_eager"))
+    lm.engine.prefetcher.max_outstanding = 8  # copies only finish when waited for: let more requests be pending
+    outs, _ = run_graph(lm, PROMPTS, 12, decoder=GraphDecoder(lm, backend=backend))
     assert [o.token_ids for o in outs] == ref
-    assert lm.engine.prefetcher.waited > 0
+    pf = lm.engine.prefetcher
+    assert pf.waited > 0 and pf.copied > 0
     lm.close()
 
 

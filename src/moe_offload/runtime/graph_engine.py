@@ -55,20 +55,20 @@ def _slot_experts_fake(handle, layer, hidden_states, slot_ids, pair_weights, loa
 @torch.library.custom_op("moe_offload::slot_experts_fetching", mutates_args=())
 def slot_experts_fetching(handle: int, layer: int, hidden_states: torch.Tensor, slot_ids: torch.Tensor,
                           pair_weights: torch.Tensor, load_eids: torch.Tensor, load_slots: torch.Tensor,
-                          valid: torch.Tensor, wait_slots: torch.Tensor, wait_tags: torch.Tensor,
-                          wait_valid: torch.Tensor, grant_slots: torch.Tensor, grants: torch.Tensor,
+                          valid: torch.Tensor, wait_slots: torch.Tensor, wait_valid: torch.Tensor,
+                          grant_slots: torch.Tensor, grants: torch.Tensor,
                           taken: torch.Tensor, forecast: Optional[torch.Tensor],
                           predictor_index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``slot_experts`` with prefetching (``runtime.graph_prefetch``): first the control-region exchange
     (``GraphPrefetcher.exchange``: position, grants ``[R]`` int64 into slots ``grant_slots [R]``, taken request
     entries ``taken [R]`` bool, a forecast ``[1 + c, n, e]`` made at this layer or None), then the waits until the
-    worker returned tag ``wait_tags[j]`` for slot ``wait_slots[j]`` (``[E]``, every ``wait_valid[j]``: in-flight
-    experts the layer adopted), the on-demand copies and the experts. Returns ``(out [T, H], done_tag [S],
-    requests [R])``: the output and the region's snapshot for the next layer."""
+    worker has finished the copy granted to slot ``wait_slots[j]`` (``[E]`` int64, every ``wait_valid[j]``:
+    in-flight experts the layer adopted), the on-demand copies and the experts. Returns ``(out [T, H], done_tag
+    [S], requests [R])``: the output and the region's snapshot for the next layer."""
     eng = _ENGINES[handle]
     pf = eng.prefetcher
     pf.exchange(layer, grant_slots, grants, taken, forecast, predictor_index)
-    eng.wait_fetches(wait_slots, wait_tags, wait_valid)
+    eng.wait_fetches(wait_slots, wait_valid)
     eng.copy_rows(load_eids, load_slots, valid)
     out = eng.compute(layer, hidden_states, slot_ids, pair_weights)
     return (out, *pf.snapshot())
@@ -76,8 +76,7 @@ def slot_experts_fetching(handle: int, layer: int, hidden_states: torch.Tensor, 
 
 @slot_experts_fetching.register_fake
 def _slot_experts_fetching_fake(handle, layer, hidden_states, slot_ids, pair_weights, load_eids, load_slots, valid,
-                                wait_slots, wait_tags, wait_valid, grant_slots, grants, taken, forecast,
-                                predictor_index):
+                                wait_slots, wait_valid, grant_slots, grants, taken, forecast, predictor_index):
     c = _ENGINES[handle].cache
     return (torch.empty_like(hidden_states), grants.new_empty(c.S), grants.new_empty(c.R))
 
@@ -221,25 +220,31 @@ class GraphEngine:
             if self.predictor.fresh >= 0:
                 index = self.predictor.fresh
                 forecast = self.predictor.probs[index]
-        slot_ids, eids, slots, valid, *waits = self.cache.plan(moe_layer, top_k_index)
+        # the op waits for an adopted slot's copy by the tag of its grant, which it reads from the region: the
+        # plan's wait tags are read from the cache's tag table just before the plan rewrites it, a read a compiler
+        # may move past the write (inductor did: waits on the new tag, or none)
+        slot_ids, eids, slots, valid, wait_slots, _, wait_valid = self.cache.plan(moe_layer, top_k_index)
         grants = pf.reserve(moe_layer, requests)
         out, done, requests = torch.ops.moe_offload.slot_experts_fetching(
-            self.handle, moe_layer, hidden_states, slot_ids, top_k_weights.reshape(-1), eids, slots, valid, *waits,
-            *grants, forecast, index)
+            self.handle, moe_layer, hidden_states, slot_ids, top_k_weights.reshape(-1), eids, slots, valid,
+            wait_slots, wait_valid, *grants, forecast, index)
         pf.carry = (done, requests)
         return out
 
     # ---- the ops' eager bodies ------------------------------------------------------------------------------
 
-    def wait_fetches(self, slots: torch.Tensor, tags: torch.Tensor, valid: torch.Tensor) -> None:
-        """The op's waits: until the prefetch worker returns tag ``tags[j]`` for slot ``slots[j]`` (valid
-        entries; SlotTable's ``waits``). Raises RuntimeError if the worker has died."""
-        if not valid.numel() or not bool(valid.any()):
+    def wait_fetches(self, slots: torch.Tensor, valid: torch.Tensor) -> None:
+        """The op's waits: until the prefetch worker returns the tag granted to slot ``slots[j]`` (valid entries:
+        the Fetch slots of adopted experts, SlotTable's ``waits``; an adopted slot's latest grant is the
+        reservation it adopted). Raises RuntimeError if the worker has died or has not returned it within
+        ``WAIT_TIMEOUT_S``."""
+        if not bool(valid.any()):
             return
         t0 = time.perf_counter()
         pf = self.prefetcher
         done = pf.ctrl.done_tag.numpy()
-        for s, t in zip(slots[valid].tolist(), tags[valid].tolist()):
+        for s in slots[valid].tolist():
+            t = pf.granted_tag(s)
             give_up = time.perf_counter() + WAIT_TIMEOUT_S
             while done[s] < t:
                 pf.check()

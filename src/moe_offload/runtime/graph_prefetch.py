@@ -15,14 +15,15 @@ they would be pinned, mapped host memory):
 * ``done_tag [S]``: per slot, the tag of the last copy the worker finished (the step lands a Fetch slot only when
   this equals its expected tag; a stale tag changes nothing).
 
-The step reads and writes the region only at the start of the compiled graph and inside the experts op of each
-MoE layer (``moe_offload::slot_experts_fetching``, ``runtime.graph_engine``), never by tensor ops on the region in
-the graph: a compiled graph applies its mutations of input tensors when it ends, and may read an input once for
-all layers. So per MoE layer l: land the copies whose tags the region showed (layer 0: the region itself; later
-layers: the snapshot the previous layer's op returned), plan (the layer adopts in-flight experts it needs), reserve
+The step reads and writes the region only through copies taken before the compiled graph starts and inside the
+experts op of each MoE layer (``moe_offload::slot_experts_fetching``, ``runtime.graph_engine``), never by tensor
+ops on the region in the graph: a compiled graph applies its mutations of input tensors when it ends, may read an
+input once for all layers, or read it again in several kernels while the worker changes it. So per MoE layer l:
+land the copies whose tags the region showed (layer 0: the copy ``begin_step`` took; later layers: the snapshot
+the previous layer's op returned), plan (the layer adopts in-flight experts it needs), reserve
 slots for the requests in that snapshot (``FetchingGraphCache.reserve_slots``) and release the layer; then the op
-publishes the position, the grants and a forecast made at this layer, frees the taken requests, waits by tag for
-the adopted experts, raises the pause flag while it loads misses, computes, and returns a new snapshot of
+publishes the position, the grants and a forecast made at this layer, frees the taken requests, waits for the
+adopted experts (until the worker returns the tag of the slot's grant), raises the pause flag while it loads misses, computes, and returns a new snapshot of
 ``done_tag`` and ``requests`` for layer l + 1.
 
 The worker loop: turn each forecast the op posted (``GraphPredictor.probs`` of a trigger layer) into prefetch
@@ -106,7 +107,8 @@ class GraphPrefetcher:
         self.max_outstanding = max_outstanding
         self.ctrl = ControlRegion(self.cache.S, self.cache.R)
         self._host = self.ctrl.host()
-        self.carry = (self.ctrl.done_tag, self.ctrl.requests)
+        self._start = (self.ctrl.done_tag.clone(), self.ctrl.requests.clone())  # the region as a step starts
+        self.carry = self._start
         self.requested = self.copied = self.waited = 0
         self.copy_s = 0.0
         self._posted: list = []  # forecasts the op posted: (step, predictor, probs), taken by the worker
@@ -123,6 +125,8 @@ class GraphPrefetcher:
         self.check()
         self._host.request[...] = request
         self._host.step[...] = step
+        for mine, live in zip(self._start, (self.ctrl.done_tag, self.ctrl.requests)):
+            mine.copy_(live)
 
     def check(self) -> None:
         """Raise RuntimeError if the worker has died."""
@@ -138,8 +142,11 @@ class GraphPrefetcher:
 
     def land(self, layer: int) -> torch.Tensor:
         """Land the copies the region showed before MoE ``layer`` and return the request entries seen with them
-        (``[R]`` int64): the region itself at layer 0 (the graph's start), else the last op's snapshot."""
-        done, requests = (self.ctrl.done_tag, self.ctrl.requests) if layer == 0 else self.carry
+        (``[R]`` int64): at layer 0 a copy of the region taken by ``begin_step``, else the last op's snapshot.
+        Never the region itself: the worker writes it while the step runs, and a compiled graph may read one input
+        in several kernels (inductor did: a request read twice gave a grant for one expert and a reservation for
+        another)."""
+        done, requests = self._start if layer == 0 else self.carry
         self.cache.land(done)
         return requests
 
@@ -169,6 +176,10 @@ class GraphPrefetcher:
         h.requests[taken.numpy()] = 0
         if forecast is not None and predictor_index >= 0:
             self._posted.append((int(h.step), predictor_index, forecast.clone()))
+
+    def granted_tag(self, slot: int) -> int:
+        """The tag of ``slot``'s latest reservation (0: never reserved)."""
+        return int(self._host.grant[slot]) >> GRANT_SHIFT
 
     def snapshot(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of ``done_tag`` and ``requests`` for the next layer's landing and reservations."""
