@@ -217,3 +217,18 @@ def test_graph_seqmoe_waits_for_prefetch_copies(tiny_dirs, one_thread, random_ps
 def test_graph_seqmoe_needs_a_predictor(tiny_dirs):
     with pytest.raises(MoeOffloadError, match="needs --predictor"):
         load_graph(tiny_dirs["qwen3_moe"], policy="seqmoe")
+
+
+def test_graph_backend_failure_is_one_line(tiny_dirs):
+    """A compiler backend that fails inside its own code generation is reported as one MoeOffloadError naming the
+    way around it, not as the compiler's traceback."""
+    lm = load_graph(tiny_dirs["mixtral"], residency=0.5, policy="lru", device="cpu")
+    dec = GraphDecoder(lm, backend="aot_eager")
+
+    def broken(*args):
+        raise torch._dynamo.exc.BackendCompilerFailed(lambda: None, KeyError("buf248"), None)
+
+    dec.step = broken
+    with pytest.raises(MoeOffloadError, match="aot_eager backend failed to compile the decode step.*KeyError"):
+        run_graph(lm, PROMPTS[:1], 3, decoder=dec)
+    lm.close()

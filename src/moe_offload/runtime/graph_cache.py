@@ -25,8 +25,8 @@ misses, evicted experts, destination slots and slot contents after every layer):
 
 Scope (each refused with a one-line error by ``check_graph_policy``): the policies above only (``lfru`` needs a
 log-space float key per access and ``prefill-hot`` a top-N over prefill counts at the first decode step; both are
-expressible but not built); and at least ``E`` slots, so that every layer fits in one round (``plan_layer``'s rounds when a layer needs more
-distinct experts than there are slots are data-dependent).
+expressible but not built); and at least ``E`` slots, so that every layer fits in one round (``plan_layer``'s
+rounds when a layer needs more distinct experts than there are slots are data-dependent).
 Prefetching (``seqmoe``) adds the Fetch and Compute states: ``runtime.graph_fetch_cache.FetchingGraphCache``.
 
 Ties: LRU and probabilistic-Belady stamps are distinct among resident experts, and so are LFU stamps when every

@@ -119,7 +119,7 @@ class GraphDecoder:
             raise MoeOffloadError(f"unknown graph backend {backend!r}; choose one of: {', '.join(BACKENDS)}")
         if lm.engine is not None and not isinstance(lm.engine, GraphEngine):
             raise MoeOffloadError("graph mode needs a model loaded with runtime.graph_decode.load_graph")
-        self.lm = lm
+        self.lm, self.backend = lm, backend
         self.cache = None
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, DECODER_GRAPHS)
         opts = dict(fullgraph=True, backend=backend)
@@ -131,6 +131,23 @@ class GraphDecoder:
         """One decode forward: ``input_ids [1, 1]``, ``position_ids [1, 1]`` int64 -> logits ``[1, V]``."""
         out = self.lm.model(input_ids=input_ids, position_ids=position_ids, cache=cache, use_cache=True)
         return out.logits[:, -1]
+
+    def _compiled_step(self, input_ids, position_ids, cache) -> torch.Tensor:
+        """``self.step``, with a compiler backend's failure reported in one line (it happens inside the compiler's
+        own code generation: e.g. inductor's C++ backend on seqmoe-cacheonly's step for testbed-sparse).
+
+        Raises:
+            MoeOffloadError: the backend failed to compile the step.
+        """
+        try:
+            return self.step(input_ids, position_ids, cache)
+        except torch._dynamo.exc.BackendCompilerFailed as exc:
+            inner = getattr(exc, "inner_exception", None) or exc
+            why = " ".join(f"{type(inner).__name__}: {inner}".split())[:200]
+            hint = ("--graph-backend aot_eager compiles it without generated kernels" if self.backend == "inductor"
+                    else "run without --graph")
+            raise MoeOffloadError(f"the {self.backend} backend failed to compile the decode step ({why}); "
+                                  f"{hint}") from None
 
     def _static_cache(self, length: int):
         from transformers import StaticCache
@@ -167,7 +184,7 @@ class GraphDecoder:
             if engine is not None:
                 engine.begin_step(request, len(new))
             pos = torch.tensor([[len(prompt_ids) + len(new) - 1]], dtype=torch.long, device=dev)
-            logits = self.step(tok.view(1, 1), pos, cache)
+            logits = self._compiled_step(tok.view(1, 1), pos, cache)
             tok = _pick(logits, temperature, top_p, gen)
             new.append(int(tok))
         _sync(dev)

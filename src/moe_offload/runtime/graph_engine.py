@@ -11,7 +11,12 @@ Per layer execution, inside the compiled (or captured) decode step:
 2 is a ``torch.library`` custom op, opaque to the compiler (no graph break, as transformers' own
 ``grouped_mm_fallback`` under compilation); it reaches the engine through an integer handle. Its host time during
 decode steps is accumulated per phase (``op_seconds``: ``stall`` for the copies, ``copy_overhead`` for the copy
-bookkeeping, ``expert_compute`` for the GEMMs). One op rather than two: each op call costs ~25 us of dispatch.
+bookkeeping, ``expert_compute`` for the GEMMs; the waits for in-flight experts count as ``stall``). One op rather
+than two: each op call costs ~25 us of dispatch.
+
+With prefetching (``runtime.graph_prefetch``) step 1 also lands finished copies and reserves slots for the worker's
+requests (``FetchingGraphCache``), and step 2 is ``moe_offload::slot_experts_fetching``: the same op plus the
+control-region exchange and the waits by tag, returning the region's snapshot for the next layer.
 """
 
 from __future__ import annotations
@@ -220,9 +225,8 @@ class GraphEngine:
             if self.predictor.fresh >= 0:
                 index = self.predictor.fresh
                 forecast = self.predictor.probs[index]
-        # the op waits for an adopted slot's copy by the tag of its grant, which it reads from the region: the
-        # plan's wait tags are read from the cache's tag table just before the plan rewrites it, a read a compiler
-        # may move past the write (inductor did: waits on the new tag, or none)
+        # the op waits for an adopted slot's copy by the tag of the slot's grant, which it reads from the region
+        # (an adopted slot's latest grant is the reservation it adopted), so the plan's wait tags are not passed
         slot_ids, eids, slots, valid, wait_slots, _, wait_valid = self.cache.plan(moe_layer, top_k_index)
         grants = pf.reserve(moe_layer, requests)
         out, done, requests = torch.ops.moe_offload.slot_experts_fetching(

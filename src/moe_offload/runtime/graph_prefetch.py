@@ -20,11 +20,11 @@ experts op of each MoE layer (``moe_offload::slot_experts_fetching``, ``runtime.
 ops on the region in the graph: a compiled graph applies its mutations of input tensors when it ends, may read an
 input once for all layers, or read it again in several kernels while the worker changes it. So per MoE layer l:
 land the copies whose tags the region showed (layer 0: the copy ``begin_step`` took; later layers: the snapshot
-the previous layer's op returned), plan (the layer adopts in-flight experts it needs), reserve
-slots for the requests in that snapshot (``FetchingGraphCache.reserve_slots``) and release the layer; then the op
-publishes the position, the grants and a forecast made at this layer, frees the taken requests, waits for the
-adopted experts (until the worker returns the tag of the slot's grant), raises the pause flag while it loads misses, computes, and returns a new snapshot of
-``done_tag`` and ``requests`` for layer l + 1.
+the previous layer's op returned), plan (the layer adopts in-flight experts it needs), reserve slots for the
+requests in that snapshot (``FetchingGraphCache.reserve_slots``) and release the layer; then the op publishes the
+position, the grants and a forecast made at this layer, frees the taken requests, waits for the adopted experts
+(until the worker returns the tag of the slot's grant), raises the pause flag while it loads misses, computes, and
+returns a new snapshot of ``done_tag`` and ``requests`` for layer l + 1.
 
 The worker loop: turn each forecast the op posted (``GraphPredictor.probs`` of a trigger layer) into prefetch
 tasks (``core.prefetch.submit_forecast``); copy every granted slot whose tag it has not returned yet, in tag order,
