@@ -147,3 +147,15 @@ def test_config_disagreeing_with_itself_is_one_line_before_any_work(tiny_dirs, t
     assert main(["generate", "--model", str(d), "--prompt", "hi", "--residency", "0.5", "--quiet"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0]
+
+
+def test_graph_seqmoe_refusals_are_one_line(tiny_dirs, capsys, tmp_path):
+    """From a new user's try: --predictor-lag with --graph was silently ignored, and a pool of exactly one layer's
+    experts got an error about an internal "reserve" range."""
+    d = tiny_dirs["qwen3_moe"]  # 3 MoE layers x 16 experts
+    pred = tmp_path / "pred"  # any directory: both refusals come before the predictor is read
+    pred.mkdir()
+    assert_one_line_error(*run_cli(capsys, *gen(d, "--graph", "--policy", "seqmoe", "--predictor", str(pred),
+                                                 "--predictor-lag", "2")), "--predictor-lag runs the predictor")
+    assert_one_line_error(*run_cli(capsys, *gen(d, "--graph", "--policy", "seqmoe", "--predictor", str(pred),
+                                                 "--slots", "16")), "needs at least 17 slots")

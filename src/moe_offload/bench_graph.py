@@ -165,7 +165,9 @@ def bench_graph(path, prompts: list[str], residencies: list[float], *, policy: s
     gc.collect()
     return "\n".join(out + [f"\n{len(prompts)} prompts x {max_new_tokens} new tokens x {rounds} rounds, model {path}, "
                             f"backend {backend}, torch threads {torch.get_num_threads()}"
-                            + (f", predictor {predictor} (inside the step, rollout every step)" if predictor else ""),
+                            + (f", predictor {predictor} (inside the step, rollout every step)"
+                               if any(r.lm.engine is not None and r.lm.engine.predictor is not None for r in rows)
+                               else ""),
                             ""] + lines)
 
 

@@ -65,7 +65,8 @@ def _add_generate_parser(sub) -> None:
     g.add_argument("--link-gbps", type=float_, help="with --policy seqmoe*: emulate a host->device link of X GB/s "
                    "(every expert copy takes at least expert bytes / X; default: no emulation)")
     g.add_argument("--graph", action="store_true", help="graph mode: the decode step compiled whole (cache decisions "
-                   "as tensor ops, torch.compile fullgraph; CUDA graphs on a GPU), prefill eager; policies lru, lfu")
+                   "as tensor ops, torch.compile fullgraph), prefill eager; policies lru, lfu, seqmoe-cacheonly and "
+                   "seqmoe (with --predictor; seqmoe prefetches through a CPU worker during decode steps, CPU only)")
     g.add_argument("--graph-backend", choices=["inductor", "aot_eager"], default="inductor",
                    help="with --graph: the torch.compile backend (default inductor; aot_eager keeps the eager "
                    "kernels, hence FullLoad eager's tokens bit for bit)")
@@ -158,6 +159,9 @@ def _generate_graph(args, path, prompts, diffusion) -> int:
 
     if diffusion is not None or args.link_gbps or args.host_store != "pinned":
         raise MoeOffloadError("--graph runs autoregressive models without --link-gbps and --host-store mmap")
+    if args.predictor_lag is not None:
+        raise MoeOffloadError("--predictor-lag runs the predictor beside the eager runtime; with --graph the "
+                              "predictor runs inside the compiled step")
     if args.predictor and args.full_load:
         raise MoeOffloadError("--predictor needs the offloaded runtime (not --full-load)")
     if args.full_load:
@@ -179,6 +183,11 @@ def _generate_graph(args, path, prompts, diffusion) -> int:
                                      "landed": int(lm.engine.cache.landed), "waited": pf.waited}
     info["notes"] = offload_notes(info) + ["graph mode: the first request's decode time includes compiling the "
                                            "decode step (see `bench graph` for steady-state speed)"]
+    if pf is not None:
+        p = info["graph"]["prefetch"]
+        info["notes"].append(f"prefetch worker: requested {p['requested']} experts, copied {p['copied']} (not in "
+                             f"bytes loaded: those are on-demand copies); {p['landed']} landed before their layer, "
+                             f"{p['waited']} were waited for; no prefetching during prefills")
     if _print_outputs(args, path, outputs, info):
         return 0
     for note in info["notes"]:

@@ -84,7 +84,7 @@ def add_parsers(sub):
     bg.add_argument("--residencies", default="1.0,0.45", help="comma-separated residencies (default 1.0,0.45)")
     bg.add_argument("--rounds", type=int_in(1, 100), default=3, help="interleaved timed rounds (default 3)")
     bg.add_argument("--predictor", help="a trained predictor, run inside the step with --policy seqmoe-cacheonly "
-                    "(which needs it; default: none)")
+                    "or seqmoe (which need it; seqmoe also prefetches through a CPU worker; default: none)")
     bg.add_argument("--graph-backend", choices=["inductor", "aot_eager"], default="inductor",
                     help="torch.compile backend (default inductor; aot_eager keeps eager kernels: FullLoad eager's "
                     "tokens bit for bit)")

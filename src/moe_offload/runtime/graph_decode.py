@@ -50,8 +50,8 @@ def load_graph(model_dir, *, policy: str = "lru", residency: float | None = None
     Raises:
         MoeOffloadError: as ``load_offloaded``; a policy graph mode does not support, or fewer slots than one
         layer's experts (``graph_cache.check_graph_policy``); a predictor with another policy than
-        ``seqmoe-cacheonly``/``seqmoe`` or one that does not fit the model; ``seqmoe`` without a predictor, or with
-        fewer slots than one layer's experts plus one.
+        ``seqmoe-cacheonly``/``seqmoe`` or one that does not fit the model; ``seqmoe`` without a predictor, with
+        fewer slots than one layer's experts plus one, or on CUDA (``graph_prefetch.GraphPrefetcher``).
     """
     from ..models.capability import experts_modules
     from ..models.loader import load_offloaded
@@ -68,6 +68,10 @@ def load_graph(model_dir, *, policy: str = "lru", residency: float | None = None
     except MoeOffloadError:
         lm.close()
         raise
+    if scheduler and old.pool.num_slots <= lm.num_experts:
+        lm.close()
+        raise MoeOffloadError(f"--graph --policy {policy} needs at least {lm.num_experts + 1} slots (one MoE layer's "
+                              f"{lm.num_experts} experts + 1 to prefetch into), got {old.pool.num_slots}")
     try:
         if scheduler:
             from .graph_fetch_cache import FetchingGraphCache
@@ -95,9 +99,13 @@ def load_graph(model_dir, *, policy: str = "lru", residency: float | None = None
         from ..core.prefetch import make_scheduler
         from .graph_prefetch import GraphPrefetcher
 
-        engine.prefetcher = GraphPrefetcher(engine, make_scheduler(scheduler, num_moe_layers=lm.num_moe_layers,
-                                                                   b_avg=link_epl, auto_ema=False),
-                                            engine.predictor, lm.num_moe_layers, lm.num_experts, lm.top_k)
+        try:
+            engine.prefetcher = GraphPrefetcher(engine, make_scheduler(scheduler, num_moe_layers=lm.num_moe_layers,
+                                                                       b_avg=link_epl, auto_ema=False),
+                                                engine.predictor, lm.num_moe_layers, lm.num_experts, lm.top_k)
+        except MoeOffloadError:  # e.g. on CUDA: the control region is not built there
+            lm.close()
+            raise
     return lm
 
 
