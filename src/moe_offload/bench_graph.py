@@ -34,6 +34,7 @@ import torch
 
 from .generate import run
 from .models.loader import load_full
+from .runtime.graph_cache import GRAPH_PREDICTOR_POLICIES
 from .runtime.graph_decode import GraphDecoder, load_graph, run_graph
 
 #: steps over which the management (the plan of every layer) is timed
@@ -128,7 +129,7 @@ def bench_graph(path, prompts: list[str], residencies: list[float], *, policy: s
     for pol in [p.strip() for p in policy.split(",") if p.strip()]:
         for r in residencies:
             lm = load_graph(path, policy=pol, residency=r, device=device, dtype=dtype,
-                            predictor=predictor if pol in ("seqmoe-cacheonly", "seqmoe") else None)
+                            predictor=predictor if pol in GRAPH_PREDICTOR_POLICIES else None)
             row = GraphRow(f"graph {pol}", r, GraphDecoder(lm, backend=backend), lm)
             rows.append(row)
             if r == 1.0 and lm.engine.predictor is None:  # the A/B pair (module docstring)
@@ -208,9 +209,10 @@ def _prefetch_lines(rows: list[GraphRow]) -> list[str]:
     for row in rows:
         pf = row.lm.engine.prefetcher if row.lm.engine is not None else None
         if pf is not None:
-            out.append(f"\n{row.name} {row.residency:.2f}: the prefetch worker requested {pf.requested} experts and "
-                       f"copied {pf.copied} ({pf.copy_s:.2f} s); {int(row.lm.engine.cache.landed)} landed before "
-                       f"their layer, {pf.waited} were waited for (compile run and all rounds)")
+            c = pf.counts()
+            out.append(f"\n{row.name} {row.residency:.2f}: the prefetch worker requested {c['requested']} experts and "
+                       f"copied {c['copied']} ({pf.copy_s:.2f} s); {c['landed']} landed before their layer, "
+                       f"{c['waited']} were waited for (compile run and all rounds)")
     return out
 
 

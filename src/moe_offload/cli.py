@@ -179,8 +179,7 @@ def _generate_graph(args, path, prompts, diffusion) -> int:
     info["graph"] = {"backend": args.graph_backend}
     pf = getattr(lm.engine, "prefetcher", None)
     if pf is not None:  # graph mode's CPU prefetch worker (runtime.graph_prefetch)
-        info["graph"]["prefetch"] = {"requested": pf.requested, "copied": pf.copied,
-                                     "landed": int(lm.engine.cache.landed), "waited": pf.waited}
+        info["graph"]["prefetch"] = pf.counts()
     info["notes"] = offload_notes(info) + ["graph mode: the first request's decode time includes compiling the "
                                            "decode step (see `bench graph` for steady-state speed)"]
     if pf is not None:

@@ -152,7 +152,9 @@ def _decode(args) -> int:
 def _graph(args) -> int:
     from .bench_graph import bench_graph
 
-    needs = [p for p in ("seqmoe-cacheonly", "seqmoe") if p in (x.strip() for x in args.policy.split(","))]
+    from .runtime.graph_cache import GRAPH_PREDICTOR_POLICIES
+
+    needs = [p for p in GRAPH_PREDICTOR_POLICIES if p in (x.strip() for x in args.policy.split(","))]
     if needs and not args.predictor:
         raise MoeOffloadError(f"--policy {needs[0]} needs --predictor DIR")
     residencies, prompts, path = _residencies_prompts_model(args)

@@ -35,6 +35,7 @@ def graph_lines(root: Path, device: str, dry_run: bool, prompts: list[str]) -> l
     ``bench graph`` table. A row that crashes is reported as FAIL with its error."""
     from .models.loader import load_full
     from .models.tiny import make_tiny
+    from .runtime.graph_cache import GRAPH_PREDICTOR_POLICIES
     from .runtime.graph_decode import GraphDecoder, load_graph
 
     ckpt = make_tiny("qwen3_moe", root / "graph-qwen3")
@@ -53,7 +54,7 @@ def graph_lines(root: Path, device: str, dry_run: bool, prompts: list[str]) -> l
             t0 = time.perf_counter()
             try:
                 lm = load_graph(ckpt, policy=policy, residency=r, device=device,
-                                predictor=pred if policy.startswith("seqmoe") else None)
+                                predictor=pred if policy in GRAPH_PREDICTOR_POLICIES else None)
                 dec = None if graphs is None else GraphDecoder(lm, backend=backend, cuda_graphs=graphs)
                 got = _tokens(lm, prompts, new, dec)
                 result = "pass" if got == ref else "FAIL (tokens differ from FullLoad eager)"

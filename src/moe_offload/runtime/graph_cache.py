@@ -45,6 +45,8 @@ from ..errors import MoeOffloadError
 #: graph-mode eviction policies and the runtime policy names that select them
 GRAPH_POLICIES = {"lru": "lru", "lfu": "lfu", "seqmoe-cacheonly": "prob-belady", "seqmoe": "prob-belady",
                   "prob-belady": "prob-belady"}
+#: graph-mode policies driven by a predictor's forecasts (``--predictor`` required)
+GRAPH_PREDICTOR_POLICIES = ("seqmoe-cacheonly", "seqmoe")
 #: graph-mode policies that prefetch (``runtime.graph_fetch_cache``, ``runtime.graph_prefetch``): JSD scheduling
 GRAPH_PREFETCH_POLICIES = {"seqmoe": "jsd"}
 _INT_MAX = torch.iinfo(torch.int64).max

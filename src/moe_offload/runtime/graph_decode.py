@@ -72,17 +72,12 @@ def load_graph(model_dir, *, policy: str = "lru", residency: float | None = None
         lm.close()
         raise MoeOffloadError(f"--graph --policy {policy} needs at least {lm.num_experts + 1} slots (one MoE layer's "
                               f"{lm.num_experts} experts + 1 to prefetch into), got {old.pool.num_slots}")
-    try:
-        if scheduler:
-            from .graph_fetch_cache import FetchingGraphCache
+    if scheduler:
+        from .graph_fetch_cache import FetchingGraphCache
 
-            cache = FetchingGraphCache(old.pool.num_slots, lm.num_experts, lm.num_moe_layers, kind,
-                                       device=old.pool.device)
-        else:
-            cache = GraphCache(old.pool.num_slots, lm.num_experts, lm.num_moe_layers, kind, device=old.pool.device)
-    except MoeOffloadError as exc:
-        lm.close()
-        raise MoeOffloadError(f"--graph --policy {policy}: {exc}") from None
+        cache = FetchingGraphCache(old.pool.num_slots, lm.num_experts, lm.num_moe_layers, kind, device=old.pool.device)
+    else:
+        cache = GraphCache(old.pool.num_slots, lm.num_experts, lm.num_moe_layers, kind, device=old.pool.device)
     engine = GraphEngine(old.store, old.pool, cache, lm.num_experts, policy)
     engine.attach([m for _, m in experts_modules(lm.model)])
     lm.engine = engine

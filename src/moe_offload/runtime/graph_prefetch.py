@@ -128,6 +128,12 @@ class GraphPrefetcher:
         for mine, live in zip(self._start, (self.ctrl.done_tag, self.ctrl.requests)):
             mine.copy_(live)
 
+    def counts(self) -> dict:
+        """The worker's ``requested`` and ``copied``, the cache's ``landed``, the step's ``waited`` (ints, since
+        loading)."""
+        return {"requested": self.requested, "copied": self.copied, "landed": int(self.cache.landed),
+                "waited": self.waited}
+
     def check(self) -> None:
         """Raise RuntimeError if the worker has died."""
         if self.failed is not None:
