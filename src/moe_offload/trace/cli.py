@@ -1,18 +1,19 @@
-"""Command line of ``moe-offload trace collect`` and ``trace info`` (registered by ``moe_offload.cli``)."""
+"""Command line of ``moe-offload trace collect``, ``trace info`` and ``trace xl-accuracy`` (registered by
+``moe_offload.cli``)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from ..cliargs import add_diffusion_args, add_model_args, load_prompts, positive_int
+from ..cliargs import add_diffusion_args, add_model_args, load_prompts, positive_int, seed, split_floats
 from ..errors import MoeOffloadError
 from ..models.resolve import resolve_model
 
 
 def add_parser(sub) -> None:
-    """Add ``trace`` (``collect``, ``info``) to the top-level subparsers."""
-    tr = sub.add_parser("trace", help="routing traces: collect, info")
+    """Add ``trace`` (``collect``, ``info``, ``xl-accuracy``) to the top-level subparsers."""
+    tr = sub.add_parser("trace", help="routing traces: collect, info, xl-accuracy")
     trsub = tr.add_subparsers(dest="trace_cmd", required=True)
     tc = trsub.add_parser("collect", help="record routing while generating (through the runtime's router hook)")
     add_model_args(tc)
@@ -29,13 +30,38 @@ def add_parser(sub) -> None:
     ti = trsub.add_parser("info", help="summary statistics of a trace")
     ti.add_argument("file", help="a trace file (routing or diffusion)")
     ti.add_argument("--json", action="store_true", help="one JSON object instead of text")
+    tx = trsub.add_parser("xl-accuracy", help="what-if: a copy of a trace whose cross-layer forecasts are its true "
+                          "routing with experts swapped at chosen rates (marked synthetic)")
+    tx.add_argument("trace", help="a routing trace (its recorded cross-layer forecasts, if any, rank the rest)")
+    tx.add_argument("--swap", required=True, metavar="Q1,Q2,...",
+                    help="per layer distance 1, 2, ...: the probability that each forecast expert is a wrong one "
+                    "(e.g. 0.03,0.08,0.13); their count is the forecast depth")
+    tx.add_argument("--seed", type=seed, default=0, help="random seed (default 0)")
+    tx.add_argument("--out", required=True, help="trace file to write (must not exist)")
 
 
 def run(args) -> int:
     """``moe-offload trace info`` / ``trace collect``. Returns the exit status."""
     if args.trace_cmd == "info":
         return _info(args)
+    if args.trace_cmd == "xl-accuracy":
+        return _xl_accuracy(args)
     return _collect(args)
+
+
+def _xl_accuracy(args) -> int:
+    from .format import load_trace
+    from .xl_accuracy import with_xl_accuracy
+
+    out = Path(args.out)
+    if out.exists():
+        raise MoeOffloadError(f"{out} already exists; choose a new --out")
+    swap = split_floats(args.swap, "--swap")
+    tr = with_xl_accuracy(load_trace(args.trace), swap, args.seed)
+    tr.save(out)
+    print(f"wrote {out}: {args.trace}'s routing with what-if cross-layer forecasts (depth {len(swap)}, experts "
+          f"swapped at {args.swap}); marked synthetic")
+    return 0
 
 
 def _info(args) -> int:
