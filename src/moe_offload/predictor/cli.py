@@ -1,4 +1,4 @@
-"""``moe-offload predictor train|eval`` (SeqMoE §5.4, §9.4)."""
+"""``moe-offload predictor train|eval|calibrate-xl`` (SeqMoE §5.4, §9.4; the ``seqmoe-xl`` blend weights)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,12 @@ from pathlib import Path
 
 from ..cliargs import seed
 from ..errors import MoeOffloadError
+from .xl_calibrate import XL_GRID
 
 
 def add_parser(sub, positive_int, nonneg_int, fl) -> None:
     """Add the ``predictor`` command group to the top-level subparsers ``sub``."""
-    pr = sub.add_parser("predictor", help="SeqMoE's seq2seq expert-activation predictor: train, eval")
+    pr = sub.add_parser("predictor", help="SeqMoE's seq2seq expert-activation predictor: train, eval, calibrate-xl")
     psub = pr.add_subparsers(dest="predictor_cmd", required=True)
     t = psub.add_parser("train", help="train predictors on traces (90/10 split by request)")
     t.add_argument("--traces", nargs="+", required=True, metavar="FILE", help="trace files of one model")
@@ -47,10 +48,21 @@ def add_parser(sub, positive_int, nonneg_int, fl) -> None:
     e.add_argument("--rollout", type=nonneg_int, default=8, help="recursive steps in the overhead run (default 8)")
     e.add_argument("--xl-weights", metavar="W1,W2,...",
                    help="traces collected with --xl-forecasts: blend weights of the cross-layer forecast at layer "
-                   "distance 1, 2, ... for the Seq-1+XL-j rows (default: the seqmoe-xl policy's, "
-                   "predictor.blend.XL_WEIGHTS)")
+                   "distance 1, 2, ... for the Seq-1+XL-j rows (default: the seqmoe-xl policy's: the "
+                   "predictor's calibrated ones, else predictor.blend.XL_WEIGHTS)")
     e.add_argument("--json", action="store_true", help="one JSON object instead of tables")
     e.add_argument("--quiet", action="store_true", help="no progress bars")
+    c = psub.add_parser("calibrate-xl", help="fit the seqmoe-xl blend weights of a predictor to its model's "
+                        "cross-layer forecasts (stored as xl_weights.json beside the predictor)")
+    c.add_argument("--predictor", required=True, help="predictor directory")
+    c.add_argument("--traces", nargs="+", required=True, metavar="FILE",
+                   help="traces collected with --xl-forecasts on prompts you will not measure on (the predictor's "
+                   "training traces: their held-out requests)")
+    c.add_argument("--grid", default=",".join(f"{w:g}" for w in XL_GRID), metavar="W1,W2,...",
+                   help="candidate weights in [0, 1] (default: 0, 0.1, ..., 1)")
+    c.add_argument("--replace", action="store_true", help="replace the predictor's existing xl_weights.json")
+    c.add_argument("--json", action="store_true", help="one JSON object instead of a table")
+    c.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
 def _load_traces(paths: list[str]):
@@ -71,6 +83,21 @@ def _sequences(traces):
     for i, t in enumerate(traces):
         seqs += trace_sequences(t, i)
     return seqs
+
+
+def _split(pset, traces) -> tuple[list, list[int], list[int], str]:
+    """``(requests, train indices, test indices, note)``: when ``traces`` are the predictor's training traces, its
+    training split (evaluate on the held-out requests), else no training requests and every request to evaluate."""
+    from .features import training_split
+
+    seqs = _sequences(traces)
+    split = training_split(pset.header.training, traces, [s.key for s in seqs])
+    if split is not None:
+        train_idx, test_idx = split
+        return seqs, train_idx, test_idx, \
+            f"held-out {len(test_idx)} of {len(seqs)} requests (the predictor's training split)"
+    return seqs, [], list(range(len(seqs))), \
+        f"all {len(seqs)} requests (these traces are not the predictor's training traces)"
 
 
 def cmd_train(args) -> int:
@@ -133,7 +160,6 @@ def cmd_eval(args) -> int:
     from ..report import format_table
     from .baselines import MarkovPredictor
     from .evaluate import evaluate_predictor, popularity_counts, recall_table
-    from .features import training_split
     from .model import load_predictor
 
     traces = _load_traces(args.traces)
@@ -142,14 +168,7 @@ def cmd_eval(args) -> int:
     control = load_predictor(args.control, model_id=model_id) if args.control else None
     if control is not None and [s.layers for s in control.header.specs] != [s.layers for s in pset.header.specs]:
         raise MoeOffloadError("--control must have the same layer ranges as --predictor")
-    seqs = _sequences(traces)
-    split = training_split(pset.header.training, traces, [s.key for s in seqs])
-    if split is not None:
-        train_idx, test_idx = split
-        note = f"held-out {len(test_idx)} of {len(seqs)} requests (the predictor's training split)"
-    else:
-        train_idx, test_idx = [], list(range(len(seqs)))
-        note = f"all {len(seqs)} requests (these traces are not the predictor's training traces)"
+    seqs, train_idx, test_idx, note = _split(pset, traces)
     test = [seqs[i] for i in test_idx]
     h = pset.header
     fit_on = [seqs[i] for i in train_idx] if train_idx else test
@@ -158,10 +177,9 @@ def cmd_eval(args) -> int:
     weights = None
     if args.xl_weights:
         from ..cliargs import split_floats
+        from .xl_calibrate import check_xl_weights
 
-        weights = split_floats(args.xl_weights, "--xl-weights")
-        if not all(0.0 <= w <= 1.0 for w in weights):
-            raise MoeOffloadError(f"--xl-weights must be in [0, 1], got {args.xl_weights}")
+        weights = check_xl_weights(split_floats(args.xl_weights, "--xl-weights"))
     res = evaluate_predictor(pset, test, horizon=args.horizon, long_threshold=args.long_threshold, markov=markov,
                              popularity=pop, control=control, progress=not args.quiet, xl_weights=weights)
     head, rows = recall_table(res)
@@ -192,6 +210,51 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def cmd_calibrate_xl(args) -> int:
+    """``predictor calibrate-xl``: per layer distance, the grid weight with the best blended recall
+    (``predictor.xl_calibrate.calibrate_xl_weights``), stored as ``xl_weights.json`` in the predictor directory.
+    Returns the exit status.
+
+    Raises:
+        MoeOffloadError: unreadable predictor or traces, traces without cross-layer forecasts, a bad grid, an
+            existing ``xl_weights.json`` without ``--replace``.
+    """
+    from ..cliargs import split_floats
+    from ..report import format_table
+    from .model import load_predictor
+    from .xl_calibrate import XL_WEIGHTS_NAME, calibrate_xl_weights, check_xl_weights, write_xl_weights
+
+    grid = check_xl_weights(split_floats(args.grid, "--grid"), "--grid")
+    if (Path(args.predictor) / XL_WEIGHTS_NAME).exists() and not args.replace:
+        raise MoeOffloadError(f"{Path(args.predictor) / XL_WEIGHTS_NAME} already exists; pass --replace to "
+                              "recalibrate (nothing was overwritten)")
+    traces = _load_traces(args.traces)
+    pset = load_predictor(args.predictor, model_id=traces[0].header.get("model_id"))
+    seqs, _, test_idx, note = _split(pset, traces)
+    seqs = [seqs[i] for i in test_idx]
+    weights, table = calibrate_xl_weights(pset, seqs, grid, progress=not args.quiet)
+    record = {"grid": list(grid), "requests": note, "traces": [Path(p).name for p in args.traces],
+              "recall": {f"XL-{j}": {f"{w:g}": {"top_k": round(v[1], 6), "top_k_plus_3": round(v[0], 6)}
+                                     for w, v in t.items()} for j, t in table.items()}}
+    path = write_xl_weights(args.predictor, weights, record, replace=args.replace)
+    if args.json:
+        print(json.dumps({"weights": list(weights), "file": str(path)} | record))
+        return 0
+    k = pset.header.top_k
+    print(f"Blend weight of the cross-layer forecast per layer distance: recall@top-{k} / recall@top-{k + 3} of "
+          f"Seq-1 blended with XL-j, on {note}")
+    dists = sorted(table)
+    print(format_table(["weight", *(f"Seq-1+XL-{j}" for j in dists)],
+                       [[f"{w:g}", *(f"{100 * table[j][w][1]:.2f}% / {100 * table[j][w][0]:.2f}%"
+                                      + (" *" if weights[i] == w else "") for i, j in enumerate(dists))]
+                        for w in grid]))
+    print(f"wrote {path}: weights {', '.join(f'{w:g}' for w in weights)} (* above); seqmoe-xl, simulate and "
+          "predictor eval use them with this predictor")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     """Dispatch ``moe-offload predictor ...``; returns the exit status."""
+    if args.predictor_cmd == "calibrate-xl":
+        return cmd_calibrate_xl(args)
     return cmd_train(args) if args.predictor_cmd == "train" else cmd_eval(args)

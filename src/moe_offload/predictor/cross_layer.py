@@ -260,7 +260,8 @@ class CrossLayerFeed:
         consumers: objects with ``observe(forecast)`` (``predictor.runtime.forecast_consumers``), in this order.
         runner: a ``PredictorRunner`` (``seqmoe-xl``: its own forecasts go to the consumers as ``ForecastFeed``
             hands them, and the cross-layer ones are blended with them), or None (``xl``).
-        weights: the blend weight of the cross-layer forecast per layer distance (``predictor.blend.XL_WEIGHTS``).
+        weights: the blend weight of the cross-layer forecast per layer distance (None:
+            ``predictor.blend.XL_WEIGHTS``).
     """
 
     def __init__(self, source, consumers: list, runner=None, weights=None):
@@ -301,7 +302,8 @@ def attach_cross_layer(lm, pset=None, depth: int = XL_DEPTH, rollout_every: int 
 
     Args:
         lm: an offloaded model (``models.loader.load_offloaded``) with a forecast-driven policy.
-        pset: the trained predictors (``seqmoe-xl``) or None (``xl``).
+        pset: the trained predictors (``seqmoe-xl``; their calibrated blend weights, ``PredictorSet.xl_weights``,
+            if any) or None (``xl``).
         depth: d, later layers forecast by each MoE layer.
         rollout_every: the predictor's rollout interval (default ``predictor.runtime.ROLLOUT_EVERY``).
     Raises:
@@ -318,7 +320,7 @@ def attach_cross_layer(lm, pset=None, depth: int = XL_DEPTH, rollout_every: int 
     runner = None
     if pset is not None:
         runner = PredictorRunner(pset, rollout=ROLLOUT, rollout_every=rollout_every or ROLLOUT_EVERY)
-    feed = CrossLayerFeed(source, consumers, runner)
+    feed = CrossLayerFeed(source, consumers, runner, getattr(pset, "xl_weights", None))
     if pset is not None:
         connect_feed(engine, pset, feed)
     else:

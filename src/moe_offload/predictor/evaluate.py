@@ -74,6 +74,8 @@ class EvalResult:
     long_threshold: int = 0
     requests: int = 0
     long_requests: int = 0
+    #: ``{(layer distance j, weight w): Recall}`` of Seq-1 blended with XL-j at weight w (``xl_grid``)
+    blend_grid: dict = field(default_factory=dict)
 
     def row(self, name: str) -> Recall:
         return self.rows.setdefault(name, Recall())
@@ -83,7 +85,7 @@ class EvalResult:
 def evaluate_predictor(pset: PredictorSet, seqs: list[Sequence], *, horizon: int = 8, long_threshold: int = 512,
                        markov: MarkovPredictor | None = None, popularity: torch.Tensor | None = None,
                        control: PredictorSet | None = None, shuffle_seed: int = 1234,
-                       progress: bool = False, xl_weights=None) -> EvalResult:
+                       progress: bool = False, xl_weights=None, xl_grid=None) -> EvalResult:
     """Evaluate on held-out sequences.
 
     Args:
@@ -95,7 +97,10 @@ def evaluate_predictor(pset: PredictorSet, seqs: list[Sequence], *, horizon: int
         popularity: float ``[L, e]`` activation counts for the ``Last`` baseline's top-up (row omitted if None).
         control: the shuffled-control predictors (row omitted if None).
         shuffle_seed: seed of the test sequences' shuffling for the control.
-        xl_weights: the blend weights of the ``Seq-1+XL-j`` rows (default ``predictor.blend.XL_WEIGHTS``).
+        xl_weights: the blend weights of the ``Seq-1+XL-j`` rows (default: ``pset.xl_weights``, else
+            ``predictor.blend.XL_WEIGHTS``).
+        xl_grid: optional weights in ``[0, 1]``: Seq-1 blended with each XL-j at each of them too, in
+            ``EvalResult.blend_grid`` (``predictor.xl_calibrate``).
 
     Returns:
         ``EvalResult``.
@@ -104,7 +109,9 @@ def evaluate_predictor(pset: PredictorSet, seqs: list[Sequence], *, horizon: int
 
     from .blend import XL_WEIGHTS
 
-    xl_weights = tuple(xl_weights) if xl_weights is not None else XL_WEIGHTS
+    if xl_weights is None:
+        xl_weights = getattr(pset, "xl_weights", None) or XL_WEIGHTS
+    xl_weights = tuple(xl_weights)
     h = pset.header
     k, E = h.top_k, h.num_experts
     res = EvalResult(top_k=k, num_experts=E, horizon=horizon, long_threshold=long_threshold)
@@ -134,7 +141,7 @@ def evaluate_predictor(pset: PredictorSet, seqs: list[Sequence], *, horizon: int
             for t in range(P, T):
                 res.row("Seq-1").add(nxt.unsqueeze(0), ids[t:t + 1], k)
                 if seq.xl is not None:
-                    _blend_rows(res, seq, t, (lo, hi), nxt, xl_weights)
+                    _blend_rows(res, seq, t, (lo, hi), nxt, xl_weights, xl_grid)
                 if is_long:
                     res.row("Seq-L1").add(nxt.unsqueeze(0), ids[t:t + 1], k)
                 if horizon > 1 and t + horizon - 1 < T:
@@ -166,9 +173,10 @@ def _xl_rows(res: EvalResult, seq: Sequence) -> None:
 
 
 def _blend_rows(res: EvalResult, seq: Sequence, t: int, layers: tuple[int, int], logits: torch.Tensor,
-                weights) -> None:
+                weights, grid=None) -> None:
     """Rows ``Seq-1+XL-j`` at position ``t`` for one predictor's ``layers``: its one-step ``logits [n, E]`` (softmax:
-    the runtime's forecast) blended with the cross-layer forecast of each layer from ``j`` layers before."""
+    the runtime's forecast) blended with the cross-layer forecast of each layer from ``j`` layers before; with a
+    ``grid``, the blends at each of its weights into ``res.blend_grid``."""
     from .blend import mix
 
     lo, hi = layers
@@ -177,8 +185,12 @@ def _blend_rows(res: EvalResult, seq: Sequence, t: int, layers: tuple[int, int],
     for j in range(1, xl.shape[1] + 1):
         ps = torch.arange(max(lo, j), hi)
         if len(ps):
-            b = mix(xl[ps - j, j - 1], probs[ps - lo], weights, [j] * len(ps))
-            res.row(f"Seq-1+XL-{j}").add(b.unsqueeze(0), seq.ids[t:t + 1, ps], res.top_k)
+            x, p, true = xl[ps - j, j - 1], probs[ps - lo], seq.ids[t:t + 1, ps]
+            b = mix(x, p, weights, [j] * len(ps))
+            res.row(f"Seq-1+XL-{j}").add(b.unsqueeze(0), true, res.top_k)
+            for w in grid or ():
+                bw = mix(x, p, (w,), [j] * len(ps))
+                res.blend_grid.setdefault((j, w), Recall()).add(bw.unsqueeze(0), true, res.top_k)
 
 
 def popularity_counts(seqs: list[Sequence], num_moe_layers: int, num_experts: int) -> torch.Tensor:

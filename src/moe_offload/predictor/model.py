@@ -242,6 +242,9 @@ class PredictorSet(nn.Module):
             raise MoeOffloadError(f"predictor range {covered[-1]} exceeds the model's "
                                   f"{header.num_moe_layers} MoE layers")
         self.predictors = nn.ModuleList(SeqPredictor(s, header.num_experts, header.top_k) for s in header.specs)
+        #: the ``seqmoe-xl`` blend weights per layer distance calibrated for this predictor (``xl_weights.json``,
+        #: ``predictor.xl_calibrate``), or None: ``predictor.blend.XL_WEIGHTS``
+        self.xl_weights: tuple[float, ...] | None = None
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
@@ -294,8 +297,11 @@ def load_predictor(path: str | Path, model_id: str | None = None, device: str | 
         model_id: if given, the fingerprint of the model it will run with (``trace.format.model_fingerprint``).
         device: where to put it.
 
+    The calibrated ``seqmoe-xl`` blend weights stored beside it, if any, become ``xl_weights``.
+
     Raises:
-        MoeOffloadError: missing/corrupt files, another format, or a predictor trained for another model.
+        MoeOffloadError: missing/corrupt files (the blend weights' included), another format, or a predictor
+            trained for another model.
     """
     from safetensors.torch import load_file
 
@@ -331,4 +337,7 @@ def load_predictor(path: str | Path, model_id: str | None = None, device: str | 
             p.load_state_dict(sd, strict=True)
         except RuntimeError as e:
             raise MoeOffloadError(f"{w_p}: weights do not match {cfg_p} ({str(e).splitlines()[0]})") from None
+    from .xl_calibrate import read_xl_weights
+
+    pset.xl_weights = read_xl_weights(d)
     return pset.to(device).eval()

@@ -104,7 +104,9 @@ def xl_stream(trace: Trace, pset: PredictorSet | None = None, rollout_every: int
               weights=None, progress: bool = False) -> list[list[tuple[int, Forecast]]]:
     """The forecasts of the policies ``xl`` (``pset`` None: cross-layer forecasts alone) and ``seqmoe-xl`` (blended
     with ``pset``'s, ``predictor.blend``) over ``trace``, as ``forecast_stream`` lays them out: the runtime's
-    ``CrossLayerFeed`` run on the trace's recorded cross-layer forecasts.
+    ``CrossLayerFeed`` run on the trace's recorded cross-layer forecasts, blended with ``weights`` (default: the
+    predictor's calibrated ones, ``PredictorSet.xl_weights``, else ``predictor.blend.XL_WEIGHTS``), as the runtime
+    blends them.
 
     Raises:
         MoeOffloadError: a trace without cross-layer forecasts (``TraceXL``).
@@ -113,6 +115,8 @@ def xl_stream(trace: Trace, pset: PredictorSet | None = None, rollout_every: int
 
     src = TraceXL(trace)
     runner = PredictorRunner(pset, rollout=ROLLOUT, rollout_every=rollout_every) if pset is not None else None
+    if weights is None:
+        weights = getattr(pset, "xl_weights", None)
     return _replay_feed(CrossLayerFeed(src, [_Sink()], runner, weights), trace, progress, xl=src)
 
 
