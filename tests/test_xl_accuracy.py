@@ -93,9 +93,25 @@ def test_cli_writes_a_marked_trace_and_never_overwrites(trace, tmp_path, capsys)
     before = out.read_bytes()
     for argv, needle in ((["--swap", "0.1", "--out", str(out)], "already exists"),
                          (["--swap", "0.1,x", "--out", str(tmp_path / "n.trace")], "comma-separated numbers"),
-                         (["--swap", "2", "--out", str(tmp_path / "n.trace")], "in [0, 1], got 2.0")):
+                         (["--swap", "2", "--out", str(tmp_path / "n.trace")], "in [0, 1], got 2.0"),
+                         (["--swap", "0.1,,0.2", "--out", str(tmp_path / "n.trace")], "--swap has an empty entry"),
+                         (["--swap", "0.1,0.1,0.1,0.1", "--out", str(tmp_path / "n.trace")],
+                          "at most 3 layer distances")):
         capsys.readouterr()
         assert main(["trace", "xl-accuracy", str(src), *argv]) == 2
         err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
         assert len(err) == 1 and needle in err[0], err
     assert out.read_bytes() == before and not (tmp_path / "n.trace").exists()
+    capsys.readouterr()
+    assert main(["trace", "info", str(out)]) == 0
+    info = capsys.readouterr().out
+    assert "(SYNTHETIC)" in info and "cross-layer forecasts: depth 2, what-if" in info
+
+
+def test_a_diffusion_trace_is_named_as_such(tmp_path):
+    from moe_offload.trace.diffusion_synthetic import synthetic_diffusion_trace
+    from moe_offload.trace.format import load_trace
+
+    synthetic_diffusion_trace(2, 8, 2, requests=1, blocks=1, block_length=4).save(tmp_path / "d.trace")
+    with pytest.raises(MoeOffloadError, match="is a moe-offload diffusion trace, not a moe-offload trace"):
+        load_trace(tmp_path / "d.trace")

@@ -11,8 +11,8 @@ from moe_offload.cli import main
 from moe_offload.errors import MoeOffloadError
 from moe_offload.predictor.features import trace_sequences
 from moe_offload.predictor.model import PredictorHeader, PredictorSet, PredictorSpec, load_predictor
-from moe_offload.predictor.xl_calibrate import (XL_GRID, XL_WEIGHTS_NAME, calibrate_xl_weights, read_xl_weights,
-                                                write_xl_weights)
+from moe_offload.predictor.xl_calibrate import (XL_GRID, XL_WEIGHTS_NAME, calibrate_xl_weights, describe_xl_weights,
+                                                read_xl_weights, write_xl_weights)
 from moe_offload.trace.xl_accuracy import with_xl_accuracy
 from test_predictor import planted_trace
 
@@ -56,34 +56,54 @@ def test_wrong_forecasts_get_weight_zero(trace, pset):
 def test_weights_file_and_its_refusals(trace, pset, tmp_path, capsys):
     d = tmp_path / "pred"
     pset.save(d)
-    assert load_predictor(d).xl_weights is None
+    assert load_predictor(d).xl_weights is None and describe_xl_weights(load_predictor(d)) == "0.3, 0.25, 0.2 (default)"
     write_xl_weights(d, (0.6, 0.5), {"note": "hand"})
-    assert read_xl_weights(d) == (0.6, 0.5) and load_predictor(d).xl_weights == (0.6, 0.5)
+    assert read_xl_weights(d) == ((0.6, 0.5), str(d / XL_WEIGHTS_NAME))
+    assert describe_xl_weights(load_predictor(d)) == f"0.6, 0.5 ({d / XL_WEIGHTS_NAME})"
     with pytest.raises(MoeOffloadError, match="already exists; pass --replace"):
         write_xl_weights(d, (0.1,), {})
-    assert read_xl_weights(d) == (0.6, 0.5)
-    write_xl_weights(d, (0.1,), {}, replace=True)
-    assert read_xl_weights(d) == (0.1,)
-    (d / XL_WEIGHTS_NAME).write_text(json.dumps({"weights": [0.2, 1.5]}))
-    with pytest.raises(MoeOffloadError, match=r"must be in \[0, 1\], got 1.5"):
-        load_predictor(d)
+    assert read_xl_weights(d)[0] == (0.6, 0.5)
+    write_xl_weights(d, (0.1,), {"synthetic": True}, replace=True)
+    assert read_xl_weights(d) == ((0.1,), f"{d / XL_WEIGHTS_NAME}, fitted on synthetic traces")
+    for bad, needle in (({"weights": [0.2, 1.5]}, r"must be in \[0, 1\], got 1.5"), ({"weights": "0"}, "a list"),
+                        ({"weights": []}, "is empty"), ([0.3], "a list")):
+        (d / XL_WEIGHTS_NAME).write_text(json.dumps(bad))
+        with pytest.raises(MoeOffloadError, match=needle):
+            load_predictor(d)
     (d / XL_WEIGHTS_NAME).unlink()
 
-    t_xl, t_plain = tmp_path / "xl.trace", tmp_path / "plain.trace"
-    with_xl_accuracy(trace, [0.0, 0.0, 0.0]).save(t_xl)
+    t_xl, t_plain, t_real = tmp_path / "xl.trace", tmp_path / "plain.trace", tmp_path / "real.trace"
+    with_xl_accuracy(trace, [0.0, 0.0, 0.0]).save(t_xl)              # what-if forecasts: marked synthetic
     trace.save(t_plain)
-    assert main(["predictor", "calibrate-xl", "--predictor", str(d), "--traces", str(t_xl), "--quiet"]) == 0
+    real = with_xl_accuracy(trace, [0.0, 0.0, 0.0])
+    real.header = {k: v for k, v in real.header.items() if k != "xl_forecasts"} | {"synthetic": False}
+    real.save(t_real)                                                 # as if recorded by trace collect
+    assert main(["predictor", "calibrate-xl", "--predictor", str(d), "--traces", str(t_real), "--quiet"]) == 0
     out = capsys.readouterr().out
     stored = json.loads((d / XL_WEIGHTS_NAME).read_text())
     assert load_predictor(d).xl_weights == tuple(stored["weights"]) and "wrote" in out and "*" in out
+    assert stored["synthetic"] is False and "synthetic" not in out
     before = (d / XL_WEIGHTS_NAME).read_bytes()
-    for argv, needle in ((["--traces", str(t_xl)], "pass --replace"),
-                         (["--traces", str(t_plain), "--replace"], "collected with --xl-forecasts"),
-                         (["--traces", str(t_xl), "--replace", "--grid", "0.5,1.5"], "--grid must be in [0, 1]")):
+    for argv, needle in ((["--traces", str(t_real)], "pass --replace"),
+                         (["--traces", str(t_plain), "--replace"], "has no cross-layer forecasts"),
+                         (["--traces", str(t_real), str(t_plain), "--replace"], "has no cross-layer forecasts"),
+                         (["--traces", str(t_real), str(t_real), "--replace"], "the same file twice"),
+                         (["--traces", str(t_xl), "--replace"], "pass --allow-synthetic"),
+                         (["--traces", str(t_real), "--replace", "--grid", "0.5,1.5"], "--grid must be in [0, 1]"),
+                         (["--traces", str(t_real), "--replace", "--grid", "0.5,,1"], "--grid has an empty entry")):
         assert main(["predictor", "calibrate-xl", "--predictor", str(d), "--quiet", *argv]) == 2
         err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
         assert len(err) == 1 and needle in err[0], err
     assert (d / XL_WEIGHTS_NAME).read_bytes() == before
+    assert main(["predictor", "calibrate-xl", "--predictor", str(d), "--traces", str(t_xl), "--replace",
+                 "--allow-synthetic", "--grid", "1,0.5,0.5", "--quiet"]) == 0
+    assert "fitted on synthetic traces" in capsys.readouterr().out
+    stored = json.loads((d / XL_WEIGHTS_NAME).read_text())
+    assert stored["synthetic"] is True and stored["grid"] == [0.5, 1.0]
+    assert "fitted on synthetic traces" in describe_xl_weights(load_predictor(d))
+    assert main(["predictor", "eval", "--predictor", str(d), "--traces", str(t_xl), "--quiet", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["xl_blend_weights"] == describe_xl_weights(load_predictor(d)) and "what-if" in got["synthetic"][0]
 
 
 def test_calibrated_weights_reach_the_simulator_and_the_runtime_feed(tiny_dirs, random_pset):
@@ -113,3 +133,16 @@ def test_calibrated_weights_reach_the_simulator_and_the_runtime_feed(tiny_dirs, 
     assert not all(np.array_equal(a, b) for a, b in zip(stored, default))
     feed = attach_cross_layer(lm, ps, depth=2)
     assert feed.weights == (0.9, 0.1)
+
+
+def test_generate_names_the_blend_weights(tiny_dirs, random_pset, tmp_path, capsys):
+    """``generate --policy seqmoe-xl --json`` says which blend weights it used and where they come from."""
+    from moe_offload.models.loader import load_offloaded
+
+    d = tmp_path / "pred"
+    random_pset(load_offloaded(tiny_dirs["mixtral"], residency=0.5, progress=False), seed=2).save(d)
+    write_xl_weights(d, (0.7, 0.2), {})
+    assert main(["generate", "--model", str(tiny_dirs["mixtral"]), "--prompt", "hi", "--max-new-tokens", "3",
+                 "--quiet", "--policy", "seqmoe-xl", "--predictor", str(d), "--residency", "0.5", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["stats"]["predictor"]["xl_blend_weights"] == f"0.7, 0.2 ({d / XL_WEIGHTS_NAME})"

@@ -230,14 +230,19 @@ def _cmd_generate(args) -> int:
         if args.predictor_lag is not None:  # the predictor in its own process (predictor.lagged.LaggedFeed)
             info["predictor"] |= {"lag_layers": args.predictor_lag, "ms_receiving_per_decode_step":
                                   1e3 * runner.receive_s / max(1, ps.decode_steps)}
+        if args.policy == "seqmoe-xl":
+            from .predictor.xl_calibrate import describe_xl_weights
+
+            info["predictor"]["xl_blend_weights"] = describe_xl_weights(runner.pset)
     info["notes"] = offload_notes(info)
     if _print_outputs(args, path, outputs, info):
         return 0
     if "predictor" in info:
         p = info["predictor"]
         lag = f", in its own process, forecasts used {p['lag_layers']} MoE layers late" if "lag_layers" in p else ""
+        blend = f"; cross-layer blend weights {p['xl_blend_weights']}" if "xl_blend_weights" in p else ""
         print(f"predictor: {p['ms_per_decode_step']:.2f} ms per decode step ({p['decode_steps']} steps, "
-              f"rollout {p['rollout']}{lag}), {p['prefill_s']:.3f} s in prefill")
+              f"rollout {p['rollout']}{lag}), {p['prefill_s']:.3f} s in prefill{blend}")
     for note in info["notes"]:
         print(note)
     return 0
@@ -301,6 +306,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("moe-offload: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader of stdout went away (e.g. `| head`): stop quietly, as a pipe expects
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())       # so the interpreter's final flush does not raise again
+        return 1
 
 
 if __name__ == "__main__":

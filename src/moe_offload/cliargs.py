@@ -97,14 +97,16 @@ def split_floats(text: str, what: str) -> list[float]:
     """Comma-separated numbers of option ``what``.
 
     Raises:
-        MoeOffloadError: not numbers, or none."""
+        MoeOffloadError: not numbers, none, or an empty entry (``1,,2``, ``1,``)."""
+    parts = [x.strip() for x in text.split(",")]
+    if not any(parts):
+        raise MoeOffloadError(f"{what} is empty")
+    if not all(parts):
+        raise MoeOffloadError(f"{what} has an empty entry in {text!r}")
     try:
-        vals = [float(x) for x in text.split(",") if x.strip()]
+        return [float(x) for x in parts]
     except ValueError:
         raise MoeOffloadError(f"{what} must be comma-separated numbers, got {text!r}") from None
-    if not vals:
-        raise MoeOffloadError(f"{what} is empty")
-    return vals
 
 
 def parse_intervals(text: str) -> list[int]:

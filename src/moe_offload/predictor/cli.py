@@ -56,11 +56,14 @@ def add_parser(sub, positive_int, nonneg_int, fl) -> None:
                         "cross-layer forecasts (stored as xl_weights.json beside the predictor)")
     c.add_argument("--predictor", required=True, help="predictor directory")
     c.add_argument("--traces", nargs="+", required=True, metavar="FILE",
-                   help="traces collected with --xl-forecasts on prompts you will not measure on (the predictor's "
-                   "training traces: their held-out requests)")
+                   help="traces collected with --xl-forecasts, on prompts other than those you will measure on "
+                   "(docs/benchmarks.md uses 12 of the predictor's training prompts)")
     c.add_argument("--grid", default=",".join(f"{w:g}" for w in XL_GRID), metavar="W1,W2,...",
                    help="candidate weights in [0, 1] (default: 0, 0.1, ..., 1)")
     c.add_argument("--replace", action="store_true", help="replace the predictor's existing xl_weights.json")
+    c.add_argument("--allow-synthetic", action="store_true",
+                   help="calibrate on synthetic traces (e.g. trace xl-accuracy's what-if copies); the weights "
+                   "file then says so, and so does every run that uses it")
     c.add_argument("--json", action="store_true", help="one JSON object instead of a table")
     c.add_argument("--quiet", action="store_true", help="no progress bars")
 
@@ -97,7 +100,7 @@ def _split(pset, traces) -> tuple[list, list[int], list[int], str]:
         return seqs, train_idx, test_idx, \
             f"held-out {len(test_idx)} of {len(seqs)} requests (the predictor's training split)"
     return seqs, [], list(range(len(seqs))), \
-        f"all {len(seqs)} requests (these traces are not the predictor's training traces)"
+        f"all {len(seqs)} requests (these trace files are not the predictor's training trace files)"
 
 
 def cmd_train(args) -> int:
@@ -188,6 +191,14 @@ def cmd_eval(args) -> int:
            "markov_fitted_on": "training split" if train_idx else "the evaluated requests themselves (in-sample)",
            "parameters": pset.num_parameters(), "parameter_bytes": pset.parameter_bytes(),
            "state_bytes": pset.state_bytes()}
+    if any(t.xl_probs is not None for t in traces):
+        from .xl_calibrate import describe_xl_weights
+
+        out["xl_blend_weights"] = (", ".join(f"{w:g}" for w in weights) + " (--xl-weights)" if weights
+                                   else describe_xl_weights(pset))
+    synthetic = sorted({t.header.get("xl_forecasts") or "generated" for t in traces if t.header.get("synthetic")})
+    if synthetic:
+        out["synthetic"] = synthetic
     if args.model:
         from .evaluate import measure_overhead
 
@@ -197,8 +208,12 @@ def cmd_eval(args) -> int:
         print(json.dumps(out))
         return 0
     print(f"Predictor {args.predictor} on {note}; top-{h.top_k} of {h.num_experts}, Seq-L1 = requests of >= "
-          f"{args.long_threshold} positions ({res.long_requests} requests); Markov/Last fitted on the "
-          f"{out['markov_fitted_on']}")
+          f"{args.long_threshold} positions ({res.long_requests} requests); Markov/Last fitted on "
+          f"{'the ' if train_idx else ''}{out['markov_fitted_on']}")
+    if "xl_blend_weights" in out:
+        print(f"Seq-1+XL-j: Seq-1 blended with XL-j at the weights {out['xl_blend_weights']}")
+    for what in out.get("synthetic", ()):
+        print(f"SYNTHETIC trace: {what}")
     print(format_table(head, rows))
     print(f"predictor memory: {pset.num_parameters():,} parameters = {pset.parameter_bytes() / 2**20:.2f} MiB; "
           f"recurrent state {pset.state_bytes() / 2**10:.1f} KiB per request")
@@ -224,16 +239,28 @@ def cmd_calibrate_xl(args) -> int:
     from .model import load_predictor
     from .xl_calibrate import XL_WEIGHTS_NAME, calibrate_xl_weights, check_xl_weights, write_xl_weights
 
-    grid = check_xl_weights(split_floats(args.grid, "--grid"), "--grid")
+    grid = tuple(sorted(set(check_xl_weights(split_floats(args.grid, "--grid"), "--grid"))))
     if (Path(args.predictor) / XL_WEIGHTS_NAME).exists() and not args.replace:
         raise MoeOffloadError(f"{Path(args.predictor) / XL_WEIGHTS_NAME} already exists; pass --replace to "
                               "recalibrate (nothing was overwritten)")
+    if len({Path(p).resolve() for p in args.traces}) < len(args.traces):
+        raise MoeOffloadError("--traces names the same file twice")
     traces = _load_traces(args.traces)
+    for p, t in zip(args.traces, traces):
+        if t.xl_probs is None:
+            raise MoeOffloadError(f"{p} has no cross-layer forecasts: calibration needs traces collected with "
+                                  "--xl-forecasts")
+    synthetic = [(p, t.header.get("xl_forecasts") or "a generated trace")
+                 for p, t in zip(args.traces, traces) if t.header.get("synthetic")]
+    if synthetic and not args.allow_synthetic:
+        raise MoeOffloadError(f"{synthetic[0][0]} is synthetic ({synthetic[0][1]}); weights fitted on it would drive "
+                              "real runs: pass --allow-synthetic if that is what you want")
     pset = load_predictor(args.predictor, model_id=traces[0].header.get("model_id"))
     seqs, _, test_idx, note = _split(pset, traces)
     seqs = [seqs[i] for i in test_idx]
     weights, table = calibrate_xl_weights(pset, seqs, grid, progress=not args.quiet)
-    record = {"grid": list(grid), "requests": note, "traces": [Path(p).name for p in args.traces],
+    record = {"grid": list(grid), "requests": note, "traces": [str(Path(p).resolve()) for p in args.traces],
+              "synthetic": bool(synthetic),
               "recall": {f"XL-{j}": {f"{w:g}": {"top_k": round(v[1], 6), "top_k_plus_3": round(v[0], 6)}
                                      for w, v in t.items()} for j, t in table.items()}}
     path = write_xl_weights(args.predictor, weights, record, replace=args.replace)
@@ -248,8 +275,9 @@ def cmd_calibrate_xl(args) -> int:
                        [[f"{w:g}", *(f"{100 * table[j][w][1]:.2f}% / {100 * table[j][w][0]:.2f}%"
                                       + (" *" if weights[i] == w else "") for i, j in enumerate(dists))]
                         for w in grid]))
-    print(f"wrote {path}: weights {', '.join(f'{w:g}' for w in weights)} (* above); seqmoe-xl, simulate and "
-          "predictor eval use them with this predictor")
+    print(f"wrote {path}: weights {', '.join(f'{w:g}' for w in weights)} (* above)"
+          + (", fitted on synthetic traces" if synthetic else "")
+          + "; seqmoe-xl, simulate and predictor eval use them with this predictor")
     return 0
 
 

@@ -245,6 +245,7 @@ class PredictorSet(nn.Module):
         #: the ``seqmoe-xl`` blend weights per layer distance calibrated for this predictor (``xl_weights.json``,
         #: ``predictor.xl_calibrate``), or None: ``predictor.blend.XL_WEIGHTS``
         self.xl_weights: tuple[float, ...] | None = None
+        self.xl_weights_note: str | None = None          # where they come from (``describe_xl_weights``)
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
@@ -339,5 +340,7 @@ def load_predictor(path: str | Path, model_id: str | None = None, device: str | 
             raise MoeOffloadError(f"{w_p}: weights do not match {cfg_p} ({str(e).splitlines()[0]})") from None
     from .xl_calibrate import read_xl_weights
 
-    pset.xl_weights = read_xl_weights(d)
+    stored = read_xl_weights(d)
+    if stored is not None:
+        pset.xl_weights, pset.xl_weights_note = stored
     return pset.to(device).eval()

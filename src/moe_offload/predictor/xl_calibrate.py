@@ -47,8 +47,9 @@ def check_xl_weights(weights, what: str = "--xl-weights") -> tuple[float, ...]:
     return out
 
 
-def read_xl_weights(directory: str | Path) -> tuple[float, ...] | None:
-    """The calibrated weights stored in a predictor ``directory`` (``XL_WEIGHTS_NAME``), or None when there are none.
+def read_xl_weights(directory: str | Path) -> tuple[tuple[float, ...], str] | None:
+    """The calibrated weights stored in a predictor ``directory`` (``XL_WEIGHTS_NAME``) and a note saying where they
+    come from (the file; "fitted on synthetic traces" when they were), or None when there are none.
 
     Raises:
         MoeOffloadError: an unreadable or malformed file.
@@ -60,9 +61,20 @@ def read_xl_weights(directory: str | Path) -> tuple[float, ...] | None:
         j = json.loads(p.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise MoeOffloadError(f"{p}: unreadable blend weights ({e})") from None
-    if not isinstance(j, dict) or "weights" not in j:
-        raise MoeOffloadError(f"{p}: malformed blend weights (no \"weights\")")
-    return check_xl_weights(j["weights"], str(p))
+    if not isinstance(j, dict) or not isinstance(j.get("weights"), list):
+        raise MoeOffloadError(f"{p}: malformed blend weights (needs a list \"weights\")")
+    note = str(p) + (", fitted on synthetic traces" if j.get("synthetic") else "")
+    return check_xl_weights(j["weights"], f"{p} \"weights\""), note
+
+
+def describe_xl_weights(pset) -> str:
+    """``"w1, w2, ... (where from)"``: the blend weights ``seqmoe-xl`` uses with ``pset`` (its calibrated ones, or
+    ``predictor.blend.XL_WEIGHTS`` "(default)"), for reports."""
+    from .blend import XL_WEIGHTS
+
+    w = getattr(pset, "xl_weights", None)
+    note = getattr(pset, "xl_weights_note", None) if w else "default"
+    return ", ".join(f"{x:g}" for x in (w or XL_WEIGHTS)) + f" ({note or 'set by the caller'})"
 
 
 def write_xl_weights(directory: str | Path, weights, record: dict, replace: bool = False) -> Path:

@@ -136,8 +136,9 @@ def run(args) -> int:
         raise MoeOffloadError(f"--link-epl must be > 0, got {epl}")
     prefetching = [p for p in policies if p.lower() in PREFETCH_POLICIES]
     if prefetching and epl is None:
-        raise MoeOffloadError(f"--policy {','.join(prefetching)} needs a link speed: pass --link-epl or "
-                              "--full-load-tok-s")
+        raise MoeOffloadError(f"--policy {','.join(prefetching)} needs a link speed: pass --link-epl (experts per "
+                              "layer time, e.g. 1.39) or --full-load-tok-s, or profiles that have one (e.g. "
+                              "--hardware rtx4090 --model-profile qwen3-30b-a3b-fp8)")
     for _, tr in traces:
         if model_id:
             tr.check_model(model_id)
@@ -145,6 +146,10 @@ def run(args) -> int:
             if p.lower() not in PREFETCH_POLICIES:
                 build_policy(p, tr, 1, needs=[])
     forecasts |= _xl_streams(traces, policies, pset, args.rollout_every)
+    if pset is not None and "seqmoe-xl" in {p.lower() for p in policies}:
+        from ..predictor.xl_calibrate import describe_xl_weights
+
+        print(f"seqmoe-xl's cross-layer blend weights: {describe_xl_weights(pset)}")
     rows = _replays(traces, policies, residencies, mp, hw, tm, epl, forecasts, popularity)
     files = write_report(rows, out, f"Expert hit rate and projected decode speed ({mp.name} on {hw.name})")
     print((out / "results.md").read_text())

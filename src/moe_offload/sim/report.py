@@ -117,8 +117,10 @@ def write_report(rows: list[dict], out_dir, title: str) -> list[Path]:
     p = out / "results.md"
     lines = [f"# {title}", ""]
     if _is_synthetic(rows):
-        lines += ["Rows marked synthetic replay a generated trace (`moe_offload.trace.synthetic`): they measure the "
-                  "simulator and the generator, not a model.", ""]
+        lines += ["Rows marked synthetic replay a trace with generated parts: a generated routing "
+                  "(`moe_offload.trace.synthetic`: they measure the simulator and the generator, not a model), or a "
+                  "recorded routing with what-if cross-layer forecasts (`trace xl-accuracy`: only the xl policies' "
+                  "forecasts are made up; see `trace info`).", ""]
     lines += table_lines(rows, cols)
     p.write_text("\n".join(lines) + "\n")
     written.append(p)

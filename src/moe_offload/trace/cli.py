@@ -57,10 +57,18 @@ def _xl_accuracy(args) -> int:
     if out.exists():
         raise MoeOffloadError(f"{out} already exists; choose a new --out")
     swap = split_floats(args.swap, "--swap")
-    tr = with_xl_accuracy(load_trace(args.trace), swap, args.seed)
+    src = load_trace(args.trace)
+    tr = with_xl_accuracy(src, swap, args.seed)
     tr.save(out)
+    if src.xl_probs is None:
+        tail = "; the experts beyond the top-k are uniform (the input has no cross-layer forecasts)"
+    elif src.xl_probs.shape[2] != len(swap):
+        tail = (f"; the experts beyond the top-k are uniform (the input's forecasts have depth "
+                f"{src.xl_probs.shape[2]}, not {len(swap)})")
+    else:
+        tail = "; the experts beyond the top-k keep the recorded forecasts' order"
     print(f"wrote {out}: {args.trace}'s routing with what-if cross-layer forecasts (depth {len(swap)}, experts "
-          f"swapped at {args.swap}); marked synthetic")
+          f"swapped at {', '.join(f'{q:g}' for q in swap)}){tail}; marked synthetic")
     return 0
 
 
@@ -122,9 +130,12 @@ def _collect(args) -> int:
               f"({', '.join(f'{k} {v}' for k, v in params.items())}), {tr.num_moe_layers} MoE layers x "
               f"{tr.num_experts} experts, top-{tr.top_k}")
         return 0
-    lm = load_offloaded(path, device=args.device, dtype=args.dtype, policy=args.policy, progress=not args.quiet)
     if args.xl_depth and not args.xl_forecasts:
         raise MoeOffloadError("--xl-depth needs --xl-forecasts")
+    lm = load_offloaded(path, device=args.device, dtype=args.dtype, policy=args.policy, progress=not args.quiet)
+    if args.xl_depth and args.xl_depth > lm.num_moe_layers - 1:
+        raise MoeOffloadError(f"--xl-depth {args.xl_depth}: the model's {lm.num_moe_layers} MoE layers have at most "
+                              f"{lm.num_moe_layers - 1} later layers to forecast")
     from ..predictor.cross_layer import XL_DEPTH
 
     xl_depth = (args.xl_depth or XL_DEPTH) if args.xl_forecasts else 0

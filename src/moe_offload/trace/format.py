@@ -180,6 +180,9 @@ def read_header_and_arrays(p: Path, meta_key: str, what: str) -> tuple[dict, dic
     except Exception as e:
         raise MoeOffloadError(f"{p} is not a readable {what} file ({e})") from None
     if meta_key not in meta:
+        kinds = [k.removeprefix("moe_offload_").replace("_", " ") for k in meta if k.startswith("moe_offload_")]
+        if kinds:
+            raise MoeOffloadError(f"{p} is a moe-offload {kinds[0]}, not a moe-offload {what} (no {meta_key} header)")
         raise MoeOffloadError(f"{p} is not a moe-offload {what} (no {meta_key} header)")
     try:
         header = json.loads(meta[meta_key])

@@ -63,6 +63,9 @@ def trace_stats(trace: Trace) -> dict:
         "num_experts": E,
         "top_k": trace.top_k,
         "synthetic": bool(trace.header.get("synthetic")),
+        "router_probs": trace.router_probs is not None,
+        "xl_depth": 0 if trace.xl_probs is None else int(trace.xl_probs.shape[2]),
+        "xl_forecasts": (trace.header.get("xl_forecasts") or "recorded") if trace.xl_probs is not None else None,
         "top10pct_share": float(share.mean()),
         "top10pct_share_per_layer": [float(x) for x in share],
         "mean_jaccard_consecutive": float(jacc_all.mean()) if len(jacc_all) else None,
@@ -84,5 +87,8 @@ def format_stats(s: dict) -> str:
                                         else f"{s['mean_jaccard_consecutive']:.3f}"),
         "reuse distance (decode steps): " + (", ".join(f"{k} {v:g}" for k, v in s["reuse_distance_steps"].items())
                                               or "n/a"),
+        "router probabilities: " + ("recorded" if s.get("router_probs") else "no (trace collect --router-probs)"),
+        "cross-layer forecasts: " + (f"depth {s['xl_depth']}, {s['xl_forecasts']}" if s.get("xl_depth")
+                                     else "no (trace collect --xl-forecasts)"),
     ]
     return "\n".join(ln for ln in lines if ln)

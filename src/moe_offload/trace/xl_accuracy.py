@@ -41,8 +41,9 @@ def with_xl_accuracy(trace: Trace, swap: list[float], seed: int = 0) -> Trace:
         A ``Trace`` sharing ``trace``'s routing arrays, with ``xl_probs`` float32 ``[D, L, d, E]`` (D decode rows)
         and the header marked ``synthetic: true`` with ``xl_forecasts`` naming the rates and seed.
     Raises:
-        MoeOffloadError: no rate, a rate outside ``[0, 1]``, a trace without decode rows, or ``E < 2k`` (not enough
-            wrong experts to swap in for every expert).
+        MoeOffloadError: no rate, more rates than the trace has layer distances (``L - 1``), a rate outside
+            ``[0, 1]``, a trace without decode rows, or ``E < 2k`` (not enough wrong experts to swap in for every
+            expert).
     """
     if not swap:
         raise MoeOffloadError("--swap needs at least one rate (one per layer distance)")
@@ -50,6 +51,9 @@ def with_xl_accuracy(trace: Trace, swap: list[float], seed: int = 0) -> Trace:
     if bad:
         raise MoeOffloadError(f"--swap rates must be in [0, 1], got {bad[0]}")
     L, E, k = trace.num_moe_layers, trace.num_experts, trace.top_k
+    if len(swap) > L - 1:
+        raise MoeOffloadError(f"--swap has {len(swap)} rates, but a trace of {L} MoE layers has at most {L - 1} "
+                              "layer distances to forecast")
     if E < 2 * k:
         raise MoeOffloadError(f"swapping needs at least 2k = {2 * k} experts per layer, the trace has {E}")
     dec = np.flatnonzero(trace.step > 0)
