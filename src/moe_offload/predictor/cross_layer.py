@@ -260,15 +260,17 @@ class CrossLayerFeed:
         consumers: objects with ``observe(forecast)`` (``predictor.runtime.forecast_consumers``), in this order.
         runner: a ``PredictorRunner`` (``seqmoe-xl``: its own forecasts go to the consumers as ``ForecastFeed``
             hands them, and the cross-layer ones are blended with them), or None (``xl``).
-        weights: the blend weight of the cross-layer forecast per layer distance (None:
-            ``predictor.blend.XL_WEIGHTS``).
+        weights: the blend weight of the cross-layer forecast per layer distance (None: the runner's predictor's
+            calibrated ones, ``PredictorSet.xl_weights``, else ``predictor.blend.XL_WEIGHTS``).
     """
 
     def __init__(self, source, consumers: list, runner=None, weights=None):
         from .blend import XL_WEIGHTS, HostForecasts
 
         self.source, self.consumers, self.runner = source, list(consumers), runner
-        self.weights = tuple(weights) if weights is not None else XL_WEIGHTS
+        if weights is None:  # the predictor's calibrated weights (``predictor.xl_calibrate``), else the default
+            weights = getattr(getattr(runner, "pset", None), "xl_weights", None) or XL_WEIGHTS
+        self.weights = tuple(weights)
         self.inner = ForecastFeed(runner, *consumers) if runner is not None else None
         self.host = HostForecasts(runner) if runner is not None else None
         self.request, self.step = -1, 0
@@ -320,7 +322,7 @@ def attach_cross_layer(lm, pset=None, depth: int = XL_DEPTH, rollout_every: int 
     runner = None
     if pset is not None:
         runner = PredictorRunner(pset, rollout=ROLLOUT, rollout_every=rollout_every or ROLLOUT_EVERY)
-    feed = CrossLayerFeed(source, consumers, runner, getattr(pset, "xl_weights", None))
+    feed = CrossLayerFeed(source, consumers, runner)
     if pset is not None:
         connect_feed(engine, pset, feed)
     else:

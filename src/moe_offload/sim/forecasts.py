@@ -115,8 +115,6 @@ def xl_stream(trace: Trace, pset: PredictorSet | None = None, rollout_every: int
 
     src = TraceXL(trace)
     runner = PredictorRunner(pset, rollout=ROLLOUT, rollout_every=rollout_every) if pset is not None else None
-    if weights is None:
-        weights = getattr(pset, "xl_weights", None)
     return _replay_feed(CrossLayerFeed(src, [_Sink()], runner, weights), trace, progress, xl=src)
 
 
