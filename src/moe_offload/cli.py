@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 
 from . import __version__
-from .cliargs import (OneLineErrorParser, add_diffusion_args, add_model_args, add_predictor_lag_arg, float_,
-                      load_prompts, nonneg_int, positive_int, seed)
+from .cliargs import (OneLineErrorParser, add_diffusion_args, add_host_store_arg, add_model_args, add_predictor_lag_arg,
+                      float_, load_prompts, nonneg_int, positive_int, seed)
 from .errors import MoeOffloadError
 from .models.resolve import BUILTIN_MODELS, resolve_model
 
@@ -44,9 +44,7 @@ def _add_generate_parser(sub) -> None:
     size.add_argument("--slots", type=positive_int, help="number of device slots, >= top-k (default: from "
                       "--residency)")
     g.add_argument("--full-load", action="store_true", help="every weight on the device (the reference)")
-    g.add_argument("--host-store", choices=["pinned", "mmap"], default="pinned",
-                   help="where the offloaded experts live on the host: pinned (default: a private copy, page-locked "
-                   "on CUDA) or mmap (read from the safetensors files' memory maps: no private copy)")
+    add_host_store_arg(g)
     g.add_argument("--temperature", type=float_, default=0.0, help="sampling temperature; 0 = greedy (default)")
     g.add_argument("--top-p", type=float_, default=1.0, help="nucleus sampling: keep the smallest set of tokens "
                    "whose probability reaches this, in (0, 1] (with --temperature > 0)")
@@ -158,7 +156,9 @@ def _generate_graph(args, path, prompts, diffusion) -> int:
     from .runtime.graph_decode import GraphDecoder, load_graph, run_graph
 
     if diffusion is not None or args.link_gbps or args.host_store != "pinned":
-        raise MoeOffloadError("--graph runs autoregressive models without --link-gbps and --host-store mmap")
+        raise MoeOffloadError("--graph runs autoregressive models without --link-gbps and with --host-store pinned "
+                              f"(not {args.host_store})" if args.host_store != "pinned" else
+                              "--graph runs autoregressive models without --link-gbps")
     if args.predictor_lag is not None:
         raise MoeOffloadError("--predictor-lag runs the predictor beside the eager runtime; with --graph the "
                               "predictor runs inside the compiled step")

@@ -159,6 +159,16 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
+def add_host_store_arg(p: argparse.ArgumentParser) -> None:
+    """``--host-store pinned|mmap|disk`` (``models.loader.HOST_STORES``): where the offloaded experts live below the
+    device slots."""
+    p.add_argument("--host-store", choices=["pinned", "mmap", "disk"], default="pinned",
+                   help="where the offloaded experts live below the device slots: pinned (default: a private copy in "
+                   "host RAM, page-locked on CUDA), mmap (the safetensors files' memory maps: the page cache) or disk "
+                   "(read from the safetensors files with direct I/O, around the page cache: no expert byte in host "
+                   "memory but the slots; for models larger than memory)")
+
+
 def add_predictor_lag_arg(p: argparse.ArgumentParser) -> None:
     """``--predictor-lag LAYERS`` (``predictor.lagged``; read as ``args.predictor_lag``, None when not given)."""
     p.add_argument("--predictor-lag", type=int_in(0, 64), metavar="LAYERS",

@@ -141,9 +141,19 @@ class TensorInfo:
         return self.start + index * row, row
 
 
+def no_readahead(fd: int) -> None:
+    """Ask the kernel not to read ahead on ``fd`` (``POSIX_FADV_RANDOM``); a filesystem that refuses is ignored."""
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+    except (OSError, AttributeError):
+        pass
+
+
 def _header(f: Path) -> tuple[int, dict]:
-    """``(data_start, header)`` of a safetensors file."""
-    with f.open("rb") as fh:
+    """``(data_start, header)`` of a safetensors file, read without read-ahead (which would bring the first tensors,
+    experts among them, into the page cache)."""
+    with f.open("rb", buffering=0) as fh:
+        no_readahead(fh.fileno())
         header_len = int.from_bytes(fh.read(8), "little")
         if header_len > f.stat().st_size:
             raise ValueError(f"header length {header_len} exceeds the file size")
@@ -182,6 +192,9 @@ class Checkpoint:
                     raise MoeOffloadError(f"tensor {k} is in both {self.index[k].file.name} and {f.name}")
                 self.index[k] = info
         self._fds: dict[Path, int] = {}
+        #: read without the kernel's read-ahead (``--host-store disk``: only the tensors asked for enter the page
+        #: cache, never the experts beside them)
+        self.random_access = False
 
     def keys(self) -> list[str]:
         return list(self.index)
@@ -203,6 +216,8 @@ class Checkpoint:
         fd = self._fds.get(info.file)
         if fd is None:
             fd = self._fds[info.file] = os.open(info.file, os.O_RDONLY)
+            if self.random_access:  # no read-ahead: it would pull the neighbouring experts into the page cache
+                no_readahead(fd)
         view, done = memoryview(dst).cast("B"), 0
         while done < nbytes:
             n = os.preadv(fd, [view[done:]], start + done)

@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 
 from ..errors import MoeOffloadError
 from ..runtime.formats import FP8, MXFP4, PLAIN, ExpertFormat
+from ..runtime.store import FILE_BACKED
 from .checkpoint import FLOAT8, Checkpoint, Quantization
 
 
@@ -258,14 +259,15 @@ def _converted_spec(pname: str, shape: tuple, parts: dict, ckpt: Checkpoint, cma
     """The format spec of a converted expert parameter: one plain field in the module's per-expert layout.
 
     Raises:
-        MoeOffloadError: ``--host-store mmap`` (it maps the checkpoint's bytes, which this parameter's are not), or
+        MoeOffloadError: ``--host-store mmap`` or ``disk`` (they read the checkpoint's bytes, which this parameter's
+            are not), or
             pieces that are not float tensors.
     """
     ops = [type(o).__name__ for o in cmap.converted[pname].operations]
     if keep_file_dtype:
         raise MoeOffloadError(f"expert parameter {pname} is converted from the checkpoint's layout ({', '.join(ops)}):"
-                              " --host-store mmap serves experts stored in the module's layout; use --host-store "
-                              "pinned")
+                              " --host-store mmap and disk serve experts stored in the module's layout; use "
+                              "--host-store pinned")
     for roles in parts.values():
         for piece in roles.values():
             if not _piece_shape(ckpt, piece)[1].is_floating_point or _piece_shape(ckpt, piece)[1] in FLOAT8:
@@ -344,7 +346,7 @@ def fill_store(store, fmt: ExpertFormat, cmap: CheckpointMap, ckpt: Checkpoint, 
         f, off = _targets(fmt, pname, i, role)
         info = ckpt.info(piece.key)
         nbytes = info.nbytes if piece.fused_index is None else info.row_range(piece.fused_index)[1]
-        if store.mode == "mmap":
+        if store.mode in FILE_BACKED:
             store.add_segment(eid, off, info.file, start, nbytes)
         elif info.dtype == f.dtype:
             ckpt.read_into(piece.key, store.row(eid)[off:off + nbytes], piece.fused_index)

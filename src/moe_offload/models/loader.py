@@ -22,7 +22,7 @@ from ..errors import MoeOffloadError
 from ..runtime.engine import OffloadEngine
 from ..runtime.formats import ExpertFormat
 from ..runtime.pool import SlotPool
-from ..runtime.store import HostStore, MmapHostStore
+from ..runtime.store import FILE_BACKED, HostStore, MmapHostStore
 from .capability import expert_params, experts_modules, generation_class, inspect_model, top_k as _top_k
 from .checkpoint import Checkpoint, quantization, read_config
 from .expert_map import build_format, fill_store, map_checkpoint
@@ -30,7 +30,7 @@ from .registry import Architecture
 from .weights import load_non_expert
 
 #: host store modes (``--host-store``)
-HOST_STORES = ("pinned", "mmap")
+HOST_STORES = ("pinned", "mmap", "disk")
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
@@ -79,7 +79,7 @@ class LoadedModel:
     top_k: int
     expert_bytes: int
     path: Path
-    host_store: str | None = None           # "pinned" | "mmap" (None: FullLoad)
+    host_store: str | None = None           # "pinned" | "mmap" | "disk" (None: FullLoad)
     expert_dtypes: tuple[str, ...] = ()     # stored dtypes of the experts, e.g. ("bfloat16", "float8_e4m3fn")
     multimodal: bool = False                # a multimodal checkpoint served for text-only prompts
 
@@ -218,7 +218,10 @@ def load_offloaded(model_dir: str | Path, *, device: str | None = None, dtype: s
         host_seconds_per_token_expert, host_seconds_per_expert: refresh planners: emulated host fallback cost
             (seconds) per token-expert and per expert computed on the host (``bench diffusion`` sets them).
         host_store: "pinned" (a private copy of the experts, page-locked on CUDA; default on CUDA) or "mmap" (slot
-            loads read the safetensors files' memory maps: no private copy; default on the CPU: "pinned").
+            loads read the safetensors files' memory maps: no private copy; default on the CPU: "pinned") or "disk"
+            (``runtime.disk_store.DiskStore``: slot loads read the files with direct I/O, around the page cache; no
+            expert byte in host memory but the slots; copies run on real reader threads, so ``link_gbps`` /
+            ``seconds_per_expert`` emulation is refused: the disk is the link).
 
     Raises:
         MoeOffloadError: any bad input (see ``read_config``, ``Checkpoint``, ``num_slots_for``, ``make_policy``), an
@@ -235,6 +238,7 @@ def load_offloaded(model_dir: str | Path, *, device: str | None = None, dtype: s
         policy = "lru"
     refresh = _check_policy(policy, arch, interval)
     ckpt = Checkpoint(path)
+    ckpt.random_access = host_store == "disk"
     model, mods, shapes = _build_meta(config, dt)
     layer_of = {name: i for i, (name, _) in enumerate(mods)}
     num_experts = mods[0][1].num_experts
@@ -245,11 +249,17 @@ def load_offloaded(model_dir: str | Path, *, device: str | None = None, dtype: s
         budget = max(top_k, min(num_experts, -(-num_slots // len(mods))))
         num_slots = budget * len(mods)
     cmap = map_checkpoint(model, mods, ckpt, quant, {n for n, _ in shapes})
-    fmt = build_format(mods, cmap, ckpt, quant, dt, shapes, keep_file_dtype=host_store == "mmap")
+    if host_store == "disk" and (link_gbps is not None or seconds_per_expert is not None):
+        raise MoeOffloadError("--link-gbps emulates a link; with --host-store disk the link is the disk itself")
+    fmt = build_format(mods, cmap, ckpt, quant, dt, shapes, keep_file_dtype=host_store in FILE_BACKED)
     _materialise(model, mods, dev, dt)
     load_non_expert(model, cmap, ckpt, layer_of)
     if host_store == "mmap":
         store = MmapHostStore(fmt.layout, n_total)
+    elif host_store == "disk":
+        from ..runtime.disk_store import DiskStore
+
+        store = DiskStore(fmt.layout, n_total)
     else:
         store = HostStore(fmt.layout, n_total, pin=dev.type == "cuda")
         if store.pin_failed:

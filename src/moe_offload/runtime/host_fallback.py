@@ -31,8 +31,8 @@ from .formats import ExpertRows
 def host_expert_rows(store, fmt, gid: torch.Tensor, mask: torch.Tensor, eids: list[int]):
     """Host rows to compute the experts ``eids`` (sorted; the pairs ``mask`` of ``gid [T * k]``) from, for host
     fallback: ``(ExpertRows, row ids [T * k], the sorted rows used)``. A private store is used in place (row =
-    global expert id); an mmap store gathers the needed experts' rows."""
-    buf, rows = store.gather(eids if store.mode == "mmap" else [])
+    global expert id); a file-backed store (mmap, disk) gathers the needed experts' rows."""
+    buf, rows = store.gather(eids)
     if rows is None:
         return ExpertRows(fmt, buf), gid, eids
     return ExpertRows(fmt, buf), torch.where(mask, rows[gid], gid), list(range(len(eids)))

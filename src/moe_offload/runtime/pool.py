@@ -61,11 +61,11 @@ class SlotPool:
             store: the host store.
             eids, slots: experts to load and their destination slots (same length).
             evicted: experts that left their slots for these loads (set to -1 in the lookup table).
-        Copies are issued non-blocking; they are ordered before later kernels on the current stream.
+        Copies are issued non-blocking; they are ordered before later kernels on the current stream. A disk store
+        reads the experts concurrently (``runtime.disk_store.DiskStore.copy_many``).
         """
-        for e, s in zip(eids, slots):
-            store.copy_to(e, self._bytes[s] if self._bytes is not None else self.buf[s],
-                          non_blocking=self.device.type == "cuda")
+        rows = self._bytes if self._bytes is not None else self.buf
+        store.copy_many(eids, [rows[s] for s in slots], non_blocking=self.device.type == "cuda")
         writes = dict.fromkeys(evicted, -1) | dict(zip(eids, slots))
         self.set_lookup(list(writes), list(writes.values()))
 

@@ -24,6 +24,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+#: ``--host-store`` modes whose experts are byte ranges of the checkpoint's files (``add_segment``), stored in the
+#: files' own dtypes: ``MmapHostStore`` and ``runtime.disk_store.DiskStore``
+FILE_BACKED = ("mmap", "disk")
 #: byte alignment of every field offset and of the row length (CUDA grouped GEMM operand alignment)
 ALIGN = 16
 
@@ -141,6 +144,11 @@ class HostStore:
         else:
             dst.copy_(self.buf[eid], non_blocking=non_blocking and self.pinned)
 
+    def copy_many(self, eids: list[int], dsts: list, non_blocking: bool = False) -> None:
+        """``copy_to`` of each of ``eids`` into the matching ``dsts`` (one at a time: a memcpy is not worth threads)."""
+        for e, d in zip(eids, dsts):
+            self.copy_to(e, d, non_blocking)
+
     def gather(self, eids: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Host rows for computing ``eids`` on the host: ``(buf, rows)`` where ``rows`` maps a global expert id to
         its row of ``buf``; here the whole store with ``rows`` None (identity, no copy)."""
@@ -207,6 +215,11 @@ class MmapHostStore:
                 np.copyto(dst[off:off + len(src)], src)
             else:
                 dst[off:off + len(src)].copy_(torch.from_numpy(src))
+
+    def copy_many(self, eids: list[int], dsts: list, non_blocking: bool = False) -> None:
+        """``copy_to`` of each of ``eids`` into the matching ``dsts`` (one at a time: page faults of one thread)."""
+        for e, d in zip(eids, dsts):
+            self.copy_to(e, d, non_blocking)
 
     def gather(self, eids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """``(buf [len(eids), expert_bytes] uint8, rows [N] int64)``: copies of ``eids``' rows and the map from global

@@ -59,9 +59,10 @@ def make_transfer_engine(store: HostStore, pool: SlotPool, link_gbps: float | No
                          seconds_per_expert: float | None = None):
     """The copy engine for ``pool``: a ``runtime.virtual_link.VirtualLinkEngine`` for a pool on the CPU (copies on
     the calling thread, emulated link time on a virtual timeline: no worker thread to take the GIL from the
-    computing thread), else a ``TransferEngine`` (worker thread, CUDA copy stream). Same API, same arguments (see
-    ``TransferEngine``); raises what their constructors raise."""
-    if pool.device.type == "cpu":
+    computing thread), else a ``TransferEngine`` (worker thread, CUDA copy stream). A disk store is a real link
+    even on the CPU (``runtime.disk_store``: reads release the GIL): its copies run on the ``TransferEngine``'s
+    worker. Same API, same arguments (see ``TransferEngine``); raises what their constructors raise."""
+    if pool.device.type == "cpu" and store.mode != "disk":
         return VirtualLinkEngine(store, pool, link_gbps=link_gbps, seconds_per_expert=seconds_per_expert)
     return TransferEngine(store, pool, link_gbps=link_gbps, seconds_per_expert=seconds_per_expert)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..cliargs import MODEL_HELP
+from ..cliargs import MODEL_HELP, add_host_store_arg
 from ..errors import MoeOffloadError
 
 
@@ -30,9 +30,7 @@ def _add_common(p: argparse.ArgumentParser, positive_int, float_) -> None:
                       help="device-tier budget in GB (10^9 bytes): the slot pool gets what the non-expert weights, "
                       "the KV cache at --max-context and the measured activation peak leave (default on CUDA: 90%% "
                       "of the free device memory; on the CPU: residency 1.0)")
-    p.add_argument("--host-store", choices=["pinned", "mmap"], default="pinned",
-                   help="where the offloaded experts live on the host: pinned (default: a private copy, page-locked "
-                   "on CUDA) or mmap (read from the safetensors files' memory maps: no private copy)")
+    add_host_store_arg(p)
     p.add_argument("--max-context", type=positive_int,
                    help="most tokens (prompt + completion) per request (default: min(1024, the model's positions))")
     p.add_argument("--max-batch", type=positive_int, metavar="N",

@@ -1,0 +1,332 @@
+"""The disk tier: routed experts read from the checkpoint's safetensors files with direct I/O (issue 35, DESIGN.md
+§11 "Tiers below the device").
+
+``DiskStore`` (``--host-store disk``) keeps no expert byte in host memory: like ``MmapHostStore`` each expert is a
+list of byte ranges of the files (``add_segment``, filled by the loader in the file's own dtype), but a read goes
+around the page cache. At the first read the ranges of each expert are planned into a few *spans*: ranges of one
+file closer than ``MERGE_GAP`` are merged (reading the gap costs less than another request), and each span is widened to ``IO_ALIGN`` (4 KiB)
+boundaries, because safetensors offsets are not aligned and ``O_DIRECT`` wants offset, length and buffer address
+aligned. A span is read with ``os.preadv`` (which releases the GIL) into a page-aligned staging buffer of the reading
+thread, and the expert's fields are copied from there into the destination (a slot of the pool, or a host row).
+
+Several experts are read at once by ``copy_many`` (a pool of ``readers`` threads: the queue depth of the on-demand
+misses of one layer); a prefetch copy runs on the transfer engine's worker thread through ``copy_to``.
+
+Where the filesystem refuses ``O_DIRECT``, a file is read through the page cache and each span is dropped again
+with ``posix_fadvise(POSIX_FADV_DONTNEED)`` (said once on stderr); a filesystem that refuses both is an error.
+Files are opened once, at load: a shard deleted while running stays readable through its descriptor (POSIX), and a
+shard truncated or replaced in place ends a read early, which is a one-line ``MoeOffloadError``.
+
+Units: bytes; seconds; GB/s = 1e9 bytes per second.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..errors import MoeOffloadError
+from .store import ExpertLayout
+
+#: alignment of direct reads: file offset, length and buffer address (the page size covers every logical block size)
+IO_ALIGN = 4096
+#: ranges of one expert in one file at most this far apart are read as one span (bytes): a request costs ~60 us on
+#: this machine's disk (4 KiB direct reads at 0.07 GB/s), the time to read ~64 KiB at its 1.1-1.3 GB/s
+MERGE_GAP = 64 * 1024
+#: default reader threads (queue depth of ``copy_many``)
+DEFAULT_READERS = 4
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+
+
+@dataclass
+class DiskReadStats:
+    """Counters of a ``DiskStore``: ``requests`` (preadv calls), ``bytes_read`` (aligned span bytes transferred),
+    ``expert_bytes`` (field bytes delivered), ``experts`` (experts read), ``busy_s`` (seconds spent in reads, summed
+    over threads). ``gbps`` is ``bytes_read / busy_s / 1e9`` (per-thread bandwidth; the link's achieved bandwidth is
+    the bytes over the wall time the caller measures)."""
+
+    requests: int = 0
+    bytes_read: int = 0
+    expert_bytes: int = 0
+    experts: int = 0
+    busy_s: float = 0.0
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes_read / self.busy_s / 1e9 if self.busy_s > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class _Span:
+    """One aligned read: ``file`` index, aligned ``start`` and ``length``, ``need`` (bytes from ``start`` that hold
+    wanted data) and ``pieces`` ``[(dst_offset, offset in the span, nbytes)]``."""
+
+    file: int
+    start: int
+    length: int
+    need: int
+    pieces: tuple[tuple[int, int, int], ...]
+
+
+class _File:
+    """An open checkpoint file: ``fd``, ``direct`` (opened with ``O_DIRECT``) and its ``path``."""
+
+    def __init__(self, path: Path, fd: int, direct: bool):
+        self.path, self.fd, self.direct = path, fd, direct
+
+
+def open_direct(path: Path, allow_direct: bool = True) -> tuple[_File, str | None]:
+    """Open ``path`` for streaming reads: ``O_DIRECT`` when the filesystem takes it (probed with one aligned read),
+    else buffered with ``posix_fadvise(DONTNEED)`` after each read. Returns ``(file, why not direct or None)``.
+
+    Raises:
+        MoeOffloadError: the file cannot be opened, or the filesystem refuses both direct I/O and ``posix_fadvise``.
+    """
+    why = "direct I/O not available on this platform" if not (_O_DIRECT and allow_direct) else None
+    if why is None:
+        try:
+            fd = os.open(path, os.O_RDONLY | _O_DIRECT)
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise MoeOffloadError(f"cannot open {path}: {e.strerror}") from None
+            why = f"O_DIRECT refused ({e.strerror})"
+        else:
+            probe = mmap.mmap(-1, IO_ALIGN)
+            try:
+                os.preadv(fd, [memoryview(probe)], 0)
+                return _File(path, fd, True), None
+            except OSError as e:
+                os.close(fd)
+                why = f"direct reads refused ({e.strerror})"
+            finally:
+                probe.close()
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as e:
+        raise MoeOffloadError(f"cannot open {path}: {e.strerror}") from None
+    try:  # no read-ahead (it would cache the neighbouring experts), and nothing of the file cached to begin with
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    except (OSError, AttributeError) as e:
+        os.close(fd)
+        raise MoeOffloadError(f"{path}: the filesystem refuses both direct I/O ({why}) and posix_fadvise "
+                              f"({getattr(e, 'strerror', e)}), so expert bytes would fill the page cache; use "
+                              "--host-store mmap or pinned") from None
+    return _File(path, fd, False), why
+
+
+def plan_spans(segments: list[tuple[int, int, int, int]], merge_gap: int = MERGE_GAP,
+               align: int = IO_ALIGN) -> list[_Span]:
+    """Aligned reads covering one expert's ``segments [(dst_offset, file, file_offset, nbytes)]``: ranges of one file
+    at most ``merge_gap`` bytes apart share a read; every read starts and ends on an ``align`` boundary."""
+    spans, group = [], []
+
+    def close_group():
+        f = group[0][1]
+        start = group[0][2] // align * align
+        end = max(off + n for _, _, off, n in group)
+        length = -(-(end - start) // align) * align
+        spans.append(_Span(f, start, length, end - start,
+                           tuple((dst, off - start, n) for dst, _, off, n in group)))
+
+    for seg in sorted(segments, key=lambda s: (s[1], s[2])):
+        if group and (seg[1] != group[0][1] or seg[2] - max(o + n for _, _, o, n in group) > merge_gap):
+            close_group()
+            group = []
+        group.append(seg)
+    if group:
+        close_group()
+    return spans
+
+
+class DiskStore:
+    """Routed experts streamed from the checkpoint's files with direct I/O; no private copy (module docstring).
+
+    Same interface as ``runtime.store.HostStore`` / ``MmapHostStore`` (``copy_to``, ``copy_many``, ``gather``,
+    ``nbytes``, ``close``), so every engine and policy runs over it unchanged.
+
+    Args:
+        layout: the expert layout (fields in the files' own dtypes).
+        num_experts_total: N.
+        readers: reader threads of ``copy_many`` (its queue depth), >= 1.
+        allow_direct: False forces the buffered + ``posix_fadvise`` path (tests; a filesystem known to lie).
+
+    Attributes:
+        stats: ``DiskReadStats``; ``buffered_reason``: why some file is read through the page cache (None: all
+        direct).
+    """
+
+    mode = "disk"
+    pinned = False
+    pin_failed = False
+
+    def __init__(self, layout: ExpertLayout, num_experts_total: int, readers: int = DEFAULT_READERS,
+                 allow_direct: bool = True):
+        if readers < 1:
+            raise MoeOffloadError(f"a disk store needs at least one reader thread, got {readers}")
+        self.layout = layout
+        self.num_experts_total = num_experts_total
+        self.readers = readers
+        self.allow_direct = allow_direct
+        self.stats = DiskReadStats()
+        self.buffered_reason: str | None = None
+        self._files: list[_File] = []
+        self._index: dict[Path, int] = {}
+        self._segments: list[list[tuple[int, int, int, int]]] = [[] for _ in range(num_experts_total)]
+        self._spans: list[list[_Span]] | None = None
+        self._stage = threading.local()
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Private bytes held for experts: none (staging buffers are a few experts' worth, see ``staging_bytes``)."""
+        return 0
+
+    @property
+    def files(self) -> list[Path]:
+        """The checkpoint files experts are read from."""
+        return [f.path for f in self._files]
+
+    def add_segment(self, eid: int, dst_offset: int, path: Path, file_offset: int, nbytes: int) -> None:
+        """Expert ``eid``'s bytes ``[dst_offset, dst_offset + nbytes)`` are ``path``'s bytes from ``file_offset``
+        (the file is opened now, once).
+
+        Raises:
+            MoeOffloadError: the file cannot be opened, or its filesystem refuses direct I/O and fadvise alike.
+        """
+        path = Path(path)
+        i = self._index.get(path)
+        if i is None:
+            f, why = open_direct(path, self.allow_direct)
+            if why is not None and self.buffered_reason is None:
+                self.buffered_reason = why
+                print(f"moe-offload: note: {path.parent}: {why}; experts are read through the page cache and dropped "
+                      "from it after each read (posix_fadvise DONTNEED)", file=sys.stderr)
+            i = self._index[path] = len(self._files)
+            self._files.append(f)
+        self._segments[eid].append((dst_offset, i, file_offset, nbytes))
+        self._spans = None
+
+    def spans(self, eid: int) -> list[_Span]:
+        """The aligned reads of expert ``eid`` (planned once for every expert, at the first call)."""
+        if self._spans is None:
+            self._spans = [plan_spans(s) for s in self._segments]
+        return self._spans[eid]
+
+    @property
+    def staging_bytes(self) -> int:
+        """Bytes of one reader's staging buffer: the longest span of any expert."""
+        return max((s.length for e in range(self.num_experts_total) for s in self.spans(e)), default=0)
+
+    def _buffer(self, nbytes: int) -> tuple[memoryview, np.ndarray]:
+        st = self._stage
+        buf = getattr(st, "buf", None)
+        if buf is None or len(buf) < nbytes:  # an older, smaller buffer is freed with its last view
+            size = max(nbytes, self.staging_bytes)
+            st.buf = mmap.mmap(-1, -(-size // IO_ALIGN) * IO_ALIGN)  # anonymous maps are page-aligned
+            st.view = memoryview(st.buf)
+            st.np = np.frombuffer(st.buf, dtype=np.uint8)
+        return st.view, st.np
+
+    def _read_span(self, span: _Span, view: memoryview) -> int:
+        """Read ``span`` into ``view``; returns the requests issued."""
+        f = self._files[span.file]
+        got, requests = 0, 0
+        while got < span.need:
+            try:
+                n = os.preadv(f.fd, [view[got:span.length]], span.start + got)
+            except OSError as e:
+                raise MoeOffloadError(f"reading {f.path} at byte {span.start + got} failed: {e.strerror}") from None
+            requests += 1
+            if n <= 0 or (f.direct and n % IO_ALIGN and got + n < span.need):
+                raise MoeOffloadError(f"{f.path} ended at byte {span.start + got + max(n, 0)} while an expert was "
+                                      "read from it: the checkpoint file was truncated or replaced while running")
+            got += n
+        if not f.direct:
+            os.posix_fadvise(f.fd, span.start, span.length, os.POSIX_FADV_DONTNEED)
+        return requests
+
+    def copy_to(self, eid: int, dst, non_blocking: bool = False) -> None:
+        """Read expert ``eid`` from disk into ``dst`` (a numpy uint8 row of ``expert_bytes``, or a torch uint8 row on
+        a device; the copy to a device is synchronous: the staging buffer is reused). Thread-safe.
+
+        Raises:
+            MoeOffloadError: a read fails or a file ends early (module docstring).
+        """
+        spans = self.spans(eid)
+        view, arr = self._buffer(max(s.length for s in spans))
+        t0 = time.perf_counter()
+        requests = nread = 0
+        for span in spans:
+            requests += self._read_span(span, view)
+            nread += span.length
+            for dst_off, src_off, n in span.pieces:
+                if isinstance(dst, np.ndarray):
+                    np.copyto(dst[dst_off:dst_off + n], arr[src_off:src_off + n])
+                else:
+                    dst[dst_off:dst_off + n].copy_(torch.from_numpy(arr[src_off:src_off + n]))
+        busy = time.perf_counter() - t0
+        with self._lock:
+            st = self.stats
+            st.requests += requests
+            st.bytes_read += nread
+            st.expert_bytes += sum(n for s in spans for _, _, n in s.pieces)
+            st.experts += 1
+            st.busy_s += busy
+
+    def copy_many(self, eids: list[int], dsts: list, non_blocking: bool = False) -> None:
+        """Read experts ``eids`` into ``dsts`` (as ``copy_to``), up to ``readers`` at once; returns when all are in
+        (``non_blocking`` is accepted for the stores' common interface; disk reads always complete).
+
+        Raises:
+            MoeOffloadError: as ``copy_to`` (the first failure; the others are still waited for).
+        """
+        if len(eids) <= 1 or self.readers == 1:
+            for e, d in zip(eids, dsts):
+                self.copy_to(e, d)
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.readers, thread_name_prefix="moe-offload-disk")
+        futures = [self._pool.submit(self.copy_to, e, d) for e, d in zip(eids, dsts)]
+        errors = [f.exception() for f in futures]
+        for err in errors:
+            if err is not None:
+                raise err
+
+    def gather(self, eids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(buf [len(eids), expert_bytes] uint8, rows [N] int64)``: ``eids`` read from disk and the map from global
+        expert id to row of ``buf`` (-1 elsewhere), for host fallback compute."""
+        buf = torch.empty((len(eids), self.layout.expert_bytes), dtype=torch.uint8)
+        arr = buf.numpy()
+        self.copy_many(list(eids), [arr[i] for i in range(len(eids))])
+        rows = torch.full((self.num_experts_total,), -1, dtype=torch.long)
+        rows[list(eids)] = torch.arange(len(eids))
+        return buf, rows
+
+    def cached_bytes(self) -> int:
+        """Bytes of the store's files in the page cache now (``runtime.page_cache.cached_bytes``; non-expert
+        tensors of the same files count too)."""
+        from .page_cache import cached_bytes
+
+        return sum(cached_bytes(f.path) for f in self._files)
+
+    def close(self) -> None:
+        """Stop the reader threads and close the files; the store cannot read afterwards."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        for f in self._files:
+            os.close(f.fd)
+        self._files.clear()
+        self._index.clear()
