@@ -163,12 +163,13 @@ def test_stats_move_after_requests(qwen):
     ({"model": "tiny-qwen", "messages": "hi"}, 400, "messages"),
     ({"model": "tiny-qwen", "messages": [{"role": "user", "content": 5}]}, 400, None),
     ({"model": "tiny-qwen", "messages": [{"role": "user", "content": "hi"}], "stream": "yes"}, 400, "stream"),
-    ({"model": "tiny-qwen", "messages": [{"role": "user", "content": "hi"}], "top_p": 0}, 400, "top_p"),
+    ({"model": "tiny-qwen", "messages": [{"role": "user", "content": "hi"}], "top_p": 1.5}, 400, "top_p"),
+    ({"model": "tiny-qwen", "messages": [{"role": "user", "content": "hi"}], "top_p": -0.1}, 400, "top_p"),
     ({"model": "tiny-qwen", "messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n"),
     ({"messages": [{"role": "user", "content": "hi"}]}, 400, "model"),
     # integers outside their ranges: refused before the request is queued (issue 15)
     ({"model": "tiny-qwen", "messages": [{"role": "user", "content": "hi"}], "seed": 2**64}, 400, "seed"),
-    ({"model": "tiny-qwen", "messages": [{"role": "user", "content": "hi"}], "seed": -1}, 400, "seed"),
+    ({"model": "tiny-qwen", "messages": [{"role": "user", "content": "hi"}], "seed": -2}, 400, "seed"),  # -1: none
     ({"model": "tiny-qwen", "messages": [{"role": "user", "content": "hi"}], "seed": 2**32}, 400, "seed"),
     ({"model": "tiny-qwen", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2**64}, 400, "max_tokens"),
     ({"model": "tiny-qwen", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -(2**70)}, 400,
@@ -212,7 +213,8 @@ def test_seed_mapping_edges(qwen):
     assert _chat(client, seed=0, **kw).choices[0].token_ids != _chat(client, seed=1, **kw).choices[0].token_ids
     code, err = _post_raw(srv, "/v1/chat/completions", json.dumps(
         {"model": "tiny-qwen", "messages": [{"role": "user", "content": "hi"}], "seed": 2**32}).encode())
-    assert code == 400 and err["error"]["message"] == "seed must be an integer in [0, 4294967295], got 4294967296"
+    assert code == 400 and err["error"]["message"] == ("seed must be an integer in [0, 4294967295], got 4294967296 "
+                                                       "(or -1: no seed)")
 
 
 def test_bad_requests_through_the_client_and_the_server_survives(qwen):

@@ -11,7 +11,7 @@
   padding mask when rows differ in length): each MoE layer sees the ``B`` tokens of the batch, so the engine plans
   the union of their experts through the one slot table (rounds when the union exceeds the pool) and runs one
   grouped GEMM per projection over all of them; every row then picks its token with its own settings and
-  generator (``generate._pick``: greedy, or temperature + top-p with its own seed);
+  generator (``generate._pick``: greedy, or temperature + top-k + top-p with its own seed);
 - ``drop(seqs)`` removes finished or cancelled sequences between steps (their KV rows are freed); the others go on.
 
 The caller (``serve.batch_worker``, ``generate_batch_ids``) decides when to admit: prefills are admitted between
@@ -40,7 +40,7 @@ class Sequence:
     Attributes:
         request: request number (the engine's ``begin_step(request, 0)`` at its prefill).
         prompt_ids: the encoded prompt. max_new_tokens: most tokens to generate.
-        temperature / top_p / seed: sampling (temperature 0: greedy); see ``generate.generate_ids``.
+        temperature / top_p / seed / top_k: sampling (temperature 0: greedy; top_k 0: off); see ``generate._pick``.
         new: generated ids (the last one is not yet in the KV cache). logits: with ``keep_logits``, the float32
         ``[V]`` logits each token was chosen from.
     """
@@ -51,6 +51,7 @@ class Sequence:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
+    top_k: int = 0
     new: list[int] = field(default_factory=list)
     logits: list = field(default_factory=list)
     gen: object = None
@@ -124,7 +125,7 @@ class BatchDecoder:
 
     def _choose(self, seq: Sequence, logits: torch.Tensor) -> int:
         """Token of ``seq`` from its ``logits [1, V]`` with its own settings and generator."""
-        tok = int(_pick(logits, seq.temperature, seq.top_p, seq.gen))
+        tok = int(_pick(logits, seq.temperature, seq.top_p, seq.gen, seq.top_k))
         if self.keep_logits:
             seq.logits.append(logits[0].float().cpu())
         seq.new.append(tok)

@@ -7,6 +7,7 @@ tokens/s) and so later issues can hook per-step decisions (prediction, prefetch)
 from __future__ import annotations
 
 import inspect
+import math
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -81,14 +82,41 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _pick(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator | None) -> torch.Tensor:
-    """Next token from ``logits [1, V]``: greedy when ``temperature == 0``, else temperature + nucleus sampling."""
-    if temperature <= 0:
+GREEDY_TEMPERATURE = 1e-5  # a temperature below this is greedy (argmax): dividing logits by it would overflow
+
+
+def _pick(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator | None,
+          top_k: int = 0) -> torch.Tensor:
+    """Next token from ``logits [1, V]`` (any float dtype); returns a ``[1]`` long tensor on ``logits.device``.
+
+    The one sampler of every generation path (``generate_ids``, ``batching.BatchDecoder``, the servers), defined
+    at every edge of its settings:
+
+    - ``temperature < GREEDY_TEMPERATURE`` (1e-5; 0, negative, subnormal): greedy ``argmax``; never NaN (a
+      smaller positive temperature would scale finite logits past the float32 range, ``inf - inf = nan``);
+    - ``top_k``: keep the ``top_k`` most probable tokens (0, negative or >= V: all of them; 1: greedy);
+    - ``top_p``: keep the smallest set of most probable tokens whose probability reaches ``top_p``; the most
+      probable token is always kept, so ``top_p`` 0 (or tiny) samples only it (greedy) and >= 1 keeps all;
+    - then draw from the kept probabilities with ``gen`` (a CPU generator; None: torch's global one).
+
+    ``top_k`` applies before ``top_p`` (on the renormalised top-k probabilities), as in transformers and vLLM.
+
+    Raises:
+        ValueError: a NaN or infinite ``temperature`` or ``top_p`` (callers validate them first).
+    """
+    if not (math.isfinite(temperature) and math.isfinite(top_p)):
+        raise ValueError(f"temperature and top_p must be finite, got {temperature} and {top_p}")
+    if temperature < GREEDY_TEMPERATURE or top_k == 1:
         return logits.argmax(dim=-1)
     probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if 0 < top_k < probs.shape[-1]:
+        keep = torch.zeros_like(probs, dtype=torch.bool).scatter(-1, probs.topk(top_k, dim=-1).indices, True)
+        probs = probs * keep
+        probs = probs / probs.sum(dim=-1, keepdim=True)
     if top_p < 1.0:
         sorted_p, idx = probs.sort(dim=-1, descending=True)
         keep = sorted_p.cumsum(-1) - sorted_p < top_p
+        keep[..., 0] = True
         probs = torch.zeros_like(probs).scatter(-1, idx, sorted_p * keep)
     return torch.multinomial(probs.cpu(), 1, generator=gen).view(1).to(logits.device)
 

@@ -20,14 +20,20 @@ from contextlib import asynccontextmanager
 import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 from fastapi.sse import EventSourceResponse, format_sse_event
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..generate import encode_prompt
+from ..generate import GREEDY_TEMPERATURE, encode_prompt
 from ..seeds import seed_problem
 from .protocol import ChatCompletionRequest, CompletionRequest, OpenAIError, error_body
 from .worker import SCHEDULING, Delta, Done, Failed, Job, Params, Worker, percentile
+
+NO_SEED = -1  # ``seed: -1`` means no seed (llama.cpp's and many UIs' "random seed")
+# the smallest normal float32: a smaller top_p (0, 1e-300) would round to 0 against float32 probabilities, and a
+# nucleus of top_p 0 keeps nothing in a sampler that does not keep the most probable token itself (diffusion's)
+TOP_P_MIN = float(torch.finfo(torch.float32).tiny)
 
 
 class ServeState:
@@ -40,11 +46,15 @@ class ServeState:
         plan: ``serve.memory.MemoryPlan`` of this model.
         diffusion: block-diffusion parameters (``block_length``, ``steps``, ``threshold``, ``prefix_cache``) or None.
         tracker: CPU memory tracker (``serve.memory.DeviceTierTracker``) or None.
+        batch_note: why the model runs batch 1, or None.
+        cors_origins: the browser origins allowed to call the API (``create_app``; default ``("*",)``: any; empty:
+            no CORS headers).
     """
 
     def __init__(self, lm, model_name: str, max_context: int, plan, diffusion: dict | None = None, tracker=None,
-                 batch_note: str | None = None):
+                 batch_note: str | None = None, cors_origins: tuple[str, ...] = ("*",)):
         self.lm = lm
+        self.cors_origins = tuple(cors_origins)
         self.model_name = model_name
         self.max_context = max_context
         self.plan = plan
@@ -162,20 +172,16 @@ class ServeState:
         """
         if req.n not in (None, 1):
             raise OpenAIError(400, "only n = 1 is supported", param="n")
-        seed_bad = None if req.seed is None else seed_problem(req.seed)
+        seed = None if req.seed in (None, NO_SEED) else req.seed
+        seed_bad = None if seed is None else seed_problem(seed)
         if seed_bad:
-            raise OpenAIError(400, seed_bad, param="seed")
+            raise OpenAIError(400, f"{seed_bad} (or -1: no seed)", param="seed")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(req, name) not in (None, 0, 0.0):
                 raise OpenAIError(400, f"{name} is not supported", param=name)
         if req.logit_bias:
             raise OpenAIError(400, "logit_bias is not supported", param="logit_bias")
-        temperature = 0.0 if req.temperature is None else req.temperature
-        if not 0 <= temperature <= 2:
-            raise OpenAIError(400, f"temperature must be in [0, 2], got {temperature}", param="temperature")
-        top_p = 1.0 if req.top_p is None else req.top_p
-        if not 0 < top_p <= 1:
-            raise OpenAIError(400, f"top_p must be in (0, 1], got {top_p}", param="top_p")
+        temperature, top_p, top_k = self.sampling(req)
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         if len(stop) > 4 or any(not s for s in stop):
             raise OpenAIError(400, "stop must be at most 4 non-empty strings", param="stop")
@@ -194,8 +200,42 @@ class ServeState:
                               f"requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the prompt, "
                               f"{max_tokens} for the completion).", param=max_tokens_param,
                               code="context_length_exceeded")
-        return Params(max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p), seed=req.seed,
-                      stop=stop)
+        return Params(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop, top_k=top_k)
+
+    def sampling(self, req) -> tuple[float, float, int]:
+        """``(temperature, top_p, top_k)`` of a request, range-checked, with null as the default (0, 1, off).
+
+        A temperature below ``generate.GREEDY_TEMPERATURE`` becomes 0 (greedy) and a ``top_p`` below
+        ``TOP_P_MIN`` (0 included) becomes ``TOP_P_MIN`` (either keeps only the most probable token), so every
+        sampler the workers use (``generate._pick``, the diffusion loop's) gets settings it defines. ``top_k`` -1 / 0 / at least the vocabulary size is off (0);
+        1 is greedy (temperature 0), so only a ``top_k`` in [2, V) with a sampling temperature needs a worker that
+        applies it (``supports_top_k``).
+
+        Raises:
+            OpenAIError: 400 naming the field: temperature outside [0, 2], top_p outside [0, 1], top_k below -1,
+                or a top_k this worker cannot apply.
+        """
+        temperature = 0.0 if req.temperature is None else float(req.temperature)
+        if not 0 <= temperature <= 2:
+            raise OpenAIError(400, f"temperature must be in [0, 2], got {temperature}", param="temperature")
+        if temperature < GREEDY_TEMPERATURE:  # greedy, as generate._pick; the diffusion loop's sampler too
+            temperature = 0.0
+        top_p = 1.0 if req.top_p is None else float(req.top_p)
+        if not 0 <= top_p <= 1:
+            raise OpenAIError(400, f"top_p must be in [0, 1], got {top_p}", param="top_p")
+        top_p = max(top_p, TOP_P_MIN)
+        top_k = 0 if req.top_k is None else req.top_k
+        if top_k < -1:
+            raise OpenAIError(400, f"top_k must be -1 or 0 (off) or a positive integer, got {top_k}", param="top_k")
+        if top_k <= 0 or top_k >= int(self.lm.model.config.vocab_size):
+            top_k = 0
+        elif top_k == 1:
+            temperature, top_k = 0.0, 0
+        elif temperature > 0 and not getattr(self.worker, "supports_top_k", False):
+            raise OpenAIError(400, f"top_k {top_k} is not supported by this server: it runs one request at a time "
+                              "(batch 1), whose decode loop samples without top_k; send top_k -1 or 0 (off) or 1 "
+                              "(greedy), or serve with continuous batching (--max-batch > 1)", param="top_k")
+        return temperature, top_p, top_k
 
     def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
         """Token ids of the messages in the model's chat template (a single user message without a template: its
@@ -230,6 +270,61 @@ class ServeState:
         return list(p)
 
 
+def refuse_unsupported(body, chat: bool) -> None:
+    """Refuse the OpenAI fields this server parses but cannot honour, rather than ignore them silently: a
+    ``response_format`` other than ``{"type": "text"}`` (no constrained decoding), log-probabilities (chat
+    ``logprobs: true`` / ``top_logprobs``; completions ``logprobs``, 0 included), tools and functions (a non-empty
+    ``tools`` / ``functions``, any ``tool_choice`` / ``function_call``), and completions' ``echo``, ``suffix``,
+    ``best_of`` > 1. Null, false and empty values mean "not set" and pass.
+
+    Raises:
+        OpenAIError: 400 naming the first such field.
+    """
+    fmt = body.response_format
+    if fmt is not None and fmt != {"type": "text"}:
+        raise OpenAIError(400, f"response_format {fmt.get('type')!r} is not supported: this server does not "
+                          "constrain its output (only {\"type\": \"text\"})", param="response_format")
+    if chat:
+        bad = [("logprobs", bool(body.logprobs)), ("top_logprobs", body.top_logprobs is not None),
+               ("tools", bool(body.tools)), ("tool_choice", body.tool_choice is not None),
+               ("functions", bool(body.functions)), ("function_call", body.function_call is not None)]
+    else:
+        bad = [("logprobs", body.logprobs is not None), ("echo", bool(body.echo)), ("suffix", bool(body.suffix)),
+               ("best_of", body.best_of not in (None, 1))]
+    for name, refused in bad:
+        if refused:
+            what = "tool and function calling is" if name in ("tools", "tool_choice", "functions",
+                                                               "function_call") else f"{name} is"
+            raise OpenAIError(400, f"{name}: {what} not supported by this server", param=name)
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "literal"}
+
+
+def _param_path(loc) -> str | None:
+    """The request field of a pydantic error location: body fields and list indexes joined with dots, without
+    the union-member tags pydantic adds (``str``, ``list[int]``, ``function-after[...]``, model names)."""
+    keep = [str(x) for x in loc if isinstance(x, int) or (
+        x != "body" and str(x).isidentifier() and str(x).lower() not in _TYPE_TAGS and not str(x)[:1].isupper())]
+    return ".".join(keep) or None
+
+
+def validation_message(errors: list[dict]) -> tuple[str, str | None]:
+    """``(message, param)`` of a request that failed validation (``RequestValidationError.errors()``): our own
+    checks (a lone surrogate) before type mismatches of other union members; invalid JSON and a body that is
+    not an object have no param."""
+    e = next((x for x in errors if x.get("type") in ("value_error", "finite_number")), errors[0] if errors else {})
+    loc = e.get("loc", ())
+    if e.get("type") == "json_invalid":  # loc is ("body", character offset): not a parameter
+        at = f" at character {loc[1]}" if len(loc) > 1 else ""
+        return f"the request body is not valid JSON{at}: {e.get('ctx', {}).get('error', e.get('msg'))}", None
+    param = _param_path(loc)
+    if not param and e.get("type") in ("model_attributes_type", "dict_type"):
+        return "the request body must be a JSON object (send it with Content-Type: application/json)", None
+    msg = str(e.get("msg", "invalid value")).removeprefix("Value error, ")
+    return f"{param or 'body'}: {msg}", param
+
+
 DISCONNECT_POLL_S = 0.25  # a non-streamed request checks this often whether its client is still there
 
 
@@ -238,7 +333,17 @@ def _now() -> int:
 
 
 def create_app(state: ServeState) -> FastAPI:
-    """The FastAPI application over ``state``; its lifespan starts and stops the worker thread."""
+    """The FastAPI application over ``state``; its lifespan starts and stops the worker thread.
+
+    Every GET route also answers HEAD (load balancers and uptime checks probe ``HEAD /health``). Browsers get
+    CORS through Starlette's ``CORSMiddleware``, which answers preflight ``OPTIONS`` requests: origins
+    ``state.cors_origins`` (``serve --cors-origins``), any method and header, no credentials. The default, any
+    origin (``*``), is what vLLM and llama.cpp's servers do, so a browser chat UI on another port or host can use
+    the API; it is safe enough because the server keeps no cookies or sessions (``allow_credentials`` stays
+    False, so a page cannot act with a user's credentials) and listens on 127.0.0.1 unless told otherwise; a
+    server exposed on a network can name its origins or send none (no CORS headers: browsers then refuse
+    cross-origin pages).
+    """
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -250,6 +355,9 @@ def create_app(state: ServeState) -> FastAPI:
 
     app = FastAPI(title="moe-offload", lifespan=lifespan)
     app.state.serve = state
+    if state.cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(state.cors_origins), allow_methods=["*"],
+                           allow_headers=["*"], allow_credentials=False)
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(request: Request, exc: OpenAIError):
@@ -257,18 +365,8 @@ def create_app(state: ServeState) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
-        errs = exc.errors()
-        e = errs[0] if errs else {}
-        loc = [str(x) for x in e.get("loc", ()) if x != "body"]
-        if e.get("type") == "json_invalid":  # loc is ("body", character offset): not a parameter
-            at = f" at character {loc[0]}" if loc else ""
-            msg = f"the request body is not valid JSON{at}: {e.get('ctx', {}).get('error', e.get('msg'))}"
-            loc = []
-        elif not loc and e.get("type") in ("model_attributes_type", "dict_type"):
-            msg = "the request body must be a JSON object (send it with Content-Type: application/json)"
-        else:
-            msg = f"{'.'.join(loc) or 'body'}: {e.get('msg', 'invalid value')}"
-        return JSONResponse(error_body(msg, param=".".join(loc) or None), status_code=400)
+        msg, param = validation_message(exc.errors())
+        return JSONResponse(error_body(msg, param=param), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
@@ -279,26 +377,23 @@ def create_app(state: ServeState) -> FastAPI:
         return JSONResponse(error_body(f"internal error: {exc.__class__.__name__}: {exc}", type="server_error"),
                             status_code=500)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         return {"status": "ok", "model": state.model_name}
 
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models():
         return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.created,
                                             "owned_by": "moe-offload", "max_model_len": state.max_context}]}
 
-    @app.get("/v1/stats")
+    @app.api_route("/v1/stats", methods=["GET", "HEAD"])
     async def stats():
         return state.stats()
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         state.check_model(body.model)
-        if body.logprobs:
-            raise OpenAIError(400, "logprobs are not supported", param="logprobs")
-        if body.tools:
-            raise OpenAIError(400, "tools are not supported", param="tools")
+        refuse_unsupported(body, chat=True)
         ids = state.chat_prompt(body)
         which = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         params = state.params(body, len(ids), getattr(body, which), which)
@@ -307,10 +402,7 @@ def create_app(state: ServeState) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         state.check_model(body.model)
-        for name, bad in (("echo", body.echo), ("logprobs", body.logprobs), ("suffix", body.suffix),
-                          ("best_of", body.best_of not in (None, 1))):
-            if bad:
-                raise OpenAIError(400, f"{name} is not supported", param=name)
+        refuse_unsupported(body, chat=False)
         ids = state.completion_prompt(body)
         params = state.params(body, len(ids), body.max_tokens)
         return await _respond(state, request, body, ids, params, chat=False)

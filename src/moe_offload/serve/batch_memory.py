@@ -18,10 +18,12 @@ as much goes to the slot pool; without a budget (``--residency`` / ``--slots``, 
 from __future__ import annotations
 
 import inspect
+import os
 
 import torch
 
-from .memory import DeviceTierTracker, _cache_bytes
+from ..errors import MoeOffloadError
+from .memory import GB, DeviceTierTracker, _cache_bytes
 
 DEFAULT_MAX_BATCH = 32  # sequences; the default when no budget limits the KV cache
 
@@ -38,6 +40,49 @@ def choose_max_batch(budget_bytes: int | None, fixed_bytes: int, kv1_bytes: int)
     if budget_bytes is None or kv1_bytes <= 0:
         return DEFAULT_MAX_BATCH
     return max(1, min(DEFAULT_MAX_BATCH, (budget_bytes - fixed_bytes) // 2 // kv1_bytes))
+
+
+def free_bytes(device: torch.device) -> int | None:
+    """Bytes that can still be allocated on ``device`` now: CUDA's free memory, or on the CPU the kernel's
+    ``MemAvailable`` (``/proc/meminfo``; else free physical pages); None where neither is known."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_batch_fits(batch: int, kv1_bytes: int, fixed_bytes: int, budget_bytes: int | None, device: torch.device,
+                     max_context: int) -> None:
+    """Refuse a ``--max-batch`` whose KV cache cannot fit, before the batch decode profile allocates it.
+
+    Args:
+        batch: sequences. kv1_bytes: one sequence's KV cache at ``max_context`` (bytes).
+        fixed_bytes: non-expert weights + lookup table + the prefill's activation peak (bytes).
+        budget_bytes: the device-tier budget, or None. device: where the KV cache goes.
+    Raises:
+        MoeOffloadError: ``batch x kv1_bytes`` exceeds what the budget leaves after ``fixed_bytes``, or the memory
+            ``device`` has free now (``free_bytes``; checked with or without a budget).
+    """
+    need = batch * kv1_bytes
+    what = (f"--max-batch {batch} needs {need / GB:.3f} GB of KV cache at --max-context {max_context} "
+            f"({kv1_bytes / 1e6:.2f} MB per request), more than ")
+    if budget_bytes is not None and fixed_bytes + need > budget_bytes:
+        raise MoeOffloadError(f"{what}the --memory-budget of {budget_bytes / GB:g} GB leaves after the weights and "
+                              f"activations ({max(0, budget_bytes - fixed_bytes) / GB:.3f} GB); lower --max-batch or "
+                              "--max-context")
+    free = free_bytes(device)
+    if free is not None and need > free:
+        raise MoeOffloadError(f"{what}the {free / GB:.3f} GB free on {device.type}; lower --max-batch or "
+                              "--max-context")
 
 
 @torch.no_grad()
@@ -89,6 +134,8 @@ def plan_batch(lm, requested: int | None, budget_bytes: int | None, base_bytes: 
     Returns:
         ``(max_batch, note, kv_cache_bytes, activation_bytes)``: ``note`` says why the model runs batch 1 (None when
         it batches); bytes as in the module docstring.
+    Raises:
+        MoeOffloadError: the batch's KV cache cannot fit (``check_batch_fits``), before anything is allocated.
     """
     from ..batching import batch_reason
 
@@ -103,5 +150,6 @@ def plan_batch(lm, requested: int | None, budget_bytes: int | None, base_bytes: 
         batch = choose_max_batch(budget_bytes, base_bytes + prof.activation_bytes, prof.kv_cache_bytes)
     act = prof.activation_bytes
     if batch > 1:
+        check_batch_fits(batch, prof.kv_cache_bytes, base_bytes + act, budget_bytes, lm.device, max_context)
         act = max(act, profile_batch_decode(lm, max_context, batch))
     return batch, why, batch * prof.kv_cache_bytes, act

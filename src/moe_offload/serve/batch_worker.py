@@ -53,6 +53,7 @@ class BatchWorker(Worker):
     """
 
     scheduling = SCHEDULING
+    supports_top_k = True  # each row samples with ``generate._pick`` and its own settings, top_k included
 
     def __init__(self, lm, max_batch: int, tracker=None, prefill_tokens: int | None = None):
         super().__init__(lm, None, tracker)
@@ -123,7 +124,7 @@ class BatchWorker(Worker):
         rows = []
         for job in jobs:
             p = job.params
-            seq = Sequence(self._request, job.prompt_ids, p.max_tokens, p.temperature, p.top_p, p.seed)
+            seq = Sequence(self._request, job.prompt_ids, p.max_tokens, p.temperature, p.top_p, p.seed, p.top_k)
             self._request += 1
             rows.append(_Row(job, seq, Detokenizer(self.lm.tokenizer, p.stop), time.perf_counter()))
         try:

@@ -3,13 +3,28 @@
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 
 from ..cliargs import MODEL_HELP, add_host_store_arg
 from ..errors import MoeOffloadError
 
 
+def _finite(float_):
+    """argparse type: ``float_``'s number, refused (one line, exit 2) when NaN or infinite (``--memory-budget inf``
+    would otherwise overflow deep in the plan)."""
+
+    def parse(s: str) -> float:
+        v = float_(s)
+        if not math.isfinite(v):
+            raise argparse.ArgumentTypeError(f"expected a finite number, got {s!r}")
+        return v
+
+    return parse
+
+
 def _add_common(p: argparse.ArgumentParser, positive_int, float_) -> None:
+    float_ = _finite(float_)
     p.add_argument("--model", help=MODEL_HELP)
     p.add_argument("--served-model-name", help="the model name clients pass (default: --model as given)")
     p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
@@ -59,6 +74,9 @@ def add_parsers(sub, bench_sub, positive_int, nonneg_int, float_) -> None:
     s.add_argument("--track-memory", action="store_true",
                    help="on the CPU: measure the device-tier peak during requests (shown in /v1/stats; about 1.6x "
                    "slower decoding). On CUDA it is always measured")
+    s.add_argument("--cors-origins", default="*", metavar="ORIGIN[,ORIGIN...]",
+                   help="browser origins allowed to call the API (CORS, preflight OPTIONS answered), e.g. "
+                   "http://localhost:3000; none: no CORS headers (default *: any origin, no credentials)")
     b = bench_sub.add_parser("serve", help="load test: concurrent streaming clients against a loopback server; "
                              "TTFT p50/p95, aggregate tok/s, tokens vs generate, peak device-tier memory")
     _add_common(b, positive_int, float_)
@@ -98,7 +116,14 @@ def _config(args):
                        block_length=args.block_length, steps=args.steps, threshold=args.threshold,
                        prefix_cache=not args.no_prefix_cache,
                        track_memory=getattr(args, "track_memory", False), progress=not args.quiet,
-                       host_store=args.host_store, max_batch=args.max_batch, predictor=args.predictor)
+                       host_store=args.host_store, max_batch=args.max_batch, predictor=args.predictor,
+                       cors_origins=_origins(getattr(args, "cors_origins", "*")))
+
+
+def _origins(text: str) -> tuple[str, ...]:
+    """``--cors-origins`` as a tuple: comma-separated origins, ``*`` for any, ``none`` (or empty) for none."""
+    items = tuple(o.strip() for o in text.split(",") if o.strip())
+    return () if items in ((), ("none",)) else items
 
 
 def run(args) -> int:

@@ -1,28 +1,55 @@
 """OpenAI request schemas (pydantic, strict types) and the OpenAI-style error body.
 
 Only what the engine can honour is accepted: one choice (``n`` = 1), no log-probabilities, no penalties, no
-tools. A parameter with a wrong JSON type is a 400 (strict validation: ``"5"`` is not an integer, ``true`` is not a
-number); unknown extra fields are ignored, as OpenAI-compatible servers commonly do.
+tools or functions, no ``response_format`` but text. A parameter with a wrong JSON type is a 400 (strict validation:
+``"5"`` is not an integer, ``true`` is not a number); unknown extra fields are ignored, as OpenAI-compatible servers
+commonly do. Every optional field may be sent as ``null``, which means "not set" (as in the OpenAI API; several
+client libraries send every field). Numbers must be finite (``NaN`` / ``Infinity``, which Python's JSON parser
+accepts, are a 400 naming the field), and strings valid Unicode (a lone UTF-16 surrogate such as ``"\\ud83d"`` is
+a 400 naming the field: it cannot be tokenized or echoed).
 
 Integer fields are range-checked before a request is queued (``ServeState.params``; a 400 naming the field):
-``seed`` must be in [0, 2**32 - 1] (``moe_offload.seeds``: one seed mapping shared with ``generate --seed``), ``n``
-1, ``max_tokens`` / ``max_completion_tokens`` at least 1 and within the context, token ids within the vocabulary.
+``seed`` must be in [0, 2**32 - 1] (``moe_offload.seeds``: one seed mapping shared with ``generate --seed``) or -1,
+which means no seed (llama.cpp's and many UIs' "random seed"; other negative seeds are a 400), ``n`` 1,
+``max_tokens`` / ``max_completion_tokens`` at least 1 and within the context, token ids within the vocabulary,
+``top_k`` -1 or 0 (off) or positive.
+
+Sampling edges (``generate._pick``, the one sampler of both servers): a ``temperature`` below
+``generate.GREEDY_TEMPERATURE`` (1e-5), 0 included, is greedy; ``top_p`` in [0, 1] always keeps the most
+probable token (0: greedy); ``top_k`` 1 is greedy and ``top_k`` at least the vocabulary size is off.
 
 Defaults that differ from OpenAI's: ``temperature`` defaults to 0 (greedy), as ``moe-offload generate`` does, so
 that a request without sampling settings gives ``generate``'s tokens; ``max_tokens`` defaults to the rest of the
 context (``--max-context`` minus the prompt).
 
-Extension: ``return_token_ids: true`` adds the generated token ids to every choice (non-streamed) and to every
-streamed delta (``choices[0].token_ids``), for exact comparisons with ``generate``.
+Extensions: ``return_token_ids: true`` adds the generated token ids to every choice (non-streamed) and to every
+streamed delta (``choices[0].token_ids``), for exact comparisons with ``generate``; ``top_k`` (as vLLM and
+llama.cpp take it).
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-_STRICT = ConfigDict(strict=True, extra="ignore")
+_STRICT = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
+def _unicode(s: str) -> str:
+    """``s`` itself when it encodes to UTF-8.
+
+    Raises:
+        ValueError: a lone UTF-16 surrogate (JSON ``"\\ud83d"`` without its pair), which no tokenizer takes."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"contains a lone UTF-16 surrogate (\\u{ord(s[e.start]):04x} at character {e.start}); "
+                         "strings must be valid Unicode") from None
+    return s
+
+
+Text = Annotated[str, AfterValidator(_unicode)]  # a string field: valid Unicode (no lone surrogates)
 
 
 class TextPart(BaseModel):
@@ -30,7 +57,7 @@ class TextPart(BaseModel):
 
     model_config = _STRICT
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(BaseModel):
@@ -38,8 +65,8 @@ class ChatMessage(BaseModel):
 
     model_config = _STRICT
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
+    content: Text | list[TextPart] | None = None
+    name: Text | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -51,45 +78,52 @@ class ChatMessage(BaseModel):
 
 class StreamOptions(BaseModel):
     model_config = _STRICT
-    include_usage: bool = False
+    include_usage: bool | None = None
 
 
 class _Common(BaseModel):
-    """Parameters shared by chat completions and completions (OpenAI names)."""
+    """Parameters shared by chat completions and completions (OpenAI names; every optional one may be null)."""
 
     model_config = _STRICT
-    model: str
+    model: Text
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    stop: str | list[str] | None = None
+    top_k: int | None = None
+    stop: Text | list[Text] | None = None
     seed: int | None = None
-    stream: bool = False
+    stream: bool | None = None
     stream_options: StreamOptions | None = None
     n: int | None = None
-    user: str | None = None
+    user: Text | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict | None = None
-    return_token_ids: bool = False
+    response_format: dict | None = None
+    return_token_ids: bool | None = None
 
 
 class ChatCompletionRequest(_Common):
-    """``POST /v1/chat/completions`` body."""
+    """``POST /v1/chat/completions`` body. ``logprobs`` / ``top_logprobs``, ``tools`` / ``tool_choice`` and the
+    older ``functions`` / ``function_call`` are parsed only to be refused (``app.unsupported_fields``)."""
 
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
+    top_logprobs: int | None = None
     tools: list | None = None
+    tool_choice: str | dict | None = None
+    functions: list | None = None
+    function_call: str | dict | None = None
 
 
 class CompletionRequest(_Common):
     """``POST /v1/completions`` body: ``prompt`` is a string, a one-string list, or a list of token ids."""
 
-    prompt: str | list[str] | list[int] = Field(union_mode="left_to_right")
-    echo: bool = False
+    prompt: Text | list[Text] | list[int] = Field(union_mode="left_to_right")
+    echo: bool | None = None
     logprobs: int | None = None
-    suffix: str | None = None
+    suffix: Text | None = None
     best_of: int | None = None
 
 

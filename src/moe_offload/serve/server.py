@@ -5,6 +5,7 @@ and run the FastAPI app on uvicorn (in the foreground, or on a background thread
 from __future__ import annotations
 
 import gc
+import math
 import socket
 import sys
 import threading
@@ -46,6 +47,7 @@ class ServeConfig:
             diffusion models and sliding-window / recurrent caches run batch 1).
         predictor: a trained SeqMoE predictor directory for the forecast-driven policies (``seqmoe*``); its
             parameters count as non-expert bytes in the memory plan.
+        cors_origins: browser origins allowed to call the API (``app.create_app``; ``("*",)``: any; empty: none).
     """
 
     model_dir: Path
@@ -66,6 +68,7 @@ class ServeConfig:
     host_store: str = "pinned"
     max_batch: int | None = None
     predictor: str | None = None
+    cors_origins: tuple[str, ...] = ("*",)
 
 
 SHUTDOWN_GRACE_S = 2  # seconds a running request gets to finish after Ctrl-C / SIGTERM
@@ -176,8 +179,8 @@ def load_for_serving(cfg: ServeConfig, log=_log):
     top_k = _top_k(config)
     budget, source = None, None
     if cfg.memory_budget_gb is not None:
-        if not cfg.memory_budget_gb > 0:
-            raise MoeOffloadError(f"--memory-budget must be > 0 GB, got {cfg.memory_budget_gb}")
+        if not (cfg.memory_budget_gb > 0 and math.isfinite(cfg.memory_budget_gb)):
+            raise MoeOffloadError(f"--memory-budget must be a finite number > 0 GB, got {cfg.memory_budget_gb}")
         budget, source = int(cfg.memory_budget_gb * GB), "--memory-budget"
     elif not given and dev.type == "cuda":
         free, _ = torch.cuda.mem_get_info(dev)
@@ -232,7 +235,8 @@ def load_for_serving(cfg: ServeConfig, log=_log):
     log(f"ready in {time.perf_counter() - t0:.1f} s: {arch.name}, {lm.device}, {str(lm.dtype).replace('torch.', '')}"
         + (f", block diffusion {diffusion}" if diffusion else ""))
     tracker = DeviceTierTracker(lm.device) if cfg.track_memory and lm.device.type != "cuda" else None
-    return ServeState(lm, cfg.model_name or str(cfg.model_dir), max_context, plan, diffusion, tracker, note)
+    return ServeState(lm, cfg.model_name or str(cfg.model_dir), max_context, plan, diffusion, tracker, note,
+                      cfg.cors_origins)
 
 
 def _load_predictor(cfg: ServeConfig, lm):

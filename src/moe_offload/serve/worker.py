@@ -82,13 +82,15 @@ class Detokenizer:
 
 @dataclass
 class Params:
-    """Generation settings of one request (validated by the app): tokens, sampling, stop sequences."""
+    """Generation settings of one request (validated by the app): tokens, sampling (``generate._pick``; ``top_k``
+    0: off, only a worker with ``supports_top_k`` gets another), stop sequences."""
 
     max_tokens: int
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+    top_k: int = 0
 
 
 @dataclass
@@ -197,7 +199,12 @@ class Worker:
         diffusion: block-diffusion parameters ``{"block_length", "steps", "threshold"}`` for a diffusion model, else
             None.
         tracker: ``serve.memory.DeviceTierTracker`` entered around every job (CPU memory measurement), or None.
+    Attributes:
+        supports_top_k: False: ``generate_ids`` and the diffusion loop take temperature and top_p only, so the app
+            refuses a ``top_k`` that would change the tokens (``ServeState.sampling``).
     """
+
+    supports_top_k = False
 
     def __init__(self, lm, diffusion: dict | None = None, tracker=None):
         self.lm = lm
