@@ -1,0 +1,65 @@
+"""A model whose experts exceed the process's memory limit runs with ``--host-store disk`` (issue 35's target).
+
+A 772 MB Mixtral-layout checkpoint (768 MiB of float32 experts) runs ``generate --host-store disk`` inside a child
+memory cgroup whose limit is the disk mode's own measured peak plus 64 MiB — less than the experts alone. It
+finishes with FullLoad's tokens, the checkpoint's page cache holds (next to) nothing of it afterwards, and the same
+command with ``--host-store pinned`` (every expert in RAM) is killed by the OOM killer under that limit, so the
+limit binds. Skipped with the reason where no child memory cgroup can be made (not root, no cgroup v1)."""
+
+import json
+import sys
+
+import pytest
+import torch
+
+from moe_offload.runtime.host_memory import ChildCgroup, child_cgroup_problem
+from moe_offload.runtime.page_cache import cached_bytes, drop
+
+problem = child_cgroup_problem()
+pytestmark = pytest.mark.skipif(problem is not None, reason=problem or "")
+MIB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def big(tmp_path_factory):
+    from moe_offload.models.tiny import make_tiny
+
+    d = make_tiny("mixtral", tmp_path_factory.mktemp("big") / "mx", config_overrides=dict(
+        hidden_size=256, intermediate_size=2048, num_local_experts=16, num_hidden_layers=8, head_dim=32))
+    return d
+
+
+def _generate(d, host_store: str, cg: ChildCgroup | None = None) -> tuple[int, list[int] | None]:
+    cmd = [sys.executable, "-m", "moe_offload.cli", "generate", "--model", str(d), "--prompt", "hello world",
+           "--max-new-tokens", "8", "--quiet", "--json"]
+    if host_store == "full":
+        cmd.append("--full-load")
+    else:
+        cmd += ["--residency", "0.1", "--policy", "lru", "--host-store", host_store]
+    for f in d.glob("*.safetensors"):
+        drop(f)
+    import subprocess
+
+    r = cg.run(cmd, capture_output=True, text=True) if cg else subprocess.run(cmd, capture_output=True, text=True)
+    return r.returncode, json.loads(r.stdout)["outputs"][0]["token_ids"] if r.returncode == 0 else None
+
+
+def test_experts_larger_than_the_memory_limit_run_from_disk(big):
+    expert_bytes = 8 * 16 * 3 * 256 * 2048 * 4
+    rc, want = _generate(big, "full")
+    assert rc == 0
+    with ChildCgroup(1 << 60) as cg:
+        rc, got = _generate(big, "disk", cg)
+        peak = cg.peak_bytes
+    assert rc == 0 and got == want
+    limit = peak + 64 * MIB
+    assert limit < expert_bytes, f"the disk mode's peak {peak / MIB:.0f} MiB leaves no room to show the point"
+    with ChildCgroup(limit) as cg:
+        rc, got = _generate(big, "disk", cg)
+        assert cg.oom_kills == 0
+    assert rc == 0 and got == want and torch.tensor(got).unique().numel() > 1
+    expert_share = sum(cached_bytes(f) for f in big.glob("*.safetensors")) / expert_bytes
+    assert expert_share < 0.05  # non-expert tensors only (they are ~1% of the file)
+    with ChildCgroup(limit) as cg:
+        rc, _ = _generate(big, "pinned", cg)
+        assert rc != 0 and cg.oom_kills >= 1
