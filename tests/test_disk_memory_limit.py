@@ -63,3 +63,26 @@ def test_experts_larger_than_the_memory_limit_run_from_disk(big):
     with ChildCgroup(limit) as cg:
         rc, _ = _generate(big, "pinned", cg)
         assert rc != 0 and cg.oom_kills >= 1
+
+
+def test_memory_budget_bounds_the_peak(big):
+    """``generate --memory-budget 0.2 --host-store disk``: the process's peak (its cgroup's, page cache included)
+    stays within the budget plus the stated overhead: the interpreter and its libraries (measured here as the peak
+    of a process that only imports them) plus 64 MiB of allocator slack and transient copies."""
+    with ChildCgroup(1 << 60) as cg:
+        r = cg.run([sys.executable, "-c", "import moe_offload.cli, moe_offload.models.loader, moe_offload.serve.budget"
+                    ", transformers.models.mixtral.modeling_mixtral"], capture_output=True)
+        assert r.returncode == 0
+        baseline = cg.peak_bytes
+    for f in big.glob("*.safetensors"):
+        drop(f)
+    budget = 0.2e9
+    with ChildCgroup(1 << 60) as cg:
+        r = cg.run([sys.executable, "-m", "moe_offload.cli", "generate", "--model", str(big), "--prompt", "hello",
+                    "--max-new-tokens", "8", "--memory-budget", "0.2", "--host-store", "disk", "--policy", "lru",
+                    "--quiet", "--json"], capture_output=True, text=True)
+        peak = cg.peak_bytes
+    assert r.returncode == 0, r.stderr[-500:]
+    plan = json.loads(r.stdout)["stats"]["memory_plan"]
+    assert plan["total_bytes"] <= budget and plan["staging_bytes"] > 0 and plan["slots"] > 2
+    assert peak <= budget + baseline + 64 * MIB, (peak / MIB, baseline / MIB)

@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 
 from . import __version__
-from .cliargs import (OneLineErrorParser, add_diffusion_args, add_host_store_arg, add_model_args, add_predictor_lag_arg,
-                      float_, load_prompts, nonneg_int, positive_int, seed)
+from .cliargs import (OneLineErrorParser, add_diffusion_args, add_host_store_arg, add_memory_budget_arg, add_model_args,
+                      add_predictor_lag_arg, float_, load_prompts, nonneg_int, positive_int, seed)
 from .errors import MoeOffloadError
 from .models.resolve import BUILTIN_MODELS, resolve_model
 
@@ -43,6 +43,9 @@ def _add_generate_parser(sub) -> None:
                       "(default 1.0: every expert resident)")
     size.add_argument("--slots", type=positive_int, help="number of device slots, >= top-k (default: from "
                       "--residency)")
+    add_memory_budget_arg(size)
+    g.add_argument("--max-context", type=positive_int, help="with --memory-budget: the tokens (prompt + new) the "
+                   "budget plans the KV cache and activations for (default: min(1024, the model's positions))")
     g.add_argument("--full-load", action="store_true", help="every weight on the device (the reference)")
     add_host_store_arg(g)
     g.add_argument("--temperature", type=float_, default=0.0, help="sampling temperature; 0 = greedy (default)")
@@ -103,6 +106,15 @@ def _load(args, path: Path):
 
     if args.full_load:
         lm = load_full(path, device=args.device, dtype=args.dtype)
+    elif args.memory_budget is not None:
+        from .serve.budget import load_for_generate
+
+        diffusion = _diffusion_params(args, path)
+        lm = load_for_generate(path, args.memory_budget, dict(
+            device=args.device, dtype=args.dtype, policy=args.policy, progress=not args.quiet,
+            link_gbps=args.link_gbps, host_store=args.host_store), args.max_context,
+            diffusion["block_length"] if diffusion else None,
+            (lambda m: None) if args.quiet else (lambda m: print(f"moe-offload: {m}", file=sys.stderr)))
     else:
         lm = load_offloaded(path, device=args.device, dtype=args.dtype, residency=args.residency, slots=args.slots,
                             policy=args.policy, progress=not args.quiet, link_gbps=args.link_gbps,
@@ -155,6 +167,8 @@ def _generate_graph(args, path, prompts, diffusion) -> int:
     from .report import offload_notes, stats_dict
     from .runtime.graph_decode import GraphDecoder, load_graph, run_graph
 
+    if args.memory_budget is not None:
+        raise MoeOffloadError("--graph sizes its pool from --residency or --slots, not --memory-budget")
     if diffusion is not None or args.link_gbps or args.host_store != "pinned":
         raise MoeOffloadError("--graph runs autoregressive models without --link-gbps and with --host-store pinned "
                               f"(not {args.host_store})" if args.host_store != "pinned" else
@@ -201,6 +215,8 @@ def _cmd_generate(args) -> int:
 
     if args.temperature < 0 or not (0 < args.top_p <= 1):
         raise MoeOffloadError("--temperature must be >= 0 and --top-p in (0, 1]")
+    if args.full_load and args.memory_budget is not None:
+        raise MoeOffloadError("--memory-budget sizes the slot pool of the offloaded runtime; --full-load has none")
     if args.policy in PREDICTOR_POLICIES and not args.predictor and not args.full_load:
         raise MoeOffloadError(f"--policy {args.policy} needs --predictor DIR (it evicts by the predictor's forecast)")
     prompts = load_prompts(args)

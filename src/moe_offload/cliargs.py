@@ -159,6 +159,28 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
+def memory_budget(s: str) -> float | str:
+    """argparse type of ``--memory-budget``: ``auto`` or a finite number of GB > 0 (one-line error otherwise)."""
+    if s.strip().lower() == "auto":
+        return "auto"
+    v = float_(s)
+    if v != v or v in (float("inf"), float("-inf")):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {s!r}")
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"expected a number of GB > 0 or auto, got {s!r}")
+    return v
+
+
+def add_memory_budget_arg(p) -> None:
+    """``--memory-budget GB|auto`` (``serve.budget``) on a parser or mutually exclusive group."""
+    p.add_argument("--memory-budget", type=memory_budget, metavar="GB|auto",
+                   help="memory budget in GB (10^9 bytes): the slot pool gets what the non-expert weights, the KV "
+                   "cache at --max-context and the measured activation peak leave; auto: sized from what the machine "
+                   "has (CUDA: 90%% of the free device memory; CPU: 80%% of MemAvailable, capped by the cgroup's "
+                   "limit, less a pinned host store). Default on CUDA: 90%% of the free device memory; on the CPU: "
+                   "residency 1.0")
+
+
 def add_host_store_arg(p: argparse.ArgumentParser) -> None:
     """``--host-store pinned|mmap|disk`` (``models.loader.HOST_STORES``): where the offloaded experts live below the
     device slots."""

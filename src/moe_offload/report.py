@@ -64,7 +64,22 @@ def stats_dict(lm: LoadedModel, s: RunStats) -> dict:
          and eng.breakdown.steps else {}) | ({"auto_policy": {"choice": eng.auto_policy.choice, "simulated_hit_rates": eng.auto_policy.rates}}
          if getattr(eng, "auto_policy", None) is not None else {}) | ({"host_fallback_experts": o.host_experts, "host_fallback_tokens": o.host_tokens,
           "fallback_s": o.fallback_s, "prefetches": o.prefetches, "diffusion_steps": o.steps}
-         if hasattr(o, "host_experts") else {})
+         if hasattr(o, "host_experts") else {}) | _tier_stats(lm)
+
+
+def _tier_stats(lm) -> dict:
+    """``memory_plan`` (``--memory-budget``: ``serve.memory.MemoryPlan.as_dict``) and ``disk`` (``--host-store
+    disk``: the store's read counters, ``runtime.disk_store.DiskReadStats``; bytes, seconds, GB/s), where they apply."""
+    out = {}
+    if lm.memory_plan is not None:
+        out["memory_plan"] = lm.memory_plan.as_dict()
+    store = getattr(lm.engine, "store", None)
+    if getattr(store, "mode", None) == "disk":
+        st = store.stats
+        out["disk"] = {"requests": st.requests, "bytes_read": st.bytes_read, "expert_bytes": st.expert_bytes,
+                       "experts": st.experts, "busy_s": st.busy_s, "gbps_per_reader": st.gbps,
+                       "readers": store.readers, "direct_io": store.buffered_reason is None}
+    return out
 
 
 def _fmt_bytes(n: float) -> str:
@@ -107,6 +122,12 @@ def _diffusion_row(g: dict) -> str:
             f"(threshold {g['threshold']})")
 
 
+def _disk_line(k: dict) -> str:
+    return (f"{k['experts']} experts, {_fmt_bytes(k['bytes_read'])} read in {k['requests']} requests "
+            f"({k['bytes_read'] / max(1, k['requests']) / 1024:.0f} KiB each), {k['gbps_per_reader']:.2f} GB/s per "
+            f"reader, {'direct I/O' if k['direct_io'] else 'buffered + fadvise DONTNEED'}")
+
+
 def stats_table(d: dict) -> str:
     """A short two-column text table of ``stats_dict`` output. A diffusion run (``d["diffusion"]``, from
     ``models.diffusion.diffusion_summary``) reports its own throughput (tokens/s, steps/s, blocks) instead of the
@@ -136,7 +157,7 @@ def stats_table(d: dict) -> str:
         ("experts", f"{_fmt_bytes(d['expert_bytes'])} each, stored as {' + '.join(d['expert_dtypes'])}"
                     + (f"; host store {d['host_store']} ({_fmt_bytes(d['host_store_bytes'])} private)"
                        if d["host_store"] else "")),
-    ]
+    ] + ([("disk reads", _disk_line(d["disk"]))] if "disk" in d else [])
     w = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)
 

@@ -82,6 +82,7 @@ class LoadedModel:
     host_store: str | None = None           # "pinned" | "mmap" | "disk" (None: FullLoad)
     expert_dtypes: tuple[str, ...] = ()     # stored dtypes of the experts, e.g. ("bfloat16", "float8_e4m3fn")
     multimodal: bool = False                # a multimodal checkpoint served for text-only prompts
+    memory_plan: object = None              # the serve.memory.MemoryPlan that sized the pool (--memory-budget)
 
     def close(self) -> None:
         """Release the engine's copy worker and host store (no-op for FullLoad); the model must not run after."""

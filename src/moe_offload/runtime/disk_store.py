@@ -229,6 +229,12 @@ class DiskStore:
         """Bytes of one reader's staging buffer: the longest span of any expert."""
         return max((s.length for e in range(self.num_experts_total) for s in self.spans(e)), default=0)
 
+    @property
+    def max_staging_bytes(self) -> int:
+        """Host bytes the staging buffers can take at most: one per thread that reads (the caller's, the ``readers``
+        of ``copy_many`` and a transfer engine's worker), each ``staging_bytes``."""
+        return (self.readers + 2) * -(-self.staging_bytes // IO_ALIGN) * IO_ALIGN
+
     def _buffer(self, nbytes: int) -> tuple[memoryview, np.ndarray]:
         st = self._stage
         buf = getattr(st, "buf", None)

@@ -6,7 +6,7 @@ import argparse
 import math
 from pathlib import Path
 
-from ..cliargs import MODEL_HELP, add_host_store_arg
+from ..cliargs import MODEL_HELP, add_host_store_arg, add_memory_budget_arg
 from ..errors import MoeOffloadError
 
 
@@ -41,10 +41,7 @@ def _add_common(p: argparse.ArgumentParser, positive_int, float_) -> None:
                       "(default: see --memory-budget)")
     size.add_argument("--slots", type=positive_int, help="number of device slots, >= top-k (default: see "
                       "--memory-budget)")
-    size.add_argument("--memory-budget", type=float_, metavar="GB",
-                      help="device-tier budget in GB (10^9 bytes): the slot pool gets what the non-expert weights, "
-                      "the KV cache at --max-context and the measured activation peak leave (default on CUDA: 90%% "
-                      "of the free device memory; on the CPU: residency 1.0)")
+    add_memory_budget_arg(size)
     add_host_store_arg(p)
     p.add_argument("--max-context", type=positive_int,
                    help="most tokens (prompt + completion) per request (default: min(1024, the model's positions))")

@@ -158,6 +158,12 @@ def lookup_bytes(lm) -> int:
     return 0 if lm.engine is None else lm.engine.pool.lookup.numel() * lm.engine.pool.lookup.element_size()
 
 
+def staging_bytes(lm) -> int:
+    """Host bytes of a disk store's staging buffers at most (``runtime.disk_store.DiskStore.max_staging_bytes``;
+    0 for other stores and FullLoad)."""
+    return getattr(getattr(lm.engine, "store", None), "max_staging_bytes", 0)
+
+
 def static_device_bytes(lm) -> int:
     """Device-tier bytes held between requests: non-expert weights + slot pool + lookup table (bytes)."""
     pool = 0 if lm.engine is None else lm.engine.pool.nbytes
@@ -301,6 +307,7 @@ class MemoryPlan:
         non_expert_bytes, lookup_bytes, kv_cache_bytes, activation_bytes: the parts (see the module docstring).
         expert_bytes: one routed expert; slots: the pool size; routed_experts: L x E; top_k.
         max_context: tokens (prompt + new); batch: requests at once (1: queued).
+        staging_bytes: a disk store's staging buffers (``staging_bytes``; host RAM, the slot pool's tier on the CPU).
     """
 
     budget_bytes: int | None
@@ -315,6 +322,7 @@ class MemoryPlan:
     top_k: int
     max_context: int
     batch: int = 1
+    staging_bytes: int = 0
 
     @property
     def slot_bytes(self) -> int:
@@ -325,7 +333,7 @@ class MemoryPlan:
     def total_bytes(self) -> int:
         """Planned device-tier peak: every part plus the pool (bytes)."""
         return (self.non_expert_bytes + self.lookup_bytes + self.kv_cache_bytes + self.activation_bytes
-                + self.slot_bytes)
+                + self.slot_bytes + self.staging_bytes)
 
     @property
     def residency(self) -> float:
@@ -345,12 +353,14 @@ class MemoryPlan:
         head = (f"memory plan ({self.source}; budget "
                 + (f"{self.budget_bytes:,d} B = {self.budget_bytes / GB:.3f} GB" if self.budget_bytes is not None
                    else "none") + f"; max context {self.max_context} tokens, batch {self.batch}):")
+        staging = [row("disk staging buffers", self.staging_bytes)] if self.staging_bytes else []
         return [head,
                 row("non-expert weights", self.non_expert_bytes),
                 row("expert -> slot lookup table", self.lookup_bytes),
                 row(f"KV cache ({self.max_context} tokens x {self.batch})", self.kv_cache_bytes),
                 row("activations + workspace (peak)", self.activation_bytes),
                 row(f"slot pool ({self.slots} x {self.expert_bytes:,d} B)", self.slot_bytes),
+                *staging,
                 row("total", self.total_bytes),
                 f"  slots {self.slots} of {self.routed_experts} routed experts (top-k {self.top_k}), "
                 f"residency {self.residency:.4f}"]

@@ -4,8 +4,6 @@ and run the FastAPI app on uvicorn (in the foreground, or on a background thread
 
 from __future__ import annotations
 
-import gc
-import math
 import socket
 import sys
 import threading
@@ -13,16 +11,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 import uvicorn
 
 from ..errors import MoeOffloadError
 from .batch_memory import plan_batch
-from .memory import (GB, DeviceTierTracker, MemoryPlan, lookup_bytes, non_expert_bytes, profile_request,
-                     slots_for_budget)
+from .budget import DEFAULT_MAX_CONTEXT, load_within_budget, resolve_budget
+from .memory import DeviceTierTracker, MemoryPlan, lookup_bytes, non_expert_bytes, profile_request, staging_bytes
 
-DEFAULT_MAX_CONTEXT = 1024  # tokens; at most the model's max_position_embeddings
-CUDA_DEFAULT_FRACTION = 0.9  # default budget on CUDA: this share of the free device memory at start-up
 
 
 @dataclass
@@ -151,8 +146,7 @@ def load_for_serving(cfg: ServeConfig, log=_log):
         MoeOffloadError: a bad checkpoint or option, a policy the server cannot run, ``max_context`` above the
             model's positions, or a budget too small for top-k slots.
     """
-    from ..models.loader import (PREDICTOR_POLICIES, _top_k, is_refresh_policy, load_offloaded, read_config,
-                                 resolve_device)
+    from ..models.loader import PREDICTOR_POLICIES, is_refresh_policy, load_offloaded, read_config, resolve_device
     from .app import ServeState
 
     path, config, arch = read_config(cfg.model_dir)
@@ -176,41 +170,15 @@ def load_for_serving(cfg: ServeConfig, log=_log):
     if len(given) > 1:
         raise MoeOffloadError(f"give at most one of --residency, --slots, --memory-budget (got {', '.join(given)})")
     dev = resolve_device(cfg.device)
-    top_k = _top_k(config)
-    budget, source = None, None
-    if cfg.memory_budget_gb is not None:
-        if not (cfg.memory_budget_gb > 0 and math.isfinite(cfg.memory_budget_gb)):
-            raise MoeOffloadError(f"--memory-budget must be a finite number > 0 GB, got {cfg.memory_budget_gb}")
-        budget, source = int(cfg.memory_budget_gb * GB), "--memory-budget"
-    elif not given and dev.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(dev)
-        budget = int(CUDA_DEFAULT_FRACTION * free)
-        source = f"default: {CUDA_DEFAULT_FRACTION:.0%} of the free CUDA memory ({free / GB:.2f} GB)"
+    budget, source = resolve_budget(cfg.memory_budget_gb, dev, bool(given))
     block = diffusion["block_length"] if diffusion else None
     load = dict(device=cfg.device, dtype=cfg.dtype, policy=cfg.policy, progress=cfg.progress, host_store=cfg.host_store)
     t0 = time.perf_counter()
     if budget is not None:
-        log(f"loading {path} with a minimal pool (top-k = {top_k} slots"
-            + (" per MoE layer" if is_refresh_policy(cfg.policy) else "") + ") for the profile run")
-        lm = load_offloaded(path, slots=top_k, **load)
-        layers, n_total = lm.num_moe_layers, lm.num_moe_layers * lm.num_experts
-        pset = _load_predictor(cfg, lm)
+        lm, pset, batch, note, kv, act, budget = load_within_budget(
+            path, budget, source, load, max_context, block, is_refresh_policy(cfg.policy), cfg.max_batch,
+            lambda lm: _load_predictor(cfg, lm), log)
         pred_bytes = 0 if pset is None else pset.parameter_bytes()
-        base = non_expert_bytes(lm) + pred_bytes + lookup_bytes(lm)
-        slots_for_budget(budget, base, lm.expert_bytes, n_total, top_k,  # weights alone too big: fail early
-                         layers if is_refresh_policy(cfg.policy) else None, weights_only=True)
-        log(f"profile run: the largest request ({max_context} tokens, sampled)")
-        prof = profile_request(lm, max_context, block)
-        batch, note, kv, act = plan_batch(lm, cfg.max_batch, budget, base, prof, max_context)
-        slots = slots_for_budget(budget, base + kv + act, lm.expert_bytes, n_total, top_k,
-                                 layers if is_refresh_policy(cfg.policy) else None)
-        lm.close()  # its copy worker would keep the first store and pool alive outside the plan
-        del lm
-        gc.collect()
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
-        log(f"loading {path} with {slots} slots")
-        lm = load_offloaded(path, slots=slots, **load)
     else:
         lm = load_offloaded(path, residency=cfg.residency, slots=cfg.slots, **load)
         pset = _load_predictor(cfg, lm)
@@ -227,7 +195,8 @@ def load_for_serving(cfg: ServeConfig, log=_log):
         log(f"predictor {cfg.predictor}: {pred_bytes / 1e6:.1f} MB, forecasts "
             + ("per sequence, one demand per expert for the batch" if batch > 1 else "for one sequence"))
     plan = MemoryPlan(budget, source, non_expert_bytes(lm) + pred_bytes, lookup_bytes(lm), kv, act, lm.expert_bytes,
-                      lm.engine.pool.num_slots, lm.num_moe_layers * lm.num_experts, top_k, max_context, batch)
+                      lm.engine.pool.num_slots, lm.num_moe_layers * lm.num_experts, lm.top_k, max_context, batch,
+                      staging_bytes(lm))
     for line in plan.lines():
         log(line)
     if note:
