@@ -15,7 +15,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..errors import MoeOffloadError
-from ..runtime.formats import FP8, MXFP4, PLAIN, ExpertFormat
+from ..runtime.formats import FP8, MXFP4, PLAIN, ExpertFormat, fp8_scale_grid
 from .checkpoint import FLOAT8, Checkpoint, Quantization
 
 
@@ -42,6 +42,7 @@ class CheckpointMap:
         converted: ``{param: transformers WeightConverter}`` for expert parameters whose checkpoint layout the
             converter changes by more than merging and concatenating (transpose, interleave...): they are converted
             per expert when the host store is filled (``fill_store``), with transformers' own operations.
+        fp8_block: the FP8 ``weight_block_size`` ``(bm, bn)`` (None: not FP8, or none configured).
     """
 
     non_expert: dict = field(default_factory=dict)
@@ -49,6 +50,7 @@ class CheckpointMap:
     pieces: dict = field(default_factory=dict)
     concat_dim: dict = field(default_factory=dict)
     converted: dict = field(default_factory=dict)
+    fp8_block: tuple[int, int] | None = None
 
 
 def _companion(key: str, quant: Quantization) -> tuple[str, str]:
@@ -102,7 +104,7 @@ def map_checkpoint(model: torch.nn.Module, mods: list, ckpt: Checkpoint, quant: 
     renamings, converters, by_pattern = _conversions(model)
     meta_sd = model.state_dict()
     layer_of = {name: i for i, (name, _) in enumerate(mods)}
-    cmap = CheckpointMap()
+    cmap = CheckpointMap(fp8_block=quant.block_size if quant.method == "fp8" else None)
     for key in ckpt.keys():
         base, role = _companion(key, quant)
         target, pattern = _rename(base, model, renamings, converters, meta_sd)
@@ -194,6 +196,7 @@ def _part_spec(ckpt: Checkpoint, roles: dict, pname: str, quant: Quantization, s
             raise MoeOffloadError(f"{key}: FP8 {wdt} is not supported; supported: float8_e4m3fn")
         if "scale" not in roles:
             raise MoeOffloadError(f"{key} is FP8 without its weight_scale_inv")
+        check_fp8_grid(key, wshape, shapes["scale"][0], quant.block_size)
         return FP8, wshape, {"weight": shapes["weight"], "scale": shapes["scale"]}
     if "scale" in roles:
         raise MoeOffloadError(f"{key} has a weight_scale_inv but is stored as {wdt}, not FP8")
@@ -201,6 +204,29 @@ def _part_spec(ckpt: Checkpoint, roles: dict, pname: str, quant: Quantization, s
         raise MoeOffloadError(f"{key}: expert parameter {pname} stored as {wdt}: not a float or a supported "
                               "quantization")
     return PLAIN, wshape, {"weight": (wshape, storage_dtype or wdt)}
+
+
+def check_fp8_grid(key: str, weight_shape: tuple, scale_shape: tuple, block: tuple[int, int] | None) -> None:
+    """Check that an FP8 weight's ``weight_scale_inv`` has one scale per ``weight_block_size`` block (the last block
+    row / column may be partial): ``[ceil(rows/bm), ceil(cols/bn)]``; without a configured block size, that the grid
+    divides the weight (transformers derives the block from it).
+
+    Raises:
+        MoeOffloadError: naming ``key``, the shapes and the block size.
+    """
+    if len(weight_shape) != 2 or len(scale_shape) != 2:
+        raise MoeOffloadError(f"{key}: FP8 weight {tuple(weight_shape)} with weight_scale_inv {tuple(scale_shape)}: "
+                              "block-FP8 needs 2-D weights and scale grids")
+    if block is None:
+        if any(s < 1 or w % s for w, s in zip(weight_shape, scale_shape)):
+            raise MoeOffloadError(f"{key}: FP8 weight {tuple(weight_shape)} is not a whole number of blocks of its "
+                                  f"{tuple(scale_shape)} weight_scale_inv grid, and config.json has no "
+                                  "weight_block_size")
+        return
+    grid = fp8_scale_grid(tuple(weight_shape), block)
+    if tuple(scale_shape) != grid:
+        raise MoeOffloadError(f"{key}: FP8 weight {tuple(weight_shape)} in weight_block_size {list(block)} blocks "
+                              f"needs a {grid} weight_scale_inv, the checkpoint's is {tuple(scale_shape)}")
 
 
 def build_format(mods: list, cmap: CheckpointMap, ckpt: Checkpoint, quant: Quantization,
@@ -250,7 +276,7 @@ def build_format(mods: list, cmap: CheckpointMap, ckpt: Checkpoint, quant: Quant
                         _part_spec(ckpt, parts[pos], pname, quant, storage)
                     raise MoeOffloadError(f"MoE layer {layer} expert {e} {pname} is stored differently from MoE "
                                           f"layer 0 expert 0 (tensor shapes or dtypes differ)")
-    return ExpertFormat(specs, compute_dtype)
+    return ExpertFormat(specs, compute_dtype, cmap.fp8_block)
 
 
 def _converted_spec(pname: str, shape: tuple, parts: dict, ckpt: Checkpoint, cmap: CheckpointMap,

@@ -26,6 +26,7 @@ from ..runtime.store import HostStore, MmapHostStore
 from .capability import expert_params, experts_modules, generation_class, inspect_model, top_k as _top_k
 from .checkpoint import Checkpoint, quantization, read_config
 from .expert_map import build_format, fill_store, map_checkpoint
+from .fp8_full import fullload_kwargs
 from .registry import Architecture
 from .weights import load_non_expert
 
@@ -331,7 +332,7 @@ def load_full(model_dir: str | Path, *, device: str | None = None, dtype: str | 
     inspect_model(config, dt)  # the same capability check
     auto, multimodal = generation_class(config)
     try:
-        model = auto.from_pretrained(path, dtype=dt).to(dev)
+        model = auto.from_pretrained(path, dtype=dt, **fullload_kwargs(config)).to(dev)  # FP8: models.fp8_full
     except Exception as e:
         raise MoeOffloadError(f"cannot load {path}: {type(e).__name__}: {str(e).strip().splitlines()[0][:300]}") \
             from None

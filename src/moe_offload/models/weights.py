@@ -5,7 +5,7 @@ Each checkpoint key was renamed with transformers' conversion mapping (``expert_
 ``WeightConverter`` fuses, splits or permutes (a q/k/v convolution concatenated, a fused projection split in four,
 rotary permutations) are grouped per target exactly as transformers' loader groups them and converted with the
 converter's own ``convert``; plain renames are copied. FP8 weights (``weight_scale_inv`` beside them) are dequantized
-when read, with transformers' ``Fp8Dequantize`` arithmetic.
+when read, in the config's ``weight_block_size`` blocks (``runtime.formats.dequantize_fp8``).
 """
 
 from __future__ import annotations
@@ -17,23 +17,28 @@ import torch
 
 from ..errors import MoeOffloadError
 from .checkpoint import FLOAT8, Checkpoint
-from .expert_map import CheckpointMap, _conversions
+from .expert_map import CheckpointMap, _conversions, check_fp8_grid
 
 
-def _read(ckpt: Checkpoint, key: str, scale_key: str | None, dtype: torch.dtype) -> torch.Tensor:
-    """One checkpoint tensor, FP8 codes dequantized to ``dtype`` with their scales.
+def _read(ckpt: Checkpoint, key: str, scale_key: str | None, dtype: torch.dtype,
+          block: tuple[int, int] | None) -> torch.Tensor:
+    """One checkpoint tensor, FP8 codes dequantized to ``dtype`` with their scales in ``block`` (``weight_block_size``)
+    blocks.
 
     Raises:
-        MoeOffloadError: FP8 codes without their scales, or a scale beside a tensor that is not FP8.
+        MoeOffloadError: FP8 codes without their scales, a scale grid that does not fit, or a scale beside a tensor
+            that is not FP8.
     """
-    from ..runtime.formats import _dequantize_fp8
+    from ..runtime.formats import dequantize_fp8
 
     src = ckpt.tensor(key)
     if src.dtype in FLOAT8:
         if scale_key is None:
             raise MoeOffloadError(f"{key} is {str(src.dtype).replace('torch.', '')} without its weight_scale_inv: "
                                   "its values are unknown")
-        return _dequantize_fp8(src.unsqueeze(0), ckpt.tensor(scale_key).unsqueeze(0), dtype)[0]
+        scales = ckpt.tensor(scale_key)
+        check_fp8_grid(key, src.shape, scales.shape, block)
+        return dequantize_fp8(src, scales, dtype, block)
     if scale_key is not None:
         raise MoeOffloadError(f"{scale_key}: a scale for {key}, which is stored as {src.dtype}, not FP8")
     return src
@@ -65,7 +70,8 @@ def _mappings(model, cmap: CheckpointMap, ckpt: Checkpoint, state: dict) -> dict
             else:
                 mapping = out.setdefault(target, WeightRenaming(key, target))
                 source = key
-            mapping.add_tensor(target, key, source, partial(_read, ckpt, key, cmap.scales.get(key), dtype))
+            mapping.add_tensor(target, key, source, partial(_read, ckpt, key, cmap.scales.get(key), dtype,
+                                                                  cmap.fp8_block))
     return out
 
 
