@@ -162,8 +162,9 @@ def test_scale_grid_that_does_not_fit_is_one_line_error(tmp_path):
     cfg = json.loads((d / "config.json").read_text())
     cfg["quantization_config"]["weight_block_size"] = [16, 32]  # the scales were written for 32x32
     (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(MoeOffloadError, match=r"weight_block_size \[16, 32\] blocks needs a \(3, 2\)"):
-        load_offloaded(d, device="cpu", progress=False)
+    for load in (load_offloaded, load_full):
+        with pytest.raises(MoeOffloadError, match=r"weight_block_size \[16, 32\] blocks needs a \(3, 2\)"):
+            load(d, device="cpu", **({"progress": False} if load is load_offloaded else {}))
 
 
 def test_write_fp8_keeps_ragged_shapes(tmp_path):

@@ -95,21 +95,31 @@ def _rename(key: str, model, renamings, converters, meta_sd) -> tuple[str, str |
 def map_checkpoint(model: torch.nn.Module, mods: list, ckpt: Checkpoint, quant: Quantization,
                    expert_names: set[str]) -> CheckpointMap:
     """Map every checkpoint key onto ``model`` (built on the meta device; ``mods`` its experts modules in MoE-layer
-    order, ``expert_names`` the names of their routed-expert parameters).
+    order, ``expert_names`` the names of their routed-expert parameters). Every tensor is accounted for: a weight of
+    the model, a routed expert's piece, a quantization companion of one, a key transformers' loader ignores
+    (``ignored_by_transformers``) or a multimodal tower's weight the text-generation class leaves out (``_Unused``);
+    anything else is an error.
 
     Raises:
-        MoeOffloadError: a key mapping to an expert parameter the module does not have, an expert index that
-            cannot be found, or quantized experts whose conversion is more than merge (+ concatenate).
+        MoeOffloadError: one line naming the tensor: a key that is no weight of the model, an expert id or a fused
+            expert count beyond the config's experts, a key mapping to an expert parameter the module does not have,
+            an expert index that cannot be found, or quantized experts whose conversion is more than merge
+            (+ concatenate).
     """
     renamings, converters, by_pattern = _conversions(model)
     meta_sd = model.state_dict()
     layer_of = {name: i for i, (name, _) in enumerate(mods)}
     cmap = CheckpointMap(fp8_block=quant.block_size if quant.method == "fp8" else None)
+    unused = _Unused(model, ckpt)
     for key in ckpt.keys():
         base, role = _companion(key, quant)
         target, pattern = _rename(base, model, renamings, converters, meta_sd)
         mod_name, _, pname = target.rpartition(".")
         if mod_name not in layer_of:
+            if target not in meta_sd:
+                if unused(key, target):
+                    continue
+                raise MoeOffloadError(_unknown_key(key, target, model, ckpt, quant))
             if role == "weight":
                 cmap.non_expert.setdefault(target, []).append((key, pattern))
             else:
@@ -120,15 +130,90 @@ def map_checkpoint(model: torch.nn.Module, mods: list, ckpt: Checkpoint, quant: 
                 raise MoeOffloadError(f"checkpoint key {key} looks like MXFP4 (*_blocks / *_scales) but config.json "
                                       "has no mxfp4 quantization_config")
             raise MoeOffloadError(f"checkpoint key {key} maps to unknown expert parameter {target}")
-        _map_expert_key(cmap, key, base, role, layer_of[mod_name], pname, by_pattern.get(pattern) if pattern else
-                        None, pattern, mods[0][1].num_experts)
+        _map_expert_key(cmap, ckpt, key, base, role, layer_of[mod_name], pname, by_pattern.get(pattern) if pattern
+                        else None, pattern, mods[0][1].num_experts)
     return cmap
 
 
-def _map_expert_key(cmap: CheckpointMap, key: str, base: str, role: str, layer: int, pname: str, conv,
-                    pattern: str | None, num_experts: int) -> None:
+def _unknown_key(key: str, target: str, model: torch.nn.Module, ckpt: Checkpoint, quant: Quantization) -> str:
+    """The one-line error for checkpoint tensor ``key`` (renamed ``target``) that the model has no weight for: a
+    quantization companion the config does not declare, or an unknown key."""
+    weight = key[: -len("_scale_inv")] if key.endswith(".weight_scale_inv") else None
+    if quant.method != "fp8" and weight in ckpt.index and ckpt.info(weight).dtype in FLOAT8:
+        return (f"{weight} is {str(ckpt.info(weight).dtype).replace('torch.', '')} but config.json has no fp8 "
+                "quantization_config: its weight_scale_inv cannot be applied")
+    if quant.method != "mxfp4" and re.search(r"_(blocks|scales)$", key):
+        return f"checkpoint key {key} looks like MXFP4 (*_blocks / *_scales) but config.json has no mxfp4 " \
+               "quantization_config"
+    return (f"checkpoint tensor {key} is not a weight of {type(model).__name__} built from config.json (it would "
+            f"load into {target}, which the model does not have)")
+
+
+def ignored_by_transformers(model: torch.nn.Module, key: str, target: str) -> bool:
+    """Whether transformers' loader ignores checkpoint key ``key`` (renamed ``target``), which the model has no
+    weight for: ``model._keys_to_ignore_on_load_unexpected`` patterns (e.g. DeepSeek-V3's MTP ``model.layers.61``,
+    Qwen3-Next's ``mtp.*``), rotary ``inv_freq`` / ``position_ids`` buffers that older checkpoints saved, and a
+    layer past ``num_hidden_layers`` (a multi-token-prediction module shipped as one more decoder layer)."""
+    from .capability import text_config
+
+    patterns = set(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()) | {
+        r"(^|\.)inv_freq$", r"(^|\.)position_ids$"}
+    if any(re.search(p, k) for p in patterns for k in (key, target)):
+        return True
+    layers = getattr(text_config(model.config), "num_hidden_layers", None)
+    m = re.search(r"(?:^|\.)layers\.(\d+)\.", key)
+    return bool(layers and m and int(m.group(1)) >= layers)
+
+
+class _Unused:
+    """Checkpoint keys the model built for text generation has no weight for but that are accounted for: those
+    transformers ignores (``ignored_by_transformers``) and, for a multimodal checkpoint served by a text-only class
+    (e.g. dots3_note's causal LM), the weights of the towers only its multimodal class has (checked against that
+    class built on the meta device from the checkpoint's config.json, on the first such key)."""
+
+    def __init__(self, model: torch.nn.Module, ckpt: Checkpoint):
+        self.model, self.ckpt = model, ckpt
+        self._tower = None  # (model, renamings, converters, state_dict) of the multimodal class, or ()
+
+    def __call__(self, key: str, target: str) -> bool:
+        if ignored_by_transformers(self.model, key, target):
+            return True
+        if self._tower is None:
+            self._tower = self._multimodal_model()
+        if not self._tower:
+            return False
+        mm, renamings, converters, sd = self._tower
+        return _rename(key, mm, renamings, converters, sd)[0] in sd
+
+    def _multimodal_model(self) -> tuple:
+        import transformers
+
+        from .capability import text_config
+        from .checkpoint import read_config_json
+
+        config = read_config_json(self.ckpt.path / "config.json")[0]
+        if text_config(config) is config:
+            return ()
+        for name in ("AutoModelForImageTextToText", "AutoModelForMultimodalLM"):
+            auto = getattr(transformers, name, None)
+            if auto is not None and type(config) in auto._model_mapping and \
+                    auto._model_mapping[type(config)] is not type(self.model):
+                with torch.device("meta"):
+                    mm = auto.from_config(config)
+                renamings, converters, _ = _conversions(mm)
+                return mm, renamings, converters, mm.state_dict()
+        return ()
+
+
+def _map_expert_key(cmap: CheckpointMap, ckpt: Checkpoint, key: str, base: str, role: str, layer: int, pname: str,
+                    conv, pattern: str | None, num_experts: int) -> None:
     """Record one routed-expert checkpoint key: per-expert (``experts.{e}.*``) or fused (``[E, ...]``), as parts of
-    a merge (+ concatenate) or as the input of a converter applied per expert."""
+    a merge (+ concatenate) or as the input of a converter applied per expert.
+
+    Raises:
+        MoeOffloadError: an expert id ``>= num_experts``, a fused tensor not holding ``num_experts`` rows, or a
+            conversion the offloaded experts do not support.
+    """
     if conv is not None and not _is_merge(conv):
         if role != "weight":
             raise MoeOffloadError(f"checkpoint key {key}: quantized experts converted by "
@@ -138,12 +223,19 @@ def _map_expert_key(cmap: CheckpointMap, key: str, base: str, role: str, layer: 
         cmap.concat_dim[pname] = _concat_dim(conv, key)
     position = conv.source_patterns.index(pattern) if conv is not None else 0
     if pattern is None or "*" not in pattern:  # a fused [E, ...] tensor: one row per expert
+        shape = ckpt.info(key).shape
+        if not shape or shape[0] != num_experts:
+            raise MoeOffloadError(f"checkpoint tensor {key} {list(shape)} holds {shape[0] if shape else 0} experts, "
+                                  f"the model built from config.json has {num_experts} per MoE layer")
         for e in range(num_experts):
             cmap.pieces.setdefault((layer, e, pname), {}).setdefault(position, {})[role] = ExpertPiece(key, e)
         return
     m = re.search(pattern.replace("*.", r"(\d+)\."), base)
     if m is None:
         raise MoeOffloadError(f"cannot find the expert index in checkpoint key {key}")
+    if int(m.group(1)) >= num_experts:
+        raise MoeOffloadError(f"checkpoint tensor {key} is expert {int(m.group(1))}, but the model built from "
+                              f"config.json has {num_experts} experts per MoE layer (ids 0-{num_experts - 1})")
     cmap.pieces.setdefault((layer, int(m.group(1)), pname), {}).setdefault(position, {})[role] = \
         ExpertPiece(key, None)
 

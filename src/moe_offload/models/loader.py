@@ -28,6 +28,7 @@ from .checkpoint import Checkpoint, quantization, read_config
 from .expert_map import build_format, fill_store, map_checkpoint
 from .fp8_full import fullload_kwargs
 from .registry import Architecture
+from .validate import validate_checkpoint
 from .weights import load_non_expert
 
 #: host store modes (``--host-store``)
@@ -328,8 +329,7 @@ def load_full(model_dir: str | Path, *, device: str | None = None, dtype: str | 
     path, config, arch = read_config(model_dir)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, config)
-    Checkpoint(path)  # same validation as the offloaded path
-    inspect_model(config, dt)  # the same capability check
+    validate_checkpoint(path, config, dt)  # the offloaded path's capability check and checkpoint accounting
     auto, multimodal = generation_class(config)
     try:
         model = auto.from_pretrained(path, dtype=dt, **fullload_kwargs(config)).to(dev)  # FP8: models.fp8_full

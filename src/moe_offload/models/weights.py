@@ -61,7 +61,7 @@ def _mappings(model, cmap: CheckpointMap, ckpt: Checkpoint, state: dict) -> dict
     out = {}
     for target, sources in cmap.non_expert.items():
         if target not in state:
-            continue  # checkpoint extras (an MTP layer past num_hidden_layers, a tied lm_head written twice)
+            continue  # a tied lm_head written twice (keys the model has no weight for: expert_map.map_checkpoint)
         dtype = state[target].dtype
         for key, pattern in sources:
             if pattern is not None:
@@ -75,6 +75,19 @@ def _mappings(model, cmap: CheckpointMap, ckpt: Checkpoint, state: dict) -> dict
     return out
 
 
+def missing_weights(model: torch.nn.Module, cmap: CheckpointMap, layer_of: dict) -> list[str]:
+    """The model's persistent non-expert weights (parameters and persistent buffers, on the meta device or not) that
+    no checkpoint key becomes (``cmap.non_expert``, a one-to-many converter's siblings included), tied ones aside;
+    ``layer_of``: ``{experts module name: MoE layer}`` (their parameters are the host store's)."""
+    _, _, by_pattern = _conversions(model)
+    persistent = set(model.state_dict())
+    state = {**dict(model.named_buffers()), **dict(model.named_parameters())}
+    covered = {t for target, src in cmap.non_expert.items() if target in state
+               for t in _targets_of(target, src, by_pattern)}
+    tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
+    return [k for k in persistent if k not in covered and k.rpartition(".")[0] not in layer_of and k not in tied]
+
+
 def load_non_expert(model: torch.nn.Module, cmap: CheckpointMap, ckpt: Checkpoint, layer_of: dict) -> None:
     """Read every non-expert weight onto the model's device (already materialised, experts dropped).
 
@@ -85,14 +98,9 @@ def load_non_expert(model: torch.nn.Module, cmap: CheckpointMap, ckpt: Checkpoin
         MoeOffloadError: a weight the checkpoint lacks, a shape mismatch, a conversion that fails, or FP8 codes
             without their scales.
     """
-    _, _, by_pattern = _conversions(model)
-    persistent = set(model.state_dict())
     params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
     state = {**buffers, **params}
-    covered = {t for target, src in cmap.non_expert.items() if target in state
-               for t in _targets_of(target, src, by_pattern)}
-    tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
-    missing = [k for k in persistent if k not in covered and k.rpartition(".")[0] not in layer_of and k not in tied]
+    missing = missing_weights(model, cmap, layer_of)
     if missing:
         raise MoeOffloadError(f"checkpoint lacks {len(missing)} weights, e.g. {missing[0]}")
     with torch.no_grad():
