@@ -177,3 +177,26 @@ def test_write_fp8_keeps_ragged_shapes(tmp_path):
     assert t[k + "_scale_inv"].shape == (3, 2) and t[k + "_scale_inv"].dtype == torch.float32
     k = "model.layers.0.mlp.experts.0.down_proj.weight"
     assert t[k].shape == (64, 40) and t[k + "_scale_inv"].shape == (4, 2)
+
+
+def test_without_weight_block_size_the_grid_gives_the_block(tmp_path):
+    """No weight_block_size in config.json: both paths derive the block from the scale grid (as transformers does),
+    not FineGrainedFP8Config's default 128 x 128; a ragged checkpoint is then refused on one line, both paths."""
+    def fp8(name, block, **overrides):
+        d = write_fp8(make_tiny("qwen3_moe", tmp_path / f"{name}-dense", config_overrides=overrides),
+                      tmp_path / name, block=block)
+        cfg = json.loads((d / "config.json").read_text())
+        del cfg["quantization_config"]["weight_block_size"]
+        (d / "config.json").write_text(json.dumps(cfg))
+        return d
+
+    torch.set_num_threads(1)
+    d = fp8("whole", (32, 32))
+    full, off = load_full(d, device="cpu"), load_offloaded(d, device="cpu", residency=0.3, progress=False)
+    ids = encode_prompt(full.tokenizer, PROMPT)
+    assert generate_ids(off, ids, NEW)[0] == generate_ids(full, ids, NEW)[0]
+    d = fp8("ragged", (16, 32), moe_intermediate_size=40)  # 40 rows in a grid of 3
+    for load in (load_offloaded, load_full):
+        with pytest.raises(MoeOffloadError, match=r"\(40, 64\) is not a whole number of blocks of its \(3, 2\) "
+                                                  "weight_scale_inv grid, and config.json has no weight_block_size"):
+            load(d, device="cpu", **({"progress": False} if load is load_offloaded else {}))

@@ -84,5 +84,8 @@ def fullload_kwargs(config) -> dict:
     _register()
     config = copy.deepcopy(config)
     holder = config if holder is holders[0] else config.get_text_config(decoder=True)
-    holder.quantization_config = {**q, "quant_method": QUANT_METHOD, "dequantize": True}
+    # no weight_block_size in config.json: None (the block derived from the scale grid, as the offloaded path does),
+    # not FineGrainedFP8Config's default 128 x 128
+    holder.quantization_config = {**q, "quant_method": QUANT_METHOD, "dequantize": True,
+                                  "weight_block_size": q.get("weight_block_size")}
     return {"config": config}
