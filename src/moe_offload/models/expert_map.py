@@ -15,7 +15,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..errors import MoeOffloadError
-from ..runtime.formats import FP8, MXFP4, PLAIN, ExpertFormat, fp8_scale_grid
+from ..runtime.formats import FP8, MXFP4, PLAIN, ExpertFormat, check_fp8_grid
 from .checkpoint import FLOAT8, Checkpoint, Quantization
 
 
@@ -97,8 +97,8 @@ def map_checkpoint(model: torch.nn.Module, mods: list, ckpt: Checkpoint, quant: 
     """Map every checkpoint key onto ``model`` (built on the meta device; ``mods`` its experts modules in MoE-layer
     order, ``expert_names`` the names of their routed-expert parameters). Every tensor is accounted for: a weight of
     the model, a routed expert's piece, a quantization companion of one, a key transformers' loader ignores
-    (``ignored_by_transformers``) or a multimodal tower's weight the text-generation class leaves out (``_Unused``);
-    anything else is an error.
+    (``accounting.ignored_by_transformers``) or a multimodal tower's weight the text-generation class leaves out
+    (``accounting.UnusedKeys``); anything else is an error.
 
     Raises:
         MoeOffloadError: one line naming the tensor: a key that is no weight of the model, an expert id or a fused
@@ -110,16 +110,18 @@ def map_checkpoint(model: torch.nn.Module, mods: list, ckpt: Checkpoint, quant: 
     meta_sd = model.state_dict()
     layer_of = {name: i for i, (name, _) in enumerate(mods)}
     cmap = CheckpointMap(fp8_block=quant.block_size if quant.method == "fp8" else None)
-    unused = _Unused(model, ckpt)
+    from .accounting import UnusedKeys, unknown_key
+
+    unused = UnusedKeys(model, ckpt)
     for key in ckpt.keys():
         base, role = _companion(key, quant)
         target, pattern = _rename(base, model, renamings, converters, meta_sd)
         mod_name, _, pname = target.rpartition(".")
         if mod_name not in layer_of:
             if target not in meta_sd:
-                if unused(key, target):
+                if unused(key, base, target):
                     continue
-                raise MoeOffloadError(_unknown_key(key, target, model, ckpt, quant))
+                raise MoeOffloadError(unknown_key(key, target, model, ckpt, quant))
             if role == "weight":
                 cmap.non_expert.setdefault(target, []).append((key, pattern))
             else:
@@ -133,76 +135,6 @@ def map_checkpoint(model: torch.nn.Module, mods: list, ckpt: Checkpoint, quant: 
         _map_expert_key(cmap, ckpt, key, base, role, layer_of[mod_name], pname, by_pattern.get(pattern) if pattern
                         else None, pattern, mods[0][1].num_experts)
     return cmap
-
-
-def _unknown_key(key: str, target: str, model: torch.nn.Module, ckpt: Checkpoint, quant: Quantization) -> str:
-    """The one-line error for checkpoint tensor ``key`` (renamed ``target``) that the model has no weight for: a
-    quantization companion the config does not declare, or an unknown key."""
-    weight = key[: -len("_scale_inv")] if key.endswith(".weight_scale_inv") else None
-    if quant.method != "fp8" and weight in ckpt.index and ckpt.info(weight).dtype in FLOAT8:
-        return (f"{weight} is {str(ckpt.info(weight).dtype).replace('torch.', '')} but config.json has no fp8 "
-                "quantization_config: its weight_scale_inv cannot be applied")
-    if quant.method != "mxfp4" and re.search(r"_(blocks|scales)$", key):
-        return f"checkpoint key {key} looks like MXFP4 (*_blocks / *_scales) but config.json has no mxfp4 " \
-               "quantization_config"
-    return (f"checkpoint tensor {key} is not a weight of {type(model).__name__} built from config.json (it would "
-            f"load into {target}, which the model does not have)")
-
-
-def ignored_by_transformers(model: torch.nn.Module, key: str, target: str) -> bool:
-    """Whether transformers' loader ignores checkpoint key ``key`` (renamed ``target``), which the model has no
-    weight for: ``model._keys_to_ignore_on_load_unexpected`` patterns (e.g. DeepSeek-V3's MTP ``model.layers.61``,
-    Qwen3-Next's ``mtp.*``), rotary ``inv_freq`` / ``position_ids`` buffers that older checkpoints saved, and a
-    layer past ``num_hidden_layers`` (a multi-token-prediction module shipped as one more decoder layer)."""
-    from .capability import text_config
-
-    patterns = set(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()) | {
-        r"(^|\.)inv_freq$", r"(^|\.)position_ids$"}
-    if any(re.search(p, k) for p in patterns for k in (key, target)):
-        return True
-    layers = getattr(text_config(model.config), "num_hidden_layers", None)
-    m = re.search(r"(?:^|\.)layers\.(\d+)\.", key)
-    return bool(layers and m and int(m.group(1)) >= layers)
-
-
-class _Unused:
-    """Checkpoint keys the model built for text generation has no weight for but that are accounted for: those
-    transformers ignores (``ignored_by_transformers``) and, for a multimodal checkpoint served by a text-only class
-    (e.g. dots3_note's causal LM), the weights of the towers only its multimodal class has (checked against that
-    class built on the meta device from the checkpoint's config.json, on the first such key)."""
-
-    def __init__(self, model: torch.nn.Module, ckpt: Checkpoint):
-        self.model, self.ckpt = model, ckpt
-        self._tower = None  # (model, renamings, converters, state_dict) of the multimodal class, or ()
-
-    def __call__(self, key: str, target: str) -> bool:
-        if ignored_by_transformers(self.model, key, target):
-            return True
-        if self._tower is None:
-            self._tower = self._multimodal_model()
-        if not self._tower:
-            return False
-        mm, renamings, converters, sd = self._tower
-        return _rename(key, mm, renamings, converters, sd)[0] in sd
-
-    def _multimodal_model(self) -> tuple:
-        import transformers
-
-        from .capability import text_config
-        from .checkpoint import read_config_json
-
-        config = read_config_json(self.ckpt.path / "config.json")[0]
-        if text_config(config) is config:
-            return ()
-        for name in ("AutoModelForImageTextToText", "AutoModelForMultimodalLM"):
-            auto = getattr(transformers, name, None)
-            if auto is not None and type(config) in auto._model_mapping and \
-                    auto._model_mapping[type(config)] is not type(self.model):
-                with torch.device("meta"):
-                    mm = auto.from_config(config)
-                renamings, converters, _ = _conversions(mm)
-                return mm, renamings, converters, mm.state_dict()
-        return ()
 
 
 def _map_expert_key(cmap: CheckpointMap, ckpt: Checkpoint, key: str, base: str, role: str, layer: int, pname: str,
@@ -296,29 +228,6 @@ def _part_spec(ckpt: Checkpoint, roles: dict, pname: str, quant: Quantization, s
         raise MoeOffloadError(f"{key}: expert parameter {pname} stored as {wdt}: not a float or a supported "
                               "quantization")
     return PLAIN, wshape, {"weight": (wshape, storage_dtype or wdt)}
-
-
-def check_fp8_grid(key: str, weight_shape: tuple, scale_shape: tuple, block: tuple[int, int] | None) -> None:
-    """Check that an FP8 weight's ``weight_scale_inv`` has one scale per ``weight_block_size`` block (the last block
-    row / column may be partial): ``[ceil(rows/bm), ceil(cols/bn)]``; without a configured block size, that the grid
-    divides the weight (transformers derives the block from it).
-
-    Raises:
-        MoeOffloadError: naming ``key``, the shapes and the block size.
-    """
-    if len(weight_shape) != 2 or len(scale_shape) != 2:
-        raise MoeOffloadError(f"{key}: FP8 weight {tuple(weight_shape)} with weight_scale_inv {tuple(scale_shape)}: "
-                              "block-FP8 needs 2-D weights and scale grids")
-    if block is None:
-        if any(s < 1 or w % s for w, s in zip(weight_shape, scale_shape)):
-            raise MoeOffloadError(f"{key}: FP8 weight {tuple(weight_shape)} is not a whole number of blocks of its "
-                                  f"{tuple(scale_shape)} weight_scale_inv grid, and config.json has no "
-                                  "weight_block_size")
-        return
-    grid = fp8_scale_grid(tuple(weight_shape), block)
-    if tuple(scale_shape) != grid:
-        raise MoeOffloadError(f"{key}: FP8 weight {tuple(weight_shape)} in weight_block_size {list(block)} blocks "
-                              f"needs a {grid} weight_scale_inv, the checkpoint's is {tuple(scale_shape)}")
 
 
 def build_format(mods: list, cmap: CheckpointMap, ckpt: Checkpoint, quant: Quantization,

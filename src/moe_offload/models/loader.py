@@ -23,12 +23,12 @@ from ..runtime.engine import OffloadEngine
 from ..runtime.formats import ExpertFormat
 from ..runtime.pool import SlotPool
 from ..runtime.store import HostStore, MmapHostStore
+from .accounting import validate_checkpoint
 from .capability import expert_params, experts_modules, generation_class, inspect_model, top_k as _top_k
 from .checkpoint import Checkpoint, quantization, read_config
 from .expert_map import build_format, fill_store, map_checkpoint
 from .fp8_full import fullload_kwargs
 from .registry import Architecture
-from .validate import validate_checkpoint
 from .weights import load_non_expert
 
 #: host store modes (``--host-store``)

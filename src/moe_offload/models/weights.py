@@ -16,8 +16,9 @@ from functools import partial
 import torch
 
 from ..errors import MoeOffloadError
+from ..runtime.formats import check_fp8_grid
 from .checkpoint import FLOAT8, Checkpoint
-from .expert_map import CheckpointMap, _conversions, check_fp8_grid
+from .expert_map import CheckpointMap, _conversions
 
 
 def _read(ckpt: Checkpoint, key: str, scale_key: str | None, dtype: torch.dtype,

@@ -41,6 +41,29 @@ def fp8_scale_grid(shape: tuple[int, int], block: tuple[int, int]) -> tuple[int,
     return -(-shape[0] // block[0]), -(-shape[1] // block[1])
 
 
+def check_fp8_grid(key: str, weight_shape: tuple, scale_shape: tuple, block: tuple[int, int] | None) -> None:
+    """Check that an FP8 weight's ``weight_scale_inv`` has one scale per ``weight_block_size`` block (the last block
+    row / column may be partial): ``[ceil(rows/bm), ceil(cols/bn)]``; without a configured block size, that the grid
+    divides the weight (transformers derives the block from it).
+
+    Raises:
+        MoeOffloadError: naming ``key``, the shapes and the block size.
+    """
+    if len(weight_shape) != 2 or len(scale_shape) != 2:
+        raise MoeOffloadError(f"{key}: FP8 weight {tuple(weight_shape)} with weight_scale_inv {tuple(scale_shape)}: "
+                              "block-FP8 needs 2-D weights and scale grids")
+    if block is None:
+        if any(s < 1 or w % s for w, s in zip(weight_shape, scale_shape)):
+            raise MoeOffloadError(f"{key}: FP8 weight {tuple(weight_shape)} is not a whole number of blocks of its "
+                                  f"{tuple(scale_shape)} weight_scale_inv grid, and config.json has no "
+                                  "weight_block_size")
+        return
+    grid = fp8_scale_grid(tuple(weight_shape), block)
+    if tuple(scale_shape) != grid:
+        raise MoeOffloadError(f"{key}: FP8 weight {tuple(weight_shape)} in weight_block_size {list(block)} blocks "
+                              f"needs a {grid} weight_scale_inv, the checkpoint's is {tuple(scale_shape)}")
+
+
 def _e4m3_values(codes: torch.Tensor) -> torch.Tensor:
     """float8_e4m3fn codes -> float32 values (exact), through a 256-entry table: ~3x faster on the CPU than torch's
     cast, and bitwise the same; other dtypes are cast."""
