@@ -33,20 +33,60 @@ def read_config(model_dir: str | Path):
     """Validate a checkpoint directory and return ``(path, config, architecture)``.
 
     Raises:
-        MoeOffloadError: missing directory, no config.json, no safetensors, a model type the installed transformers
+        MoeOffloadError: missing directory, a file (a GGUF file, a safetensors file...: ``not_a_checkpoint``), no
+            config.json, no safetensors, a model type the installed transformers
             does not know (remote code is never run), one ``registry.REFUSED`` names, or a ``quantization_config``
             the engine does not serve exactly (``quantization``). Whether the model's experts can be served is
             decided when it is built (``models.capability``).
     """
     path = Path(model_dir)
-    if not path.is_dir():
+    if not path.exists():
         raise MoeOffloadError(f"model directory not found: {path}")
-    if not (path / "config.json").is_file():
-        raise MoeOffloadError(f"{path} has no config.json: not a Hugging Face checkpoint directory")
+    if not path.is_dir() or not (path / "config.json").is_file():
+        raise MoeOffloadError(not_a_checkpoint(path))
     if not sorted(path.glob("*.safetensors")):
         raise MoeOffloadError(f"{path} has no *.safetensors weights")
     config, arch = read_config_json(path / "config.json")
     return path, config, arch
+
+
+#: what ``--model`` takes (besides a built-in name)
+CHECKPOINT_DIR = "a Hugging Face checkpoint directory (config.json + *.safetensors)"
+_GGUF_MAGIC = b"GGUF"
+_FILE_KINDS = {".safetensors": "a safetensors file", ".bin": "a PyTorch weights file", ".pt": "a PyTorch weights file",
+               ".pth": "a PyTorch weights file", ".json": "a JSON file"}
+
+
+def _is_gguf(path: Path) -> bool:
+    """A GGUF file (llama.cpp's format): its magic bytes, or the ``.gguf`` suffix."""
+    try:
+        with path.open("rb") as f:
+            head = f.read(4)
+    except OSError:
+        head = b""
+    return head == _GGUF_MAGIC or path.suffix.lower() == ".gguf"
+
+
+def not_a_checkpoint(path: Path) -> str:
+    """One line saying what ``path``, which exists, is when it is not a checkpoint directory: a GGUF file, a
+    safetensors or config.json file (naming the directory to give instead when it is one), another file, or a
+    directory without config.json (and whether it holds GGUF files)."""
+    if path.is_dir():
+        ggufs = sorted(path.glob("*.gguf"))
+        if ggufs and not (path / "config.json").exists():
+            return (f"{path} holds GGUF files ({ggufs[0].name}{', ...' if len(ggufs) > 1 else ''}) and no "
+                    f"config.json: moe-offload does not read GGUF; give {CHECKPOINT_DIR}")
+        return f"{path} has no config.json: not {CHECKPOINT_DIR}"
+    if not path.is_file():
+        return f"{path} is neither a directory nor a regular file: give {CHECKPOINT_DIR}"
+    if _is_gguf(path):
+        return (f"{path} is a GGUF file (llama.cpp's format), which moe-offload does not read: give {CHECKPOINT_DIR} "
+                "of the model instead")
+    kind = "a config.json file" if path.name == "config.json" else _FILE_KINDS.get(
+        path.suffix.lower(), f"a {path.suffix} file" if path.suffix else "a file")
+    if (path.parent / "config.json").is_file() and path.suffix in (".safetensors", ".json"):
+        return f"{path} is {kind}, not a directory: give the checkpoint directory holding it, {path.parent}"
+    return f"{path} is {kind}, not a directory: give {CHECKPOINT_DIR}"
 
 
 def read_config_json(file: str | Path):
@@ -54,12 +94,15 @@ def read_config_json(file: str | Path):
     checked before downloading them).
 
     Raises:
-        MoeOffloadError: not valid JSON, a model type the installed transformers does not know (remote code is never
-            run), one ``registry.REFUSED`` names, or a ``quantization_config`` the engine does not serve exactly.
+        MoeOffloadError: a GGUF file, not valid JSON, a model type the installed transformers does not know (remote
+            code is never run), one ``registry.REFUSED`` names, or a ``quantization_config`` the engine does not serve
+            exactly.
     """
     from transformers import CONFIG_MAPPING, AutoConfig
 
     file = Path(file)
+    if file.is_file() and _is_gguf(file):
+        raise MoeOffloadError(not_a_checkpoint(file))
     try:
         raw = json.loads(file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

@@ -15,7 +15,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..errors import MoeOffloadError
-from ..runtime.formats import FP8, MXFP4, PLAIN, ExpertFormat
+from ..runtime.formats import FP8, MXFP4, PLAIN, ExpertFormat, check_fp8_grid
 from ..runtime.store import FILE_BACKED
 from .checkpoint import FLOAT8, Checkpoint, Quantization
 
@@ -43,6 +43,7 @@ class CheckpointMap:
         converted: ``{param: transformers WeightConverter}`` for expert parameters whose checkpoint layout the
             converter changes by more than merging and concatenating (transpose, interleave...): they are converted
             per expert when the host store is filled (``fill_store``), with transformers' own operations.
+        fp8_block: the FP8 ``weight_block_size`` ``(bm, bn)`` (None: not FP8, or none configured).
     """
 
     non_expert: dict = field(default_factory=dict)
@@ -50,6 +51,7 @@ class CheckpointMap:
     pieces: dict = field(default_factory=dict)
     concat_dim: dict = field(default_factory=dict)
     converted: dict = field(default_factory=dict)
+    fp8_block: tuple[int, int] | None = None
 
 
 def _companion(key: str, quant: Quantization) -> tuple[str, str]:
@@ -94,21 +96,33 @@ def _rename(key: str, model, renamings, converters, meta_sd) -> tuple[str, str |
 def map_checkpoint(model: torch.nn.Module, mods: list, ckpt: Checkpoint, quant: Quantization,
                    expert_names: set[str]) -> CheckpointMap:
     """Map every checkpoint key onto ``model`` (built on the meta device; ``mods`` its experts modules in MoE-layer
-    order, ``expert_names`` the names of their routed-expert parameters).
+    order, ``expert_names`` the names of their routed-expert parameters). Every tensor is accounted for: a weight of
+    the model, a routed expert's piece, a quantization companion of one, a key transformers' loader ignores
+    (``accounting.ignored_by_transformers``) or a multimodal tower's weight the text-generation class leaves out
+    (``accounting.UnusedKeys``); anything else is an error.
 
     Raises:
-        MoeOffloadError: a key mapping to an expert parameter the module does not have, an expert index that
-            cannot be found, or quantized experts whose conversion is more than merge (+ concatenate).
+        MoeOffloadError: one line naming the tensor: a key that is no weight of the model, an expert id or a fused
+            expert count beyond the config's experts, a key mapping to an expert parameter the module does not have,
+            an expert index that cannot be found, or quantized experts whose conversion is more than merge
+            (+ concatenate).
     """
     renamings, converters, by_pattern = _conversions(model)
     meta_sd = model.state_dict()
     layer_of = {name: i for i, (name, _) in enumerate(mods)}
-    cmap = CheckpointMap()
+    cmap = CheckpointMap(fp8_block=quant.block_size if quant.method == "fp8" else None)
+    from .accounting import UnusedKeys, unknown_key
+
+    unused = UnusedKeys(model, ckpt)
     for key in ckpt.keys():
         base, role = _companion(key, quant)
         target, pattern = _rename(base, model, renamings, converters, meta_sd)
         mod_name, _, pname = target.rpartition(".")
         if mod_name not in layer_of:
+            if target not in meta_sd:
+                if unused(key, base, target):
+                    continue
+                raise MoeOffloadError(unknown_key(key, target, model, ckpt, quant))
             if role == "weight":
                 cmap.non_expert.setdefault(target, []).append((key, pattern))
             else:
@@ -119,15 +133,20 @@ def map_checkpoint(model: torch.nn.Module, mods: list, ckpt: Checkpoint, quant: 
                 raise MoeOffloadError(f"checkpoint key {key} looks like MXFP4 (*_blocks / *_scales) but config.json "
                                       "has no mxfp4 quantization_config")
             raise MoeOffloadError(f"checkpoint key {key} maps to unknown expert parameter {target}")
-        _map_expert_key(cmap, key, base, role, layer_of[mod_name], pname, by_pattern.get(pattern) if pattern else
-                        None, pattern, mods[0][1].num_experts)
+        _map_expert_key(cmap, ckpt, key, base, role, layer_of[mod_name], pname, by_pattern.get(pattern) if pattern
+                        else None, pattern, mods[0][1].num_experts)
     return cmap
 
 
-def _map_expert_key(cmap: CheckpointMap, key: str, base: str, role: str, layer: int, pname: str, conv,
-                    pattern: str | None, num_experts: int) -> None:
+def _map_expert_key(cmap: CheckpointMap, ckpt: Checkpoint, key: str, base: str, role: str, layer: int, pname: str,
+                    conv, pattern: str | None, num_experts: int) -> None:
     """Record one routed-expert checkpoint key: per-expert (``experts.{e}.*``) or fused (``[E, ...]``), as parts of
-    a merge (+ concatenate) or as the input of a converter applied per expert."""
+    a merge (+ concatenate) or as the input of a converter applied per expert.
+
+    Raises:
+        MoeOffloadError: an expert id ``>= num_experts``, a fused tensor not holding ``num_experts`` rows, or a
+            conversion the offloaded experts do not support.
+    """
     if conv is not None and not _is_merge(conv):
         if role != "weight":
             raise MoeOffloadError(f"checkpoint key {key}: quantized experts converted by "
@@ -137,12 +156,19 @@ def _map_expert_key(cmap: CheckpointMap, key: str, base: str, role: str, layer: 
         cmap.concat_dim[pname] = _concat_dim(conv, key)
     position = conv.source_patterns.index(pattern) if conv is not None else 0
     if pattern is None or "*" not in pattern:  # a fused [E, ...] tensor: one row per expert
+        shape = ckpt.info(key).shape
+        if not shape or shape[0] != num_experts:
+            raise MoeOffloadError(f"checkpoint tensor {key} {list(shape)} holds {shape[0] if shape else 0} experts, "
+                                  f"the model built from config.json has {num_experts} per MoE layer")
         for e in range(num_experts):
             cmap.pieces.setdefault((layer, e, pname), {}).setdefault(position, {})[role] = ExpertPiece(key, e)
         return
     m = re.search(pattern.replace("*.", r"(\d+)\."), base)
     if m is None:
         raise MoeOffloadError(f"cannot find the expert index in checkpoint key {key}")
+    if int(m.group(1)) >= num_experts:
+        raise MoeOffloadError(f"checkpoint tensor {key} is expert {int(m.group(1))}, but the model built from "
+                              f"config.json has {num_experts} experts per MoE layer (ids 0-{num_experts - 1})")
     cmap.pieces.setdefault((layer, int(m.group(1)), pname), {}).setdefault(position, {})[role] = \
         ExpertPiece(key, None)
 
@@ -195,6 +221,7 @@ def _part_spec(ckpt: Checkpoint, roles: dict, pname: str, quant: Quantization, s
             raise MoeOffloadError(f"{key}: FP8 {wdt} is not supported; supported: float8_e4m3fn")
         if "scale" not in roles:
             raise MoeOffloadError(f"{key} is FP8 without its weight_scale_inv")
+        check_fp8_grid(key, wshape, shapes["scale"][0], quant.block_size)
         return FP8, wshape, {"weight": shapes["weight"], "scale": shapes["scale"]}
     if "scale" in roles:
         raise MoeOffloadError(f"{key} has a weight_scale_inv but is stored as {wdt}, not FP8")
@@ -251,7 +278,7 @@ def build_format(mods: list, cmap: CheckpointMap, ckpt: Checkpoint, quant: Quant
                         _part_spec(ckpt, parts[pos], pname, quant, storage)
                     raise MoeOffloadError(f"MoE layer {layer} expert {e} {pname} is stored differently from MoE "
                                           f"layer 0 expert 0 (tensor shapes or dtypes differ)")
-    return ExpertFormat(specs, compute_dtype)
+    return ExpertFormat(specs, compute_dtype, cmap.fp8_block)
 
 
 def _converted_spec(pname: str, shape: tuple, parts: dict, ckpt: Checkpoint, cmap: CheckpointMap,

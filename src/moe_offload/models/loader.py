@@ -23,9 +23,11 @@ from ..runtime.engine import OffloadEngine
 from ..runtime.formats import ExpertFormat
 from ..runtime.pool import SlotPool
 from ..runtime.store import FILE_BACKED, HostStore, MmapHostStore
+from .accounting import validate_checkpoint
 from .capability import expert_params, experts_modules, generation_class, inspect_model, top_k as _top_k
 from .checkpoint import Checkpoint, quantization, read_config
 from .expert_map import build_format, fill_store, map_checkpoint
+from .fp8_full import fullload_kwargs
 from .registry import Architecture
 from .weights import load_non_expert
 
@@ -338,11 +340,10 @@ def load_full(model_dir: str | Path, *, device: str | None = None, dtype: str | 
     path, config, arch = read_config(model_dir)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, config)
-    Checkpoint(path)  # same validation as the offloaded path
-    inspect_model(config, dt)  # the same capability check
+    validate_checkpoint(path, config, dt)  # the offloaded path's capability check and checkpoint accounting
     auto, multimodal = generation_class(config)
     try:
-        model = auto.from_pretrained(path, dtype=dt).to(dev)
+        model = auto.from_pretrained(path, dtype=dt, **fullload_kwargs(config)).to(dev)  # FP8: models.fp8_full
     except Exception as e:
         raise MoeOffloadError(f"cannot load {path}: {type(e).__name__}: {str(e).strip().splitlines()[0][:300]}") \
             from None

@@ -20,12 +20,18 @@ def resolve_model(name: str | None, progress: bool = True) -> Path:
     """A checkpoint directory for ``--model``: a path, or a built-in name (built into the cache on first use).
 
     Raises:
-        MoeOffloadError: ``name`` is neither an existing path nor a built-in name; the message names the built-in
-            models and, when one is close, suggests it.
+        MoeOffloadError: ``name`` is neither an existing path nor a built-in name (the message names the built-in
+            models and, when one is close, suggests it), or an existing path that is not a checkpoint directory (a
+            GGUF file, another file, a directory without config.json: ``checkpoint.not_a_checkpoint`` says which).
     """
+    from .checkpoint import not_a_checkpoint
+
     name = name or "testbed"
-    if Path(name).exists():
-        return Path(name)
+    path = Path(name)
+    if path.exists():
+        if not path.is_dir() or not (path / "config.json").is_file():
+            raise MoeOffloadError(not_a_checkpoint(path))
+        return path
     if name == "llada2-medium":
         from .tiny import ensure_llada2_medium
 

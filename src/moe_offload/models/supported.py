@@ -176,10 +176,12 @@ def describe_config(path: str | Path) -> str:
     import transformers
 
     from .capability import expert_params, inspect_model
-    from .checkpoint import quantization, read_config_json
+    from .checkpoint import not_a_checkpoint, quantization, read_config_json
     from .loader import resolve_dtype
 
     p = Path(path)
+    if p.is_dir() and not (p / "config.json").is_file():
+        raise MoeOffloadError(not_a_checkpoint(p))
     file = p / "config.json" if p.is_dir() else p
     config, arch = read_config_json(file)
     quant = quantization(json.loads(file.read_text()))

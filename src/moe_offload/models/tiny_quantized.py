@@ -36,7 +36,8 @@ _NOT_QUANTIZED = re.compile(r"(embed_tokens|lm_head|mlp\.gate\.|mlp\.router\.|no
 
 def quantize_fp8_blocks(w: torch.Tensor, block: tuple[int, int], scale_dtype: torch.dtype):
     """``w [rows, cols]`` float -> ``(codes [rows, cols] float8_e4m3fn, scale_inv [ceil(rows/bm), ceil(cols/bn)])``
-    with ``w ~= codes * scale_inv`` per ``bm x bn`` block (scale = block amax / 448)."""
+    with ``w ~= codes * scale_inv`` per ``bm x bn`` block (scale = block amax / 448); when ``rows`` or ``cols`` is
+    not a multiple of the block, the last block row / column is partial ("ragged")."""
     rows, cols = w.shape
     bm, bn = block
     gr, gc = -(-rows // bm), -(-cols // bn)

@@ -5,7 +5,7 @@ Each checkpoint key was renamed with transformers' conversion mapping (``expert_
 ``WeightConverter`` fuses, splits or permutes (a q/k/v convolution concatenated, a fused projection split in four,
 rotary permutations) are grouped per target exactly as transformers' loader groups them and converted with the
 converter's own ``convert``; plain renames are copied. FP8 weights (``weight_scale_inv`` beside them) are dequantized
-when read, with transformers' ``Fp8Dequantize`` arithmetic.
+when read, in the config's ``weight_block_size`` blocks (``runtime.formats.dequantize_fp8``).
 """
 
 from __future__ import annotations
@@ -16,24 +16,30 @@ from functools import partial
 import torch
 
 from ..errors import MoeOffloadError
+from ..runtime.formats import check_fp8_grid
 from .checkpoint import FLOAT8, Checkpoint
 from .expert_map import CheckpointMap, _conversions
 
 
-def _read(ckpt: Checkpoint, key: str, scale_key: str | None, dtype: torch.dtype) -> torch.Tensor:
-    """One checkpoint tensor, FP8 codes dequantized to ``dtype`` with their scales.
+def _read(ckpt: Checkpoint, key: str, scale_key: str | None, dtype: torch.dtype,
+          block: tuple[int, int] | None) -> torch.Tensor:
+    """One checkpoint tensor, FP8 codes dequantized to ``dtype`` with their scales in ``block`` (``weight_block_size``)
+    blocks.
 
     Raises:
-        MoeOffloadError: FP8 codes without their scales, or a scale beside a tensor that is not FP8.
+        MoeOffloadError: FP8 codes without their scales, a scale grid that does not fit, or a scale beside a tensor
+            that is not FP8.
     """
-    from ..runtime.formats import _dequantize_fp8
+    from ..runtime.formats import dequantize_fp8
 
     src = ckpt.tensor(key)
     if src.dtype in FLOAT8:
         if scale_key is None:
             raise MoeOffloadError(f"{key} is {str(src.dtype).replace('torch.', '')} without its weight_scale_inv: "
                                   "its values are unknown")
-        return _dequantize_fp8(src.unsqueeze(0), ckpt.tensor(scale_key).unsqueeze(0), dtype)[0]
+        scales = ckpt.tensor(scale_key)
+        check_fp8_grid(key, src.shape, scales.shape, block)
+        return dequantize_fp8(src, scales, dtype, block)
     if scale_key is not None:
         raise MoeOffloadError(f"{scale_key}: a scale for {key}, which is stored as {src.dtype}, not FP8")
     return src
@@ -56,7 +62,7 @@ def _mappings(model, cmap: CheckpointMap, ckpt: Checkpoint, state: dict) -> dict
     out = {}
     for target, sources in cmap.non_expert.items():
         if target not in state:
-            continue  # checkpoint extras (an MTP layer past num_hidden_layers, a tied lm_head written twice)
+            continue  # a tied lm_head written twice (keys the model has no weight for: expert_map.map_checkpoint)
         dtype = state[target].dtype
         for key, pattern in sources:
             if pattern is not None:
@@ -65,8 +71,22 @@ def _mappings(model, cmap: CheckpointMap, ckpt: Checkpoint, state: dict) -> dict
             else:
                 mapping = out.setdefault(target, WeightRenaming(key, target))
                 source = key
-            mapping.add_tensor(target, key, source, partial(_read, ckpt, key, cmap.scales.get(key), dtype))
+            mapping.add_tensor(target, key, source, partial(_read, ckpt, key, cmap.scales.get(key), dtype,
+                                                                  cmap.fp8_block))
     return out
+
+
+def missing_weights(model: torch.nn.Module, cmap: CheckpointMap, layer_of: dict) -> list[str]:
+    """The model's persistent non-expert weights (parameters and persistent buffers, on the meta device or not) that
+    no checkpoint key becomes (``cmap.non_expert``, a one-to-many converter's siblings included), tied ones aside;
+    ``layer_of``: ``{experts module name: MoE layer}`` (their parameters are the host store's)."""
+    _, _, by_pattern = _conversions(model)
+    persistent = set(model.state_dict())
+    state = {**dict(model.named_buffers()), **dict(model.named_parameters())}
+    covered = {t for target, src in cmap.non_expert.items() if target in state
+               for t in _targets_of(target, src, by_pattern)}
+    tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
+    return [k for k in persistent if k not in covered and k.rpartition(".")[0] not in layer_of and k not in tied]
 
 
 def load_non_expert(model: torch.nn.Module, cmap: CheckpointMap, ckpt: Checkpoint, layer_of: dict) -> None:
@@ -79,14 +99,9 @@ def load_non_expert(model: torch.nn.Module, cmap: CheckpointMap, ckpt: Checkpoin
         MoeOffloadError: a weight the checkpoint lacks, a shape mismatch, a conversion that fails, or FP8 codes
             without their scales.
     """
-    _, _, by_pattern = _conversions(model)
-    persistent = set(model.state_dict())
     params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
     state = {**buffers, **params}
-    covered = {t for target, src in cmap.non_expert.items() if target in state
-               for t in _targets_of(target, src, by_pattern)}
-    tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
-    missing = [k for k in persistent if k not in covered and k.rpartition(".")[0] not in layer_of and k not in tied]
+    missing = missing_weights(model, cmap, layer_of)
     if missing:
         raise MoeOffloadError(f"checkpoint lacks {len(missing)} weights, e.g. {missing[0]}")
     with torch.no_grad():

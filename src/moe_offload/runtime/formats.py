@@ -6,14 +6,16 @@ Qwen3's per-expert ``gate_proj`` and ``up_proj``, or GPT-OSS's fused ``gate_up_p
 
 * ``plain``: a float tensor (bf16 / fp16 / fp32), cast to the compute dtype only if it differs;
 * ``fp8``: FP8 e4m3 codes + per-block ``weight_scale_inv`` (``quant_method: fp8``; Qwen3-30B-A3B-FP8, DeepSeek-V3),
-  dequantized with transformers' own ``Fp8Dequantize`` arithmetic (``integrations.finegrained_fp8``);
+  dequantized with transformers' own ``Fp8Dequantize`` arithmetic (``integrations.finegrained_fp8``) in the
+  config's ``weight_block_size`` blocks, a partial last block included (``dequantize_fp8``);
 * ``mxfp4``: packed e2m1 ``*_blocks`` + e8m0 ``*_scales`` (``quant_method: mxfp4``; gpt-oss), dequantized with
   transformers' ``convert_moe_packed_tensors`` (``integrations.mxfp4``).
 
 The host store, the link and the slot pool move the stored bytes unchanged (so ``expert_bytes`` is the checkpoint's
 bytes per expert); only ``ExpertFormat.weight`` dequantizes, for the experts a grouped GEMM computes. Because the
 dequantization is transformers' own, applied per part exactly as its loader applies it before concatenating, the
-weights are bitwise those of ``from_pretrained`` (the FullLoad reference).
+weights are bitwise those of ``from_pretrained`` (the FullLoad reference, which loads FP8 with the same
+``dequantize_fp8``: ``models.fp8_full``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..errors import MoeOffloadError
 from .store import ExpertLayout
 
 PLAIN, FP8, MXFP4 = "plain", "fp8", "mxfp4"
@@ -32,19 +35,87 @@ ROLES = {PLAIN: ("weight",), FP8: ("weight", "scale"), MXFP4: ("blocks", "scales
 _E4M3_TO_F32: dict = {}
 
 
-def _dequantize_fp8(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``codes [G, rows, cols]`` float8_e4m3fn, ``scales [G, rows/bm, cols/bn]`` -> ``[G, rows, cols]`` ``dtype``
-    (transformers ``Fp8Dequantize._dequantize_one``, the op its loader runs on CPU)."""
-    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+def fp8_scale_grid(shape: tuple[int, int], block: tuple[int, int]) -> tuple[int, int]:
+    """The ``weight_scale_inv`` grid of a ``[rows, cols]`` weight in ``block = (bm, bn)`` blocks:
+    ``(ceil(rows / bm), ceil(cols / bn))`` (the last block row / column may be partial: "ragged")."""
+    return -(-shape[0] // block[0]), -(-shape[1] // block[1])
 
-    # e4m3 -> float32 is exact; a 256-entry table does it ~3x faster on the CPU than torch's cast, and
-    # ``_dequantize_one``'s own ``.to(float32)`` is then a no-op: the arithmetic after it is transformers'
+
+def check_fp8_grid(key: str, weight_shape: tuple, scale_shape: tuple, block: tuple[int, int] | None) -> None:
+    """Check that an FP8 weight's ``weight_scale_inv`` has one scale per ``weight_block_size`` block (the last block
+    row / column may be partial): ``[ceil(rows/bm), ceil(cols/bn)]``; without a configured block size, that the grid
+    divides the weight (transformers derives the block from it).
+
+    Raises:
+        MoeOffloadError: naming ``key``, the shapes and the block size.
+    """
+    if len(weight_shape) != 2 or len(scale_shape) != 2:
+        raise MoeOffloadError(f"{key}: FP8 weight {tuple(weight_shape)} with weight_scale_inv {tuple(scale_shape)}: "
+                              "block-FP8 needs 2-D weights and scale grids")
+    if block is None:
+        if any(s < 1 or w % s for w, s in zip(weight_shape, scale_shape)):
+            raise MoeOffloadError(f"{key}: FP8 weight {tuple(weight_shape)} is not a whole number of blocks of its "
+                                  f"{tuple(scale_shape)} weight_scale_inv grid, and config.json has no "
+                                  "weight_block_size")
+        return
+    grid = fp8_scale_grid(tuple(weight_shape), block)
+    if tuple(scale_shape) != grid:
+        raise MoeOffloadError(f"{key}: FP8 weight {tuple(weight_shape)} in weight_block_size {list(block)} blocks "
+                              f"needs a {grid} weight_scale_inv, the checkpoint's is {tuple(scale_shape)}")
+
+
+def _e4m3_values(codes: torch.Tensor) -> torch.Tensor:
+    """float8_e4m3fn codes -> float32 values (exact), through a 256-entry table: ~3x faster on the CPU than torch's
+    cast, and bitwise the same; other dtypes are cast."""
+    if codes.dtype != torch.float8_e4m3fn:
+        return codes.to(torch.float32)
     lut = _E4M3_TO_F32.get(codes.device)
     if lut is None:
         lut = _E4M3_TO_F32[codes.device] = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(
             torch.float32).to(codes.device)
-    values = torch.index_select(lut, 0, codes.reshape(-1).view(torch.uint8).int()).view(codes.shape)
-    return Fp8Dequantize(None)._dequantize_one(values, scales, output_dtype=dtype)
+    return torch.index_select(lut, 0, codes.reshape(-1).view(torch.uint8).int()).view(codes.shape)
+
+
+def dequantize_fp8(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype,
+                   block: tuple[int, int] | None) -> torch.Tensor:
+    """Block-FP8 weights (``quant_method: fp8``; DeepSeek-V3 §3.3.2, Qwen3-FP8) to ``dtype``: the one FP8
+    dequantization of both the offloaded path and FullLoad (``models.fp8_full``).
+
+    Args:
+        codes: ``[..., rows, cols]`` float8_e4m3fn.
+        scales: ``[..., ceil(rows/bm), ceil(cols/bn)]`` ``weight_scale_inv`` (float32 or bfloat16; one per block).
+        dtype: output dtype.
+        block: the config's ``weight_block_size`` ``(bm, bn)``; None: derived from the scale grid, as transformers
+            does (whole blocks only).
+
+    Returns:
+        ``[..., rows, cols]`` ``dtype``: every value ``float32(code) * float32(scale of its block)``, cast.
+
+    Each value is transformers' ``Fp8Dequantize._dequantize_one`` arithmetic. That op derives the block size from
+    the grid (``rows // scale_rows``), which is wrong when ``rows`` or ``cols`` is not a multiple of the block (a
+    partial last block: e.g. moe_intermediate 40 in 32x32 blocks gives a grid of 2 and a block of 20), so it is run
+    on the codes zero-padded to whole blocks and the result cropped; shapes of whole blocks are not padded and go
+    through the op unchanged.
+
+    Raises:
+        MoeOffloadError: a scale grid that does not fit the weight and block size.
+    """
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    values = _e4m3_values(codes)
+    if block is None:
+        return Fp8Dequantize(None)._dequantize_one(values, scales, output_dtype=dtype)
+    rows, cols = values.shape[-2:]
+    grid = fp8_scale_grid((rows, cols), block)
+    if tuple(scales.shape[-2:]) != grid:
+        raise MoeOffloadError(f"FP8 weight {tuple(values.shape[-2:])} in {block[0]}x{block[1]} blocks needs a "
+                              f"{grid[0]}x{grid[1]} weight_scale_inv, got {tuple(scales.shape[-2:])}")
+    pad_rows, pad_cols = grid[0] * block[0] - rows, grid[1] * block[1] - cols
+    if not (pad_rows or pad_cols):
+        return Fp8Dequantize(None)._dequantize_one(values, scales, output_dtype=dtype)
+    padded = torch.nn.functional.pad(values, (0, pad_cols, 0, pad_rows))
+    out = Fp8Dequantize(None)._dequantize_one(padded, scales, output_dtype=dtype)
+    return out[..., :rows, :cols].contiguous()
 
 
 def _dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -86,6 +157,7 @@ class ExpertFormat:
         params: ``[(name, shape, dim, [(codec, part_shape, {role: (field_shape, dtype)}), ...]), ...]`` per compute
             parameter in the module's order; ``shape``/``part_shape`` are per-expert compute shapes.
         compute_dtype: dtype the GEMMs run in (the model's).
+        fp8_block: the FP8 ``weight_block_size`` ``(bm, bn)`` of ``fp8`` parts (None: derived from the scale grid).
 
     Attributes:
         layout: the storage ``ExpertLayout`` (what the host store, the link and the slots hold).
@@ -94,8 +166,9 @@ class ExpertFormat:
             the GEMM without a copy).
     """
 
-    def __init__(self, params: list[tuple], compute_dtype: torch.dtype):
+    def __init__(self, params: list[tuple], compute_dtype: torch.dtype, fp8_block: tuple[int, int] | None = None):
         self.compute_dtype = compute_dtype
+        self.fp8_block = fp8_block
         fields: list[tuple] = []
         self.params: dict[str, ParamFormat] = {}
         for name, shape, dim, parts in params:
@@ -145,7 +218,7 @@ class ExpertFormat:
         if part.codec == PLAIN:
             return views[f["weight"]][sel].to(self.compute_dtype)
         if part.codec == FP8:
-            return _dequantize_fp8(views[f["weight"]][sel], views[f["scale"]][sel], self.compute_dtype)
+            return dequantize_fp8(views[f["weight"]][sel], views[f["scale"]][sel], self.compute_dtype, self.fp8_block)
         return _dequantize_mxfp4(views[f["blocks"]][sel], views[f["scales"]][sel], self.compute_dtype)
 
 
