@@ -215,3 +215,30 @@ def test_copy_many_reads_concurrently_equal_bytes(tiny_dirs):
     finally:
         pinned.close()
         disk.close()
+
+
+def test_measure_disk_table(tmp_path):
+    from moe_offload.sim.disk_link import measure_disk
+
+    e = measure_disk(tmp_path, file_mb=8, seconds=0.02, sizes_kib=(4, 64), depths=(1, 2))
+    assert list(tmp_path.iterdir()) == []  # the scratch file is gone
+    assert set(e["table_gbps"]) == {"4", "64"} and set(e["table_gbps"]["4"]) == {"1", "2"}
+    assert all(v > 0 for row in e["table_gbps"].values() for v in row.values())
+    assert e["best"]["64"][1] == max(e["table_gbps"]["64"].values())
+
+
+def test_disk_gbps_interpolates_on_log_size_and_picks_readers(monkeypatch):
+    """Hand-worked: 64 KiB -> 1.0 GB/s and 256 KiB -> 2.0 GB/s at QD 1; 128 KiB lies halfway on a log scale: 1.5.
+    At 128 KiB QD 2 gives 1.9, QD 4 gives 2.0: the smallest depth within 5% of the best is 2."""
+    from moe_offload.sim import disk_link
+
+    disk = {"table_gbps": {"64": {"1": 1.0, "2": 1.6, "4": 1.8}, "256": {"1": 2.0, "2": 2.2, "4": 2.2}},
+            "best": {"64": [4, 1.8], "256": [2, 2.2]}, "gbps": 2.2}
+    assert disk_link.disk_gbps(disk, 128 * 1024, 1) == pytest.approx(1.5)
+    assert disk_link.disk_gbps(disk, 16 * 1024, 1) == 1.0 and disk_link.disk_gbps(disk, 1 << 30, 1) == 2.0
+    assert disk_link.disk_gbps(disk, 128 * 1024, None) == pytest.approx(2.0)
+    assert disk_link.disk_gbps({"gbps": 7.45}, 4096) == 7.45
+    monkeypatch.setattr(disk_link, "this_machine_disk", lambda: disk)
+    assert disk_link.readers_for(128 * 1024, 4) == 2
+    monkeypatch.setattr(disk_link, "this_machine_disk", lambda: None)
+    assert disk_link.readers_for(128 * 1024, 4) == 4

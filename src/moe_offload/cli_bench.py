@@ -41,6 +41,12 @@ def add_parsers(sub):
     bl = bsub.add_parser("link", help="measure host->device copy bandwidth; saves the this-machine profile")
     bl.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
     bl.add_argument("--size-mb", type=int_in(1, 16384), default=256, help="MiB per timed copy, in [1, 16384]")
+    bl.add_argument("--disk", metavar="DIR", help="measure the disk instead: direct-read GB/s by request size (4 KiB "
+                    "- 4 MiB) and queue depth (1-8 threads) on the filesystem of DIR (a scratch file is written there "
+                    "and removed); saved as the disk entry of the this-machine profile, which sets --host-store disk's "
+                    "reader threads and the disk link of bench decode --host-store disk")
+    bl.add_argument("--file-mb", type=int_in(64, 65536), default=512, help="with --disk: scratch file MiB "
+                    "(default 512)")
     bf = bsub.add_parser("diffusion", help="TIDE: diffusion tokens/s of FullLoad, reactive, tide-fixed-T<n> and tide "
                          "per budget under an emulated link and host-fallback regime, with and without the prefix "
                          "cache")
@@ -105,6 +111,17 @@ def add_waits_arg(p) -> None:
 
 def _link(args) -> int:
     from .sim.profiles import measure_link, this_machine_path
+
+    if args.disk:
+        from .sim.disk_link import disk_table, measure_disk, save_disk
+
+        entry = measure_disk(args.disk, file_mb=args.file_mb)
+        print(f"direct reads on the filesystem of {entry['directory']}, GB/s (1e9 B/s), "
+              f"{entry['seconds_per_cell']} s per cell, {entry['file_mb']} MiB scratch file:\n")
+        print(disk_table(entry))
+        print(f"moe-offload: wrote the disk entry of the this-machine hardware profile to {save_disk(entry)}",
+              file=sys.stderr)
+        return 0
 
     res = measure_link(device=args.device, size_mb=args.size_mb)
     print(json.dumps(res, indent=1))

@@ -260,9 +260,10 @@ def load_offloaded(model_dir: str | Path, *, device: str | None = None, dtype: s
     if host_store == "mmap":
         store = MmapHostStore(fmt.layout, n_total)
     elif host_store == "disk":
-        from ..runtime.disk_store import DiskStore
+        from ..runtime.disk_store import DEFAULT_READERS, DiskStore
+        from ..sim.disk_link import readers_for
 
-        store = DiskStore(fmt.layout, n_total)
+        store = DiskStore(fmt.layout, n_total, readers=readers_for(fmt.layout.expert_bytes, DEFAULT_READERS))
     else:
         store = HostStore(fmt.layout, n_total, pin=dev.type == "cuda")
         if store.pin_failed:
