@@ -203,3 +203,16 @@ def test_position_limit_stops_diffusion(tmp_path):
     assert len(res.token_ids) == 16 - 3
     with pytest.raises(MoeOffloadError, match="position limit of 20"):
         diffusion_generate_ids(lm, list(range(16)), 4, block_length=8, steps=8)
+
+
+def test_graph_decode_stops_at_eos_list_and_position_limit(eos_ckpt, limit_ckpt):
+    """Graph mode (aot_eager, the eager kernels) shares the EOS ids and the position limit."""
+    from moe_offload.runtime.graph_decode import GraphDecoder, load_graph
+
+    d, stop_id, refs = eos_ckpt
+    lm = load_graph(d, policy="lru", residency=0.5, device="cpu")
+    ids = encode_prompt(lm.tokenizer, PROMPTS[0])
+    assert GraphDecoder(lm, backend="aot_eager").generate_ids(ids, NEW)[0] == refs[0][:refs[0].index(stop_id) + 1]
+    d, refs = limit_ckpt
+    lm = load_graph(d, policy="lru", residency=0.5, device="cpu")
+    assert GraphDecoder(lm, backend="aot_eager").generate_ids(ids, 1000)[0] == refs[0]
