@@ -4,7 +4,7 @@ import numpy as np
 
 from moe_offload.generate import encode_prompt, generate_ids
 from moe_offload.models.loader import load_full, load_offloaded
-from moe_offload.sim.auto_policy import choose_policy, token_needs
+from moe_offload.sim.auto_policy import DECODE_SAMPLE, choose_policy, token_needs
 
 
 def test_token_needs_prefill_half_then_one_decode_step_per_token():
@@ -14,12 +14,24 @@ def test_token_needs_prefill_half_then_one_decode_step_per_token():
                                        (0, 2, [[3], [4, 6]], [[1], [1, 1]])]
 
 
+def test_token_needs_decode_sample_is_bounded():
+    """A long prompt: everything but its last DECODE_SAMPLE tokens is the prefill step, then one decode step each."""
+    T = 4 * DECODE_SAMPLE
+    routing = [np.arange(T).reshape(T, 1)]
+    needs = token_needs(routing, T)
+    assert len(needs) == 1 + DECODE_SAMPLE
+    assert needs[0] == (0, 0, [list(range(T - DECODE_SAMPLE))], [[1] * (T - DECODE_SAMPLE)])
+    assert [n[2] for n in needs[1:]] == [[[t]] for t in range(T - DECODE_SAMPLE, T)]
+    assert [n[1] for n in needs[1:]] == list(range(1, DECODE_SAMPLE + 1))
+
+
 def test_choice_follows_the_routing():
-    # prefill: tokens 0..79 (one each); decode: a hot expert 0 reused after 3 new ones each time, 3 slots: LRU evicts
-    # 0 just before each reuse (0 hits); frequency keeps it from its second decode access on -> a frequency policy
+    # 80 tokens routed to experts 100..179 (one each), then a hot expert 0 reused after 3 new ones each time; 3
+    # slots: LRU evicts 0 just before each reuse (0 hits); frequency keeps it -> a frequency policy. The decode
+    # sample is the last DECODE_SAMPLE (32) tokens, in which 0 comes 8 times: hit from its second access on at least
     seq = list(range(100, 180)) + [0 if t % 4 == 0 else 1 + t for t in range(80)]
     best, rates = choose_policy([np.array([[e] for e in seq])], num_experts=200, top_k=1, num_slots=3)
-    assert rates["lru"] == 0.0 and best != "lru" and rates[best] >= 18 / 80
+    assert rates["lru"] == 0.0 and best != "lru" and rates[best] >= 7 / DECODE_SAMPLE
     # strong recency (each expert reused right away, then never): the frequency policies tie with LRU; LRU wins ties
     runs = [np.array([[t // 3] for t in range(120)])]
     best, rates = choose_policy(runs, num_experts=40, top_k=1, num_slots=2)

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .generate import _eos_ids, _pick
+from .generate import _eos_ids, _pick, token_budget
 from .models.loader import LoadedModel
 from .runtime.batch_cache import BatchCache, unsupported_reason
 from .seeds import make_generator
@@ -42,7 +42,8 @@ class Sequence:
         prompt_ids: the encoded prompt. max_new_tokens: most tokens to generate.
         temperature / top_p / seed / top_k: sampling (temperature 0: greedy; top_k 0: off); see ``generate._pick``.
         new: generated ids (the last one is not yet in the KV cache). logits: with ``keep_logits``, the float32
-        ``[V]`` logits each token was chosen from.
+        ``[V]`` logits each token was chosen from. budget: set at admission, ``max_new_tokens`` cut to the model's
+        position limit (``generate.token_budget``).
     """
 
     request: int
@@ -55,6 +56,7 @@ class Sequence:
     new: list[int] = field(default_factory=list)
     logits: list = field(default_factory=list)
     gen: object = None
+    budget: int | None = None
 
 
 @dataclass
@@ -120,8 +122,9 @@ class BatchDecoder:
         return self.max_batch - len(self.seqs)
 
     def done(self, seq: Sequence) -> bool:
-        """``seq`` made its last token (EOS or ``max_new_tokens``)."""
-        return bool(seq.new) and (seq.new[-1] in self.eos or len(seq.new) >= seq.max_new_tokens)
+        """``seq`` made its last token (EOS, ``max_new_tokens`` or the model's position limit)."""
+        budget = seq.max_new_tokens if seq.budget is None else seq.budget
+        return bool(seq.new) and (seq.new[-1] in self.eos or len(seq.new) >= budget)
 
     def _choose(self, seq: Sequence, logits: torch.Tensor) -> int:
         """Token of ``seq`` from its ``logits [1, V]`` with its own settings and generator."""
@@ -152,11 +155,16 @@ class BatchDecoder:
 
         Raises:
             ValueError: ``seqs`` is empty or does not fit the free rows, or the model's cache cannot be batched.
+            MoeOffloadError: a prompt leaves no room for a new token within the model's position limit (nothing is
+                admitted).
         """
         if not seqs or len(seqs) > self.free:
             raise ValueError(f"cannot admit {len(seqs)} sequences into {self.free} free rows "
                              f"(max batch {self.max_batch})")
         lm, eng = self.lm, self.lm.engine
+        budgets = [token_budget(lm, len(s.prompt_ids), s.max_new_tokens) for s in seqs]
+        for s, b in zip(seqs, budgets):
+            s.budget = b
         for s in seqs:
             s.gen = make_generator(s.seed)
         if eng is not None:
@@ -284,8 +292,13 @@ def generate_batch_ids(lm: LoadedModel, prompts: list[list[int]], max_new_tokens
     at every step (tests compare residencies on it).
 
     Returns:
-        the ``Sequence`` of each prompt, in prompt order (``new``: generated ids, EOS included).
+        the ``Sequence`` of each prompt, in prompt order (``new``: generated ids, EOS included; at most its
+        ``budget``: ``max_new_tokens`` cut to the model's position limit).
+    Raises:
+        MoeOffloadError: a prompt leaves no room for a new token within the model's position limit.
     """
+    for p in prompts:  # every prompt fits the position limit, before any work
+        token_budget(lm, len(p), max_new_tokens)
     dec = BatchDecoder(lm, max_batch, keep_logits=keep_logits)
     seqs = [Sequence(i, list(p), max_new_tokens) for i, p in enumerate(prompts)]
     waiting = collections.deque(seqs)

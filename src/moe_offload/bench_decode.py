@@ -45,7 +45,8 @@ class DecodeRow:
 def bench_decode(path: Path, prompts: list[str], residencies: list[float], *, max_new_tokens: int = 64,
                  device: str | None = None, dtype: str | None = None, policy: str = "lru",
                  progress: bool = True, predictor: str | None = None, link_epl: float | None = None,
-                 rollout_every: int = ROLLOUT_EVERY, skip_waits: bool = False, predictor_lag: int | None = None) -> str:
+                 rollout_every: int = ROLLOUT_EVERY, skip_waits: bool = False, predictor_lag: int | None = None,
+                 host_store: str = "pinned") -> str:
     """Run FullLoad and then the offloaded model at each residency and policy on the same prompts (greedy).
 
     Args:
@@ -62,6 +63,9 @@ def bench_decode(path: Path, prompts: list[str], residencies: list[float], *, ma
             runtime loses to its own overhead.
         skip_waits: the emulated copies' waits skipped on a virtual clock instead of slept
             (``runtime.emulated_clock``; CPU only): every timer, tok/s included, reads that clock.
+        host_store: "pinned" or "disk" (``runtime.disk_store``: every miss and prefetch a real direct read of the
+            checkpoint; the simulated column then models the disk as the link, at the bandwidth the this-machine
+            profile's disk entry gives for one expert's read at queue depth 1, ``sim.disk_link.disk_gbps``).
         predictor_lag: None: the predictor runs inside the decode step; else in a process of its own, each forecast
             used this many MoE layers after its trigger layer (``predictor.lagged``; the seqmoe policies but seqmoe-xl), and
             the simulator replays the same hand-over positions.
@@ -72,7 +76,8 @@ def bench_decode(path: Path, prompts: list[str], residencies: list[float], *, ma
 
     Raises:
         MoeOffloadError: as ``load_offloaded``; a forecast-driven policy without ``predictor``; ``skip_waits`` on
-            a device that is not the CPU; ``predictor_lag`` with ``xl`` or ``seqmoe-xl``.
+            a device that is not the CPU; ``predictor_lag`` with ``xl`` or ``seqmoe-xl``; ``host_store`` disk with
+            an emulated link or without a measured disk (``bench link --disk``).
     """
     from .errors import MoeOffloadError
     from .models.loader import PREDICTOR_POLICIES
@@ -84,6 +89,7 @@ def bench_decode(path: Path, prompts: list[str], residencies: list[float], *, ma
     if predictor_lag is not None and (not predictor or {"xl", "seqmoe-xl"} & set(policies)):
         raise MoeOffloadError("--predictor-lag needs --predictor and runs the SeqMoE predictor alone (seqmoe, "
                               "seqmoe-cacheonly), not with --policy xl or seqmoe-xl")
+    disk = _disk_entry(host_store, link_epl)
     full = load_full(path, device=device, dtype=dtype)
     check_skip_device(skip_waits, full.device)
     ref_out, ref = _measure(full, prompts, max_new_tokens, progress)
@@ -93,6 +99,9 @@ def bench_decode(path: Path, prompts: list[str], residencies: list[float], *, ma
                          full.num_moe_layers * full.num_experts * full.expert_bytes, 1.0)
     t_layer = ref.decode_s / max(1, ref.decode_tokens) / full.num_moe_layers
     spe = t_layer / link_epl if link_epl else None
+    regime = ""
+    if disk is not None:  # the disk is the link: the scheduler's B_avg and the simulator's link from its speed
+        link_epl, regime = _disk_link_epl(disk, full.expert_bytes, t_layer)
     del full
     gc.collect()
     rows, breakdowns = [full_row], []
@@ -100,17 +109,18 @@ def bench_decode(path: Path, prompts: list[str], residencies: list[float], *, ma
         for r in residencies:
             with skipping_waits(skip_waits):
                 row, bd = _measure_policy(path, prompts, max_new_tokens, pol, r, device, dtype, progress, predictor,
-                                          link_epl, spe, rollout_every, ref_tokens, predictor_lag)
+                                          link_epl, spe, rollout_every, ref_tokens, predictor_lag, host_store)
             row.ratio = row.tok_s / full_row.tok_s
             rows.append(row)
             breakdowns.append((row.policy, r, bd))
+    if spe:
+        regime = (f"; emulated link: {link_epl} experts per layer time = {1e6 * spe:.0f} us per expert copy "
+                  f"(FullLoad layer time {1e6 * t_layer:.0f} us), its waits "
+                  + ("skipped on a virtual clock" if skip_waits else "slept"))
     if link_epl:
         trace = _record_routing(path, prompts, max_new_tokens, device, dtype,
                                 xl=any(p in ("xl", "seqmoe-xl") for p in policies))
         _simulate_rows(rows[1:], trace, link_epl, predictor, rollout_every, predictor_lag)
-    regime = (f"; emulated link: {link_epl} experts per layer time = {1e6 * spe:.0f} us per expert copy "
-              f"(FullLoad layer time {1e6 * t_layer:.0f} us), its waits "
-              + ("skipped on a virtual clock" if skip_waits else "slept") if spe else "")
     lag = ("" if predictor_lag is None else
            f"; in a process of its own, forecasts used {predictor_lag} MoE layers after their trigger layer")
     pred = f", predictor {predictor} (rollout every {rollout_every} steps{lag})" if predictor else ""
@@ -123,6 +133,41 @@ def bench_decode(path: Path, prompts: list[str], residencies: list[float], *, ma
                                      + regime, "", *breakdown_table(breakdowns)])
 
 
+def _disk_entry(host_store: str, link_epl: float | None) -> dict | None:
+    """The this-machine profile's disk entry for ``host_store`` "disk" (None for other stores).
+
+    Raises:
+        MoeOffloadError: an unknown store, disk with an emulated link, or a disk never measured.
+    """
+    from .errors import MoeOffloadError
+    from .sim.disk_link import this_machine_disk
+
+    if host_store not in ("pinned", "disk"):
+        raise MoeOffloadError(f"bench decode --host-store is pinned or disk, not {host_store}")
+    if host_store != "disk":
+        return None
+    if link_epl:
+        raise MoeOffloadError("--link-regime emulates a link; with --host-store disk the link is the disk itself")
+    disk = this_machine_disk()
+    if not disk or "table_gbps" not in disk:
+        raise MoeOffloadError("--host-store disk models the disk from a measurement: run `moe-offload bench link "
+                              "--disk DIR` first (DIR on the checkpoint's filesystem)")
+    return disk
+
+
+def _disk_link_epl(disk: dict, expert_bytes: int, t_layer: float) -> tuple[float, str]:
+    """``(experts per FullLoad layer time, the regime's words)`` of the measured disk for ``expert_bytes`` reads at
+    queue depth 1 (FullLoad's expert bytes: a quantized checkpoint's stored experts are smaller, so its model is
+    conservative)."""
+    from .sim.disk_link import disk_gbps
+
+    gbps = disk_gbps(disk, expert_bytes, 1)
+    epl = t_layer * gbps * 1e9 / expert_bytes
+    return epl, (f"; experts read from disk (direct I/O, real reads): the scheduler and the simulated column model a "
+                 f"{gbps:.2f} GB/s link (the measured disk at {expert_bytes / 1024:.0f} KiB requests, queue depth 1) "
+                 f"= {epl:.2f} experts per FullLoad layer time ({1e6 * t_layer:.0f} us)")
+
+
 def _measure(lm, prompts: list[str], max_new_tokens: int, progress: bool):
     """A warm-up request (allocator, kernels; not counted), then the prompts: ``(outputs, RunStats)``."""
     run(lm, prompts[:1], min(8, max_new_tokens))
@@ -130,7 +175,7 @@ def _measure(lm, prompts: list[str], max_new_tokens: int, progress: bool):
 
 
 def _measure_policy(path, prompts, max_new_tokens, pol, r, device, dtype, progress, predictor, link_epl, spe,
-                    rollout_every, ref_tokens, lag=None) -> tuple[DecodeRow, dict]:
+                    rollout_every, ref_tokens, lag=None, host_store="pinned") -> tuple[DecodeRow, dict]:
     """Load the offloaded model with policy ``pol`` at residency ``r`` (the predictor attached when it needs one,
     the link emulated when ``spe``), measure it, and return its row (``ratio`` left for the caller) and its
     time breakdown."""
@@ -139,7 +184,7 @@ def _measure_policy(path, prompts, max_new_tokens, pol, r, device, dtype, progre
     from .predictor.model import load_predictor
 
     lm = load_offloaded(path, device=device, dtype=dtype, residency=r, policy=pol, progress=False,
-                        link_epl=link_epl or 2.0, seconds_per_expert=spe)
+                        link_epl=link_epl or 2.0, seconds_per_expert=spe, host_store=host_store)
     try:
         if pol in FORECAST_RUNTIME_POLICIES:
             pset = load_predictor(predictor, model_id=lm.model_id, device=lm.device) if pol in PREDICTOR_POLICIES \

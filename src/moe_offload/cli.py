@@ -145,15 +145,25 @@ def _attach_predictor(args, lm):
                             lag=args.predictor_lag)
 
 
+def _limit_notes(outputs, max_new_tokens: int) -> list[str]:
+    """One line per output the model's position limit stopped short of ``--max-new-tokens``."""
+    return [f"request {i}: stopped at the model's position limit of {o.position_limit} tokens ({o.prompt_tokens} "
+            f"in the prompt + {len(o.token_ids)} new, of --max-new-tokens {max_new_tokens}); finish reason: length"
+            for i, o in enumerate(outputs) if o.position_limit is not None]
+
+
 def _print_outputs(args, path, outputs, info) -> bool:
     """Print ``generate``'s result: one JSON object (``--json``; returns True: nothing else to print) or the
-    texts and the stats table (returns False)."""
+    texts and the stats table (returns False). Lines for outputs stopped at the position limit join
+    ``info["notes"]`` (printed by the caller, or in the JSON's stats)."""
     from .report import stats_table
 
+    info["notes"] = _limit_notes(outputs, args.max_new_tokens) + info.get("notes", [])
     if args.json:
         print(json.dumps({"model": str(path), "outputs": [
             {"prompt": o.prompt, "text": o.text, "token_ids": o.token_ids, "prompt_tokens": o.prompt_tokens,
-             "ttft_s": o.ttft_s, "decode_s": o.decode_s} for o in outputs], "stats": info}))
+             "ttft_s": o.ttft_s, "decode_s": o.decode_s, "finish_reason": o.finish_reason,
+             "position_limit": o.position_limit} for o in outputs], "stats": info}))
         return True
     for o in outputs:
         print(f"### prompt\n{o.prompt}\n### output\n{o.text}\n")

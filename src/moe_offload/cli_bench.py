@@ -34,6 +34,10 @@ def add_parsers(sub):
                     help="with --predictor: decode steps between the predictor's recursive rollouts (default "
                     f"{ROLLOUT_EVERY}; 1 = every step, as SeqMoE)")
     add_predictor_lag_arg(bd)
+    bd.add_argument("--host-store", choices=["pinned", "disk"], default="pinned",
+                    help="where the offloaded rows' experts live: pinned (host RAM; default) or disk (direct reads "
+                    "of the checkpoint: the disk is the link, and the simulated column models it from the disk entry "
+                    "of the this-machine profile, `bench link --disk DIR`)")
     bd.add_argument("--link-regime", choices=["rtx4090"],
                     help="emulate the papers' link regime on this machine: one layer's FullLoad compute overlaps the "
                     "transfer of 1.39 experts (SeqMoE §2.2, Qwen3-30B-A3B-FP8 on an RTX 4090; default: no emulation)")
@@ -163,7 +167,8 @@ def _decode(args) -> int:
                                      device=args.device, dtype=args.dtype, policy=args.policy,
                                      progress=not args.quiet, predictor=args.predictor,
                                      link_epl=LINK_REGIMES.get(args.link_regime), rollout_every=args.rollout_every,
-                                     skip_waits=args.emulated_waits == "skip", predictor_lag=args.predictor_lag))
+                                     skip_waits=args.emulated_waits == "skip", predictor_lag=args.predictor_lag,
+                                     host_store=args.host_store))
 
 
 def _graph(args) -> int:

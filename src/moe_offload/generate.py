@@ -13,6 +13,7 @@ from typing import Callable
 
 import torch
 
+from .models.gen_limits import eos_token_ids, new_token_budget
 from .models.loader import LoadedModel
 from .runtime.emulated_clock import now
 from .runtime.engine import EngineStats
@@ -21,7 +22,9 @@ from .seeds import make_generator
 
 @dataclass
 class Output:
-    """One request's result: ``token_ids`` are the generated ids only; times in seconds."""
+    """One request's result: ``token_ids`` are the generated ids only; times in seconds. ``finish_reason``: "stop"
+    (an EOS id ended it) or "length" (``max_new_tokens``, or the model's position limit: then ``position_limit``
+    holds that limit, else None)."""
 
     prompt: str
     text: str
@@ -29,6 +32,8 @@ class Output:
     prompt_tokens: int
     ttft_s: float
     decode_s: float
+    finish_reason: str = "length"
+    position_limit: int | None = None
 
 
 @dataclass
@@ -69,12 +74,33 @@ def encode_prompt(tokenizer, prompt: str) -> list[int]:
     return tokenizer(prompt)["input_ids"]
 
 
-def _eos_ids(lm: LoadedModel) -> set[int]:
-    eos = getattr(lm.model.generation_config, "eos_token_id", None) or lm.model.config.eos_token_id
-    ids = set(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
-    if lm.tokenizer is not None and lm.tokenizer.eos_token_id is not None:
-        ids.add(lm.tokenizer.eos_token_id)
-    return ids
+def _eos_ids(lm: LoadedModel) -> frozenset[int]:
+    """The ids that end ``lm``'s generations, the one resolution every loop uses (``models.gen_limits``): the
+    loader's ``lm.eos_ids``, else resolved from the model's generation config, config and tokenizer."""
+    if lm.eos_ids is not None:
+        return lm.eos_ids
+    return eos_token_ids(getattr(lm.model, "generation_config", None), getattr(lm.model, "config", None),
+                         lm.tokenizer)
+
+
+def token_budget(lm: LoadedModel, prompt_len: int, max_new_tokens: int, block_length: int = 1) -> int:
+    """``max_new_tokens`` cut to the room the model's position limit leaves after a ``prompt_len``-token prompt
+    (``models.gen_limits.new_token_budget``; ``block_length`` > 1 for block diffusion).
+
+    Raises:
+        MoeOffloadError: the prompt leaves no room for a new token."""
+    return new_token_budget(lm.max_positions, prompt_len, max_new_tokens, block_length)
+
+
+def finish_reason(lm: LoadedModel, new: list[int], prompt_len: int, max_new_tokens: int,
+                  block_length: int = 1) -> tuple[str, int | None]:
+    """Why a generation of ``new`` ids (EOS included) after a ``prompt_len``-token prompt ended:
+    ``("stop", None)`` at an EOS id, ``("length", limit)`` when the model's position limit ``limit`` cut it short
+    of ``max_new_tokens``, else ``("length", None)``."""
+    if new and new[-1] in _eos_ids(lm):
+        return "stop", None
+    budget = token_budget(lm, prompt_len, max_new_tokens, block_length)
+    return "length", lm.max_positions if budget < max_new_tokens and len(new) >= budget else None
 
 
 def _sync(device: torch.device) -> None:
@@ -126,7 +152,8 @@ def generate_ids(lm: LoadedModel, prompt_ids: list[int], max_new_tokens: int, *,
                  top_p: float = 1.0, seed: int | None = None, request: int = 0,
                  on_step: Callable[[int], None] | None = None,
                  on_token: Callable[[int], bool | None] | None = None) -> tuple[list[int], float, float]:
-    """Generate up to ``max_new_tokens`` after ``prompt_ids``; stops at an EOS id (included in the output).
+    """Generate up to ``max_new_tokens`` after ``prompt_ids``; stops at an EOS id (included in the output) or at
+    the model's position limit (prompt + new tokens <= ``max_position_embeddings``: ``token_budget``).
 
     Before each forward pass the engine's slot table is told the step (0 = prefill, i = i-th decode step of
     request number ``request``); after it, ``on_step(step)`` is called (e.g. by a trace recorder).
@@ -137,7 +164,11 @@ def generate_ids(lm: LoadedModel, prompt_ids: list[int], max_new_tokens: int, *,
     Returns:
         ``(new_ids, ttft_s, decode_s)``: generated ids, seconds from start to the first token (prefill), seconds
         for the remaining tokens (decode).
+
+    Raises:
+        MoeOffloadError: the prompt leaves no room for a new token within the model's position limit.
     """
+    max_new_tokens = token_budget(lm, len(prompt_ids), max_new_tokens)
     dev = lm.device
     cache_kw = "cache" if "cache" in inspect.signature(lm.model.forward).parameters else "past_key_values"
     gen = make_generator(seed)
@@ -173,27 +204,39 @@ def generate_ids(lm: LoadedModel, prompt_ids: list[int], max_new_tokens: int, *,
     return new, t1 - t0, now() - t1
 
 
-def run_requests(lm: LoadedModel, prompts: list[str], generate_one, *, progress: bool = False,
-                 recorder=None) -> tuple[list[Output], RunStats]:
-    """The request loop both generation modes share: reset the engine's counters, then for each prompt in turn
-    encode it (chat template), tell ``recorder`` (if any) the request, call ``generate_one(i, prompt_ids)`` ->
-    ``(new_ids, ttft_s, decode_s, decode_tokens)`` and count it; the engine's counters end in ``RunStats.offload``.
+def run_requests(lm: LoadedModel, prompts: list[str], generate_one, *, max_new_tokens: int | None = None,
+                 block_length: int = 1, progress: bool = False, recorder=None) -> tuple[list[Output], RunStats]:
+    """The request loop every generation mode shares: encode every prompt (chat template) and, given
+    ``max_new_tokens``, check each leaves room within the model's position limit (``token_budget``, with
+    ``block_length`` > 1 for block diffusion) before any work; reset the engine's counters, then for each prompt in
+    turn tell ``recorder`` (if any) the request, call ``generate_one(i, prompt_ids)`` -> ``(new_ids, ttft_s,
+    decode_s, decode_tokens)`` and count it; each ``Output`` gets its ``finish_reason`` (``finish_reason``); the
+    engine's counters end in ``RunStats.offload``.
 
-    Returns ``(outputs, run_stats)``."""
+    Returns ``(outputs, run_stats)``.
+
+    Raises:
+        MoeOffloadError: a prompt leaves no room for a new token within the model's position limit."""
     from tqdm.auto import tqdm
 
+    encoded = [encode_prompt(lm.tokenizer, p) for p in prompts]
+    if max_new_tokens is not None:
+        for pids in encoded:
+            token_budget(lm, len(pids), max_new_tokens, block_length)
     stats = RunStats()
     outputs = []
     eng = lm.engine
     if eng is not None:
         eng.reset_stats()
-    for i, prompt in enumerate(tqdm(prompts, desc="requests", disable=not progress, leave=False)):
-        pids = encode_prompt(lm.tokenizer, prompt)
+    for i, (prompt, pids) in enumerate(tqdm(list(zip(prompts, encoded)), desc="requests", disable=not progress,
+                                            leave=False)):
         if recorder is not None:
             recorder.start_request(i, pids)
         new, ttft, dec, decode_tokens = generate_one(i, pids)
         text = lm.tokenizer.decode(new, skip_special_tokens=True)
-        outputs.append(Output(prompt, text, new, len(pids), ttft, dec))
+        reason = finish_reason(lm, new, len(pids), max_new_tokens, block_length) if max_new_tokens else ("length",
+                                                                                                          None)
+        outputs.append(Output(prompt, text, new, len(pids), ttft, dec, *reason))
         stats.add_request(len(pids), ttft, dec, decode_tokens)
     if eng is not None:
         stats.offload = eng.stats
@@ -211,4 +254,4 @@ def run(lm: LoadedModel, prompts: list[str], max_new_tokens: int, *, temperature
                                       request=i, on_step=recorder.end_step if recorder is not None else None)
         return new, ttft, dec, len(new) - 1
 
-    return run_requests(lm, prompts, one, progress=progress, recorder=recorder)
+    return run_requests(lm, prompts, one, max_new_tokens=max_new_tokens, progress=progress, recorder=recorder)

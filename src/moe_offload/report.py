@@ -61,7 +61,8 @@ def stats_dict(lm: LoadedModel, s: RunStats) -> dict:
         "host_store_bytes": eng.store.nbytes if eng else 0,
         "device_peak_bytes": torch.cuda.max_memory_reserved(lm.device) if lm.device.type == "cuda" else None,
     } | ({"time_breakdown": eng.breakdown.as_dict()} if getattr(eng, "breakdown", None) is not None
-         and eng.breakdown.steps else {}) | ({"auto_policy": {"choice": eng.auto_policy.choice, "simulated_hit_rates": eng.auto_policy.rates}}
+         and eng.breakdown.steps else {}) | ({"auto_policy": {"choice": eng.auto_policy.choice, "simulated_hit_rates": eng.auto_policy.rates,
+                          "decide_s": eng.auto_policy.decide_s}}
          if getattr(eng, "auto_policy", None) is not None else {}) | ({"host_fallback_experts": o.host_experts, "host_fallback_tokens": o.host_tokens,
           "fallback_s": o.fallback_s, "prefetches": o.prefetches, "diffusion_steps": o.steps}
          if hasattr(o, "host_experts") else {}) | _tier_stats(lm)
@@ -102,7 +103,8 @@ def _auto_line(a: dict) -> str:
     if not a["simulated_hit_rates"]:
         return f"chose {a['choice']} (the pool holds every expert: no eviction to choose)"
     rates = ", ".join(f"{k} {v:.3f}" for k, v in a["simulated_hit_rates"].items())
-    return f"chose {a['choice']} (decode hit rates simulated on the first prompt's routing: {rates})"
+    return (f"chose {a['choice']} in {a.get('decide_s', 0.0):.3f} s (decode hit rates simulated on the first "
+            f"prompt's routing: {rates})")
 
 
 def _mode(d: dict) -> str:

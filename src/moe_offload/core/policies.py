@@ -102,7 +102,56 @@ class LRU(EvictionPolicy):
         self._order.clear()
 
 
-class LFU(EvictionPolicy):
+class _MinKeyHeap(EvictionPolicy):
+    """Victim selection for policies that evict the resident expert with the smallest key, where an expert's key
+    only grows (on its accesses): a min-heap of ``key(e)`` tuples (the expert id last) with lazy invalidation. An
+    entry is current while its expert is resident and its tuple equals ``key(e)``; every resident expert has a
+    current entry (pushed at insert and at each access while resident). ``victim`` drops stale entries from the top,
+    sets aside pinned ones and answers the smallest current unpinned entry, the same expert as
+    ``min(resident - pinned, key=key)``, in O((pinned + stale) log n) instead of O(resident). The heap is rebuilt
+    when stale entries outnumber the resident ones a few times over."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._heap: list[tuple] = []
+
+    def key(self, eid: int) -> tuple:
+        """The eviction key of ``eid`` now (smallest is evicted), ending with ``eid``."""
+        raise NotImplementedError
+
+    def _push(self, eid: int) -> None:
+        heapq.heappush(self._heap, self.key(eid))
+        if len(self._heap) > 4 * len(self.resident) + 64:
+            self._heap = [self.key(e) for e in self.resident]
+            heapq.heapify(self._heap)
+
+    def on_insert(self, eid: int, tick: int) -> None:
+        super().on_insert(eid, tick)
+        self._push(eid)
+
+    def victim(self, pinned: set[int]) -> int:
+        heap, held = self._heap, []
+        try:
+            while heap:
+                top = heap[0]
+                eid = top[-1]
+                if eid not in self.resident or top != self.key(eid):
+                    heapq.heappop(heap)
+                elif eid in pinned:
+                    held.append(heapq.heappop(heap))
+                else:
+                    return eid  # stays in the heap: on_evict makes it stale
+        finally:
+            for entry in held:
+                heapq.heappush(heap, entry)
+        raise RuntimeError("no evictable expert")  # the slot table never asks in that case
+
+    def reset(self) -> None:
+        super().reset()
+        self._heap.clear()
+
+
+class LFU(_MinKeyHeap):
     """Least frequently used: evict the resident expert with the fewest accesses since the run started.
 
     Frequencies persist across evictions (an expert's history is kept when it leaves the pool). Ties are
@@ -117,14 +166,15 @@ class LFU(EvictionPolicy):
         self._last: dict[int, int] = {}
         self._seq = 0
 
+    def key(self, eid: int) -> tuple:
+        return self._freq.get(eid, 0), self._last.get(eid, 0), eid
+
     def on_access(self, eid: int, tick: int, tokens: int = 1) -> None:
         self._freq[eid] = self._freq.get(eid, 0) + 1
         self._seq += 1
         self._last[eid] = self._seq
-
-    def victim(self, pinned: set[int]) -> int:
-        return min((e for e in self.resident if e not in pinned),
-                   key=lambda e: (self._freq.get(e, 0), self._last.get(e, 0), e))
+        if eid in self.resident:
+            self._push(eid)
 
     def reset(self) -> None:
         super().reset()
@@ -133,7 +183,7 @@ class LFU(EvictionPolicy):
         self._seq = 0
 
 
-class LFRU(EvictionPolicy):
+class LFRU(_MinKeyHeap):
     """Frequency-recency hybrid (LRFU, Lee et al. 2001; the family of vLLM's expert-cache LFRU): each expert's
     combined recency-frequency score is ``CRF(t) = sum_i 2^(-(t - t_i) / h)`` over its accesses ``t_i`` (ticks);
     evict the resident expert with the smallest score now. ``h -> 0`` is LRU; ``h -> inf`` ranks by access count
@@ -145,7 +195,7 @@ class LFRU(EvictionPolicy):
 
     Scores are kept in log space, ``key = log2(CRF(t_last)) + t_last / h``: the decay from ``t_last`` to now is the
     same factor for every expert, so comparing keys compares scores now; history persists across evictions. Ties:
-    least recent access, then the smaller expert id.
+    least recent access, then the smaller expert id. A key only grows with accesses (``_MinKeyHeap``).
     """
 
     name = "lfru"
@@ -159,16 +209,17 @@ class LFRU(EvictionPolicy):
         self._last: dict[int, int] = {}
         self._seq = 0
 
+    def key(self, eid: int) -> tuple:
+        return self._key.get(eid, -math.inf), self._last.get(eid, 0), eid
+
     def on_access(self, eid: int, tick: int, tokens: int = 1) -> None:
         now = tick / self.h
         old = self._key.get(eid)  # log2(CRF(t_last)) + t_last/h  ->  log2(CRF(t) + 1) + t/h
         self._key[eid] = now if old is None else now + math.log2(1.0 + 2.0 ** (old - now))
         self._seq += 1
         self._last[eid] = self._seq
-
-    def victim(self, pinned: set[int]) -> int:
-        return min((e for e in self.resident if e not in pinned),
-                   key=lambda e: (self._key.get(e, -math.inf), self._last.get(e, 0), e))
+        if eid in self.resident:
+            self._push(eid)
 
     def reset(self) -> None:
         super().reset()
@@ -183,7 +234,8 @@ class PrefillHot(LRU):
 
     At a request's first decode step the ``hot_slots`` experts with the most prefill token activations become hot
     (ties: smaller expert id). A hot expert is only evicted when every evictable resident expert is hot. Default
-    ``hot_slots = num_slots - top_k`` leaves one decode layer's worth of slots for misses.
+    ``hot_slots = num_slots - top_k`` leaves one decode layer's worth of slots for misses. The resident experts
+    that are not hot are also kept apart in recency order (``_cold``), so ``victim`` walks only those.
     """
 
     name = "prefill-hot"
@@ -194,6 +246,7 @@ class PrefillHot(LRU):
         self._counts: dict[int, int] = {}
         self._in_prefill = False
         self.hot: frozenset[int] = frozenset()
+        self._cold: OrderedDict[int, None] = OrderedDict()
 
     def on_step(self, request: int, step: int) -> None:
         if step == 0:
@@ -203,22 +256,34 @@ class PrefillHot(LRU):
             self._in_prefill = False
             ranked = sorted(self._counts, key=lambda e: (-self._counts[e], e))
             self.hot = frozenset(ranked[:self.hot_slots])
+            self._cold = OrderedDict((e, None) for e in self._order if e not in self.hot)
 
     def on_access(self, eid: int, tick: int, tokens: int = 1) -> None:
         super().on_access(eid, tick, tokens)
+        if eid in self._cold:
+            self._cold.move_to_end(eid)
         if self._in_prefill:
             self._counts[eid] = self._counts.get(eid, 0) + tokens
 
+    def on_insert(self, eid: int, tick: int) -> None:
+        super().on_insert(eid, tick)
+        if eid not in self.hot:
+            self._cold[eid] = None
+
+    def on_evict(self, eid: int) -> None:
+        super().on_evict(eid)
+        self._cold.pop(eid, None)
+
     def victim(self, pinned: set[int]) -> int:
-        hot = self.hot
-        for eid in self._order:
-            if eid not in pinned and eid not in hot:
+        for eid in self._cold:
+            if eid not in pinned:
                 return eid
         return super().victim(pinned)
 
     def reset(self) -> None:
         super().reset()
         self._counts, self._in_prefill, self.hot = {}, False, frozenset()
+        self._cold.clear()
 
 
 class Belady(EvictionPolicy):

@@ -189,17 +189,22 @@ def diffusion_generate_ids(lm: LoadedModel, prompt_ids: list[int], max_new_token
     Returns:
         ``DiffusionResult`` (tokens, per-block and per-step stats, times).
 
+    Generation stops at the model's position limit: whole blocks within ``max_position_embeddings``
+    (``generate.token_budget``).
+
     Raises:
-        MoeOffloadError: bad parameters (``check_params``), an empty prompt, no mask token in the config, or the
-            prefix cache for a model that takes no ``past_key_values``.
+        MoeOffloadError: bad parameters (``check_params``), an empty prompt, a prompt that leaves no room for a block
+            within the model's position limit, no mask token in the config, or the prefix cache for a model that
+            takes no ``past_key_values``.
     """
     steps = block_length if steps is None else steps
     check_params(max_new_tokens, block_length, steps, threshold)
     if not prompt_ids:
         raise MoeOffloadError("the prompt encodes to no token")
-    from ..generate import _eos_ids
+    from ..generate import _eos_ids, token_budget
     from ..seeds import make_generator
 
+    max_new_tokens = token_budget(lm, len(prompt_ids), max_new_tokens, block_length)
     mask_id = _mask_token_id(lm)
     eos = _eos_ids(lm)
     dev = lm.device
@@ -324,5 +329,6 @@ def run_diffusion(lm: LoadedModel, prompts: list[str], max_new_tokens: int, *, b
         results.append(res)
         return res.token_ids, res.first_block_s, res.seconds - res.first_block_s, res.decode_tokens(block_length)
 
-    outputs, stats = run_requests(lm, prompts, one, progress=progress, recorder=recorder)
+    outputs, stats = run_requests(lm, prompts, one, max_new_tokens=max_new_tokens, block_length=block_length,
+                                  progress=progress, recorder=recorder)
     return outputs, stats, results

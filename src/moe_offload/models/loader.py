@@ -68,7 +68,8 @@ def resolve_dtype(name: str | None, config) -> torch.dtype:
 class LoadedModel:
     """A model ready to generate: ``model`` (transformers), ``tokenizer`` (or None), ``engine`` (None for FullLoad),
     ``arch``, ``device``, ``dtype`` (compute) and the expert geometry; ``expert_bytes`` is one routed expert's
-    stored bytes (native precision: FP8 about half of bf16, MXFP4 about a quarter), ``host_store`` the store mode."""
+    stored bytes (native precision: FP8 about half of bf16, MXFP4 about a quarter), ``host_store`` the store mode;
+    ``eos_ids`` and ``max_positions`` say where generation stops (``models.gen_limits``; set by both loaders)."""
 
     model: torch.nn.Module
     tokenizer: object
@@ -84,6 +85,8 @@ class LoadedModel:
     host_store: str | None = None           # "pinned" | "mmap" | "disk" (None: FullLoad)
     expert_dtypes: tuple[str, ...] = ()     # stored dtypes of the experts, e.g. ("bfloat16", "float8_e4m3fn")
     multimodal: bool = False                # a multimodal checkpoint served for text-only prompts
+    eos_ids: frozenset[int] | None = None   # ids that end a generation (``gen_limits.eos_token_ids``)
+    max_positions: int | None = None        # positions a sequence may use (``gen_limits.position_limit``)
     memory_plan: object = None              # the serve.memory.MemoryPlan that sized the pool (--memory-budget)
 
     def close(self) -> None:
@@ -97,6 +100,20 @@ class LoadedModel:
         from ..trace.format import model_fingerprint
 
         return model_fingerprint(json.loads((self.path / "config.json").read_text()))
+
+
+def _with_limits(lm: LoadedModel, config) -> LoadedModel:
+    """``lm`` with its generation config read as ``from_pretrained`` reads it (``generation_config.json``, else
+    ``config.json``; set on the model too, so FullLoad and offloaded models carry the same one), its EOS ids and its
+    position limit (``models.gen_limits``), for every generation loop."""
+    from .gen_limits import eos_token_ids, load_generation_config, position_limit
+
+    gc = load_generation_config(lm.path, config)
+    if gc is not None:
+        lm.model.generation_config = gc
+    lm.eos_ids = eos_token_ids(gc, config, lm.tokenizer)
+    lm.max_positions = position_limit(config)
+    return lm
 
 
 def _load_tokenizer(path: Path):
@@ -279,9 +296,9 @@ def load_offloaded(model_dir: str | Path, *, device: str | None = None, dtype: s
                           host_seconds_per_token_expert=host_seconds_per_token_expert,
                           host_seconds_per_expert=host_seconds_per_expert))
     engine.attach([m for _, m in mods])
-    return LoadedModel(model, _load_tokenizer(path), engine, arch, dev, dt, len(mods), num_experts, top_k,
-                       fmt.layout.expert_bytes, path, host_store, tuple(fmt.stored_dtypes),
-                       generation_class(config)[1])
+    return _with_limits(LoadedModel(model, _load_tokenizer(path), engine, arch, dev, dt, len(mods), num_experts,
+                                    top_k, fmt.layout.expert_bytes, path, host_store, tuple(fmt.stored_dtypes),
+                                    generation_class(config)[1]), config)
 
 
 def _make_engine(policy: str, refresh: bool, store, pool: SlotPool, mods: list, num_slots: int, top_k: int,
@@ -352,5 +369,6 @@ def load_full(model_dir: str | Path, *, device: str | None = None, dtype: str | 
     mods = experts_modules(model)
     n_exp = mods[0][1].num_experts
     fmt = ExpertFormat.plain([(n, tuple(p.shape[1:])) for n, p in expert_params(mods[0][1])], dt)
-    return LoadedModel(model, _load_tokenizer(path), None, arch, dev, dt, len(mods), n_exp, _top_k(config),
-                       fmt.layout.expert_bytes, path, None, tuple(fmt.stored_dtypes), multimodal)
+    return _with_limits(LoadedModel(model, _load_tokenizer(path), None, arch, dev, dt, len(mods), n_exp,
+                                    _top_k(config), fmt.layout.expert_bytes, path, None, tuple(fmt.stored_dtypes),
+                                    multimodal), config)

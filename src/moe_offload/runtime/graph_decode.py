@@ -167,11 +167,16 @@ class GraphDecoder:
     def generate_ids(self, prompt_ids: list[int], max_new_tokens: int, *, temperature: float = 0.0,
                      top_p: float = 1.0, seed: int | None = None, request: int = 0):
         """``generate.generate_ids`` in graph mode: eager prefill into a static KV cache, then compiled decode
-        steps. Returns ``(new_ids, ttft_s, decode_s)``."""
-        from ..generate import _eos_ids, _pick, _sync
+        steps; stops at an EOS id or the model's position limit (``generate.token_budget``). Returns ``(new_ids,
+        ttft_s, decode_s)``.
+
+        Raises:
+            MoeOffloadError: the prompt leaves no room for a new token within the model's position limit."""
+        from ..generate import _eos_ids, _pick, _sync, token_budget
         from ..seeds import make_generator
 
         lm, engine = self.lm, self.lm.engine
+        max_new_tokens = token_budget(lm, len(prompt_ids), max_new_tokens)
         dev, gen, eos = lm.device, make_generator(seed), _eos_ids(lm)
         cache = self._static_cache(len(prompt_ids) + max_new_tokens)
         ids = torch.tensor([prompt_ids], dtype=torch.long, device=dev)
@@ -206,4 +211,4 @@ def run_graph(lm, prompts: list[str], max_new_tokens: int, *, decoder: GraphDeco
                                         request=i)
         return new, ttft, d, len(new) - 1
 
-    return run_requests(lm, prompts, one, progress=progress)
+    return run_requests(lm, prompts, one, max_new_tokens=max_new_tokens, progress=progress)

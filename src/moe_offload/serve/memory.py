@@ -227,6 +227,8 @@ def _profile_diffusion(lm, max_context: int, block_length: int) -> int:
     from ..models.diffusion import diffusion_generate_ids
 
     padded = -(-max_context // block_length) * block_length
+    if lm.max_positions is not None:  # requests use whole blocks within the position limit (generate.token_budget)
+        padded = max(block_length, min(padded, lm.max_positions // block_length * block_length))
     prompt = max(1, padded - block_length)
     diffusion_generate_ids(lm, _profile_prompt(lm, prompt), padded - prompt, block_length=block_length, steps=1,
                            threshold=1.0, temperature=1.0, top_p=0.5, seed=0, request=-1)

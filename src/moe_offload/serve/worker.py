@@ -103,9 +103,10 @@ class Delta:
 
 @dataclass
 class Done:
-    """End of a request: ``finish_reason`` ("stop": EOS or a stop sequence; "length": max_tokens), the full
-    ``text`` and ``token_ids``, ``prompt_tokens``, and times in seconds (``ttft_s``: prefill / first block;
-    ``decode_s``: the rest; ``queue_s``: waiting for the worker)."""
+    """End of a request: ``finish_reason`` ("stop": an EOS id of ``models.gen_limits.eos_token_ids`` or a stop
+    sequence; "length": max_tokens or the model's position limit), the full ``text`` and ``token_ids``,
+    ``prompt_tokens``, and times in seconds (``ttft_s``: prefill / first block; ``decode_s``: the rest;
+    ``queue_s``: waiting for the worker)."""
 
     finish_reason: str
     text: str

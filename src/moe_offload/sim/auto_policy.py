@@ -1,6 +1,8 @@
 """``--policy auto``: pick the history eviction policy for this model from a short simulation of routing it has
-already seen — the run's own first prefill: its first half replayed as a prefill step, its second half token by
-token as decode steps.
+already seen — the run's own first prefill: its first half (and at least all but its last ``DECODE_SAMPLE`` tokens)
+replayed as a prefill step, the rest token by token as decode steps. The sample is bounded: at most
+``DECODE_SAMPLE`` decode steps of every MoE layer per candidate, whatever the prompt's length (on the testbeds'
+64-token runs the choice takes ~0.1 s / ~0.6 s, under 2% of the run: docs/benchmarks.md).
 
 The prompt's tokens route through the same router as the tokens to come, so which history policy keeps the most
 of one token's experts for the next is measured on the user's own routing, at the run's own pool size, by the
@@ -10,6 +12,7 @@ to the earlier candidate, LRU first, so the choice never does worse than LRU on 
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -19,14 +22,16 @@ from .simulator import replay
 
 #: candidates in tie-break order (LRU first)
 CANDIDATES = ("lru", "lfu", "lfru-2", "lfru-8", "lfru-32", "prefill-hot")
+#: most prompt tokens replayed as decode steps (one per token); the earlier ones form the prefill step
+DECODE_SAMPLE = 32
 
 
 def token_needs(routing: list[np.ndarray], num_experts: int) -> list:
     """``routing[l]``: ``[T, k]`` int expert ids of MoE layer ``l`` for ``T`` tokens -> the simulator's per-step needs
-    (``sim.simulator.layer_needs`` format): the first ``T // 2`` tokens as one prefill step (step 0, with each
-    expert's token count), then one decode step per remaining token."""
+    (``sim.simulator.layer_needs`` format): the first ``max(T // 2, T - DECODE_SAMPLE)`` tokens as one prefill step
+    (step 0, with each expert's token count), then one decode step per remaining token (at most ``DECODE_SAMPLE``)."""
     T = routing[0].shape[0]
-    split = T // 2
+    split = max(T // 2, T - DECODE_SAMPLE)
     needed, tokens = [], []
     for layer, r in enumerate(routing):
         ids, cnt = np.unique(r[:split].reshape(-1), return_counts=True)
@@ -56,7 +61,8 @@ def choose_policy(routing: list[np.ndarray], num_experts: int, top_k: int, num_s
 class AutoPolicyChooser:
     """Engine observer behind ``--policy auto``: records the first prefill's routing, and when the first decode
     step begins, swaps the slot table's interim LRU for ``choose_policy``'s choice (its resident experts handed
-    over in recency order). ``choice`` and ``rates`` say what it chose (``None`` until then).
+    over in recency order). ``choice`` and ``rates`` say what it chose (``None`` until then), ``decide_s`` how many
+    seconds choosing took (the simulation and the switch).
 
     Args:
         table: the engine's ``core.slots.SlotTable`` (its policy is an ``LRU`` until the choice).
@@ -70,6 +76,7 @@ class AutoPolicyChooser:
         self.request = 0
         self.choice: str | None = None
         self.rates: dict[str, float] = {}
+        self.decide_s = 0.0
 
     def begin_step(self, request: int, step: int) -> None:
         if self.choice is not None:
@@ -78,10 +85,12 @@ class AutoPolicyChooser:
             self.recording, self.request = True, request
         elif self.recording and len(self.routing) == self.L:
             self.recording = False
+            t0 = time.perf_counter()
             if self.table.num_slots >= self.L * self.E:  # the pool holds every expert: nothing to choose
                 self._switch("lru", {}, request, step)
             else:
                 self._switch(*choose_policy(self.routing, self.E, self.k, self.table.num_slots), request, step)
+            self.decide_s = time.perf_counter() - t0
 
     def __call__(self, moe_layer: int, top_k_index, top_k_weights) -> None:
         if self.recording and moe_layer == len(self.routing):
