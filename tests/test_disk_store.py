@@ -242,3 +242,43 @@ def test_disk_gbps_interpolates_on_log_size_and_picks_readers(monkeypatch):
     assert disk_link.readers_for(128 * 1024, 4) == 2
     monkeypatch.setattr(disk_link, "this_machine_disk", lambda: None)
     assert disk_link.readers_for(128 * 1024, 4) == 4
+
+
+def test_cli_disk_store_and_memory_budget(tiny_dirs, refs, capsys, monkeypatch, tmp_path):
+    """``generate --host-store disk --memory-budget`` through the CLI: FullLoad's tokens, the plan and the disk's
+    counters in ``--json``; refusals are one line (exit 2)."""
+    import json
+
+    from moe_offload.cli import main
+    from moe_offload.sim import disk_link
+
+    d = str(tiny_dirs["qwen3_moe"])
+    args = ["generate", "--model", d, "--prompt", PROMPT, "--max-new-tokens", str(NEW), "--quiet"]
+    assert main(args + ["--host-store", "disk", "--memory-budget", "0.0016", "--max-context", "64", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    st = out["stats"]
+    assert out["outputs"][0]["token_ids"] == refs["qwen3_moe"]
+    assert st["host_store"] == "disk" and st["host_store_bytes"] == 0
+    assert st["memory_plan"]["budget_bytes"] == 1_600_000 and st["memory_plan"]["total_bytes"] <= 1_600_000
+    assert st["slots"] == st["memory_plan"]["slots"] < st["routed_experts"] and st["misses"] > 0
+    assert st["disk"]["experts"] == st["misses"] and st["disk"]["direct_io"]
+
+    def one_line(argv, needle):
+        try:
+            code = main(argv)
+        except SystemExit as e:  # argparse's own one-line errors
+            code = e.code
+        assert code == 2
+        lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+        assert len(lines) == 1 and needle in lines[0], lines
+
+    one_line(args + ["--host-store", "disk", "--link-gbps", "5", "--residency", "0.5"],
+             "with --host-store disk the link is the disk itself")
+    one_line(args + ["--memory-budget", "0.001"], "--memory-budget 0.001 GB is too small")
+    one_line(args + ["--memory-budget", "inf"], "expected a finite number")
+    one_line(args + ["--memory-budget", "0.5", "--full-load"], "--full-load has none")
+    one_line(args + ["--memory-budget", "0.5", "--graph"], "not --memory-budget")
+    one_line(args + ["--host-store", "disk", "--graph"], "with --host-store pinned (not disk)")
+    monkeypatch.setattr(disk_link, "this_machine_disk", lambda: None)
+    one_line(["bench", "decode", "--model", d, "--host-store", "disk", "--residencies", "0.5", "--quiet",
+              "--max-new-tokens", "2", "--prompt", "hi"], "run `moe-offload bench link --disk DIR` first")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..cliargs import add_diffusion_args, add_model_args, load_prompts, positive_int, seed, split_floats
+from ..cliargs import add_diffusion_args, add_host_store_arg, add_model_args, load_prompts, positive_int, seed, split_floats
 from ..errors import MoeOffloadError
 from ..models.resolve import resolve_model
 
@@ -19,6 +19,7 @@ def add_parser(sub) -> None:
     add_model_args(tc)
     tc.add_argument("--out", required=True, help="trace file to write (must not exist)")
     tc.add_argument("--router-probs", action="store_true", help="also record softmax router probabilities")
+    add_host_store_arg(tc)
     tc.add_argument("--xl-forecasts", action="store_true",
                     help="also record the cross-layer forecasts of every decode step (the next --xl-depth layers' "
                     "routers on each MoE layer's router input), for simulate --policy xl,seqmoe-xl and predictor eval")
@@ -132,7 +133,8 @@ def _collect(args) -> int:
         return 0
     if args.xl_depth and not args.xl_forecasts:
         raise MoeOffloadError("--xl-depth needs --xl-forecasts")
-    lm = load_offloaded(path, device=args.device, dtype=args.dtype, policy=args.policy, progress=not args.quiet)
+    lm = load_offloaded(path, device=args.device, dtype=args.dtype, policy=args.policy, progress=not args.quiet,
+                        host_store=args.host_store)
     if args.xl_depth and args.xl_depth > lm.num_moe_layers - 1:
         raise MoeOffloadError(f"--xl-depth {args.xl_depth}: the model's {lm.num_moe_layers} MoE layers have at most "
                               f"{lm.num_moe_layers - 1} later layers to forecast")
