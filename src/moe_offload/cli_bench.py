@@ -48,7 +48,7 @@ def add_parsers(sub):
     bl.add_argument("--disk", metavar="DIR", help="measure the disk instead: direct-read GB/s by request size (4 KiB "
                     "- 4 MiB) and queue depth (1-8 threads) on the filesystem of DIR (a scratch file is written there "
                     "and removed); saved as the disk entry of the this-machine profile, which sets --host-store disk's "
-                    "reader threads and the disk link of bench decode --host-store disk")
+                    "reader threads and the disk link of bench decode --host-store disk (default: measure the host->device link)")
     bl.add_argument("--file-mb", type=int_in(64, 65536), default=512, help="with --disk: scratch file MiB "
                     "(default 512)")
     bf = bsub.add_parser("diffusion", help="TIDE: diffusion tokens/s of FullLoad, reactive, tide-fixed-T<n> and tide "

@@ -177,7 +177,7 @@ def add_memory_budget_arg(p) -> None:
                    help="memory budget in GB (10^9 bytes): the slot pool gets what the non-expert weights, the KV "
                    "cache at --max-context and the measured activation peak leave; auto: sized from what the machine "
                    "has (CUDA: 90%% of the free device memory; CPU: 80%% of MemAvailable, capped by the cgroup's "
-                   "limit, less a pinned host store). Default on CUDA: 90%% of the free device memory; on the CPU: "
+                   "limit, less a pinned host store); default on CUDA: 90%% of the free device memory, on the CPU: "
                    "residency 1.0")
 
 
