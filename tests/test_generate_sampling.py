@@ -1,12 +1,14 @@
 """Sampling edges through ``generate`` (issue 34): the shared sampler (``moe_offload.sampling``) in the batch-1
-autoregressive loop (``generate.generate_ids`` / ``run``): a temperature below ``GREEDY_TEMPERATURE`` is greedy,
-``top_k`` 1 is greedy, ``top_k`` k draws only among the k most probable tokens, ``top_p`` 0 keeps only the most
-probable token."""
+autoregressive loop (``generate.generate_ids`` / ``run``) and the block-diffusion loop (``diffusion_generate_ids`` /
+``run_diffusion``): a temperature below ``GREEDY_TEMPERATURE`` is greedy, ``top_k`` 1 is greedy, ``top_k`` k draws
+only among the k most probable tokens, ``top_p`` 0 keeps only the most probable token."""
 
 import pytest
 import torch
 
+import moe_offload.models.diffusion as diffusion
 from moe_offload.generate import GREEDY_TEMPERATURE, generate_ids, run
+from moe_offload.models.diffusion import diffusion_generate_ids, run_diffusion
 from moe_offload.models.loader import load_full
 
 PROMPT = "Hello there, how are you today?"
@@ -17,6 +19,12 @@ N = 8
 @pytest.fixture(scope="module")
 def ar(tiny_dirs):
     lm = load_full(tiny_dirs["qwen3_moe"], device="cpu")
+    return lm, lm.tokenizer(PROMPT)["input_ids"]
+
+
+@pytest.fixture(scope="module")
+def dlm(tiny_dirs):
+    lm = load_full(tiny_dirs["llada2_moe"], device="cpu")
     return lm, lm.tokenizer(PROMPT)["input_ids"]
 
 
@@ -59,3 +67,56 @@ def test_autoregressive_top_k(ar):
             lm, ids, N, temperature=1.0, seed=2)[0]
     outs, _ = run(lm, [PROMPT], N, temperature=2.0, top_k=1, seed=5)  # run passes top_k on
     assert outs[0].token_ids == run(lm, [PROMPT], N)[0][0].token_ids
+
+
+DIFF = dict(block_length=8, steps=4, threshold=0.95)
+
+
+def _diffusion(lm, ids, **kw) -> list[int]:
+    return diffusion_generate_ids(lm, ids, 16, **(DIFF | kw)).token_ids
+
+
+def test_diffusion_tiny_temperature_and_top_k_one_are_greedy(dlm):
+    lm, ids = dlm
+    want = _diffusion(lm, ids)
+    assert len(want) >= 8
+    for t in TINY_TEMPERATURES:
+        assert _diffusion(lm, ids, temperature=t, seed=1) == want, t
+    for t in (GREEDY_TEMPERATURE, 1.0, 2.0):
+        assert _diffusion(lm, ids, temperature=t, top_k=1, seed=1) == want, t
+    outs, _, _ = run_diffusion(lm, [PROMPT], 16, temperature=1e-30, **DIFF)
+    assert outs[0].token_ids == run_diffusion(lm, [PROMPT], 16, **DIFF)[0][0].token_ids
+
+
+@pytest.mark.parametrize("top_p", [0.0, 1e-300])
+def test_diffusion_top_p_zero_commits_the_top_tokens_at_once(dlm, top_p):
+    """``top_p`` 0 keeps only the most probable token, with probability (confidence) 1 at every position: each
+    block's first step commits every masked position, its argmax — greedy with one step per block."""
+    lm, ids = dlm
+    assert _diffusion(lm, ids, temperature=1.0, top_p=top_p, seed=2) == _diffusion(lm, ids, steps=1)
+
+
+def test_diffusion_top_k_draws_among_the_k_most_probable(dlm, monkeypatch):
+    lm, ids = dlm
+    calls, real = [], diffusion.choose
+
+    def spy(logits, *sampling):  # every step's logits [B, V] and chosen tokens [B], and its top_k
+        tok, conf = real(logits, *sampling)
+        calls.append((logits.float().clone(), tok.clone(), sampling[3]))
+        return tok, conf
+
+    monkeypatch.setattr(diffusion, "choose", spy)
+    plain_outside = False
+    for s in range(3):
+        calls.clear()
+        got = _diffusion(lm, ids, temperature=2.0, top_k=3, seed=s)
+        assert calls and all(k == 3 for _, _, k in calls)
+        for logits, tok, _ in calls:
+            top = logits.topk(3, dim=-1).indices
+            assert all(int(t) in top[i].tolist() for i, t in enumerate(tok))
+        assert got == _diffusion(lm, ids, temperature=2.0, top_k=3, seed=s)  # seeded
+        calls.clear()
+        _diffusion(lm, ids, temperature=2.0, seed=s)
+        plain_outside |= any(int(t) not in lg.topk(3, dim=-1).indices[i].tolist()
+                             for lg, tok, _ in calls for i, t in enumerate(tok))
+    assert plain_outside
