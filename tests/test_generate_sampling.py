@@ -1,12 +1,16 @@
 """Sampling edges through ``generate`` (issue 34): the shared sampler (``moe_offload.sampling``) in the batch-1
-autoregressive loop (``generate.generate_ids`` / ``run``) and the block-diffusion loop (``diffusion_generate_ids`` /
-``run_diffusion``): a temperature below ``GREEDY_TEMPERATURE`` is greedy, ``top_k`` 1 is greedy, ``top_k`` k draws
-only among the k most probable tokens, ``top_p`` 0 keeps only the most probable token."""
+autoregressive loop (``generate.generate_ids`` / ``run``), the block-diffusion loop (``diffusion_generate_ids`` /
+``run_diffusion``) and ``moe-offload generate``: a temperature below ``GREEDY_TEMPERATURE`` is greedy, ``top_k`` 1 is
+greedy, ``top_k`` k draws only among the k most probable tokens, ``top_p`` 0 keeps only the most probable token; a
+non-finite ``--temperature`` / ``--top-p`` is a one-line CLI error."""
+
+import json
 
 import pytest
 import torch
 
 import moe_offload.models.diffusion as diffusion
+from moe_offload.cli import main
 from moe_offload.generate import GREEDY_TEMPERATURE, generate_ids, run
 from moe_offload.models.diffusion import diffusion_generate_ids, run_diffusion
 from moe_offload.models.loader import load_full
@@ -120,3 +124,42 @@ def test_diffusion_top_k_draws_among_the_k_most_probable(dlm, monkeypatch):
         plain_outside |= any(int(t) not in lg.topk(3, dim=-1).indices[i].tolist()
                              for lg, tok, _ in calls for i, t in enumerate(tok))
     assert plain_outside
+
+
+def _gen_json(capsys, model, *extra) -> list[int]:
+    assert main(["generate", "--model", str(model), "--prompt", PROMPT, "--max-new-tokens", "8", "--quiet",
+                 "--device", "cpu", "--json", *extra]) == 0
+    return json.loads(capsys.readouterr().out)["outputs"][0]["token_ids"]
+
+
+@pytest.mark.parametrize("arch,extra", [("qwen3_moe", []), ("llada2_moe", ["--block-length", "8", "--steps", "4"])])
+def test_cli_generate_edges_are_greedy(capsys, tiny_dirs, arch, extra):
+    want = _gen_json(capsys, tiny_dirs[arch], *extra)
+    assert _gen_json(capsys, tiny_dirs[arch], *extra, "--temperature", "1e-30", "--seed", "1") == want
+    assert _gen_json(capsys, tiny_dirs[arch], *extra, "--temperature", "2", "--top-k", "1", "--seed", "1") == want
+    if arch == "qwen3_moe":
+        assert _gen_json(capsys, tiny_dirs[arch], "--temperature", "2", "--top-p", "0", "--seed", "1") == want
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--temperature", "nan"], "argument --temperature: expected a finite number, got 'nan'"),
+    (["--temperature", "inf"], "argument --temperature: expected a finite number, got 'inf'"),
+    (["--temperature=-inf"], "argument --temperature: expected a finite number, got '-inf'"),
+    (["--temperature", "1e999"], "argument --temperature: expected a finite number, got '1e999'"),
+    (["--top-p", "nan"], "argument --top-p: expected a finite number, got 'nan'"),
+    (["--top-p", "inf"], "argument --top-p: expected a finite number, got 'inf'"),
+    (["--temperature", "hot"], "argument --temperature: expected a number, got 'hot'"),
+    (["--top-k", "-1"], "argument --top-k: expected a non-negative integer, got -1"),
+    (["--top-k", "2.5"], "argument --top-k: expected a non-negative integer, got '2.5'"),
+    (["--temperature", "-0.5"], "--temperature must be >= 0 and --top-p in [0, 1], got -0.5 and 1.0"),
+    (["--top-p", "1.5"], "--temperature must be >= 0 and --top-p in [0, 1], got 0.0 and 1.5"),
+])
+def test_cli_bad_sampling_settings_are_one_line_errors(capsys, tiny_dirs, argv, needle):
+    try:  # argparse's type errors exit (``moe-offload generate: error: ...``), later checks return 2
+        code = main(["generate", "--model", str(tiny_dirs["qwen3_moe"]), "--prompt", "hi", "--quiet", *argv])
+    except SystemExit as e:
+        code = e.code
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("moe-offload"), err
+    assert "error: " in lines[0] and needle in lines[0] and "Traceback" not in err, err
