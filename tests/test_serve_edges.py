@@ -79,7 +79,7 @@ def servers(tiny_dirs):
     s1, t1 = _served(tiny_dirs, max_batch=1)
     s2, t2 = _served(tiny_dirs, max_batch=4)
     with t1 as srv1, t2 as srv2:
-        assert s1.worker.supports_top_k is False and s2.worker.max_batch == 4 and s2.worker.supports_top_k
+        assert not hasattr(s1.worker, "max_batch") and s2.worker.max_batch == 4  # queued (batch 1), batching
         yield {"batch1": (s1, srv1), "batched": (s2, srv2)}
     torch.set_num_threads(threads)
 
@@ -116,39 +116,47 @@ def test_top_p_edges(servers, ref, kind, path):
         assert "top_p must be in [0, 1]" in _refused(srv, path, _body(path, top_p=p), "top_p")
 
 
+def _top_k_reference(ref, path, temperature, top_k, seed):
+    """The tokens of one seeded request and the float32 ``[V]`` logits each was chosen from: the shared sampler on
+    the reference model, alone (``batching.BatchDecoder``, one row)."""
+    ids = encode_prompt(ref.tokenizer, PROMPT) if "chat" in path else ref.tokenizer(PROMPT)["input_ids"]
+    dec = BatchDecoder(ref, 1, keep_logits=True)
+    seq = Sequence(0, ids, 6, temperature, 1.0, seed, top_k=top_k)
+    dec.admit(seq)
+    while not dec.done(seq):
+        dec.step()
+    return seq.new, seq.logits
+
+
+def _in_top_k(tokens, logits, k) -> bool:
+    return all(int(t) in lg.topk(k).indices.tolist() for t, lg in zip(tokens, logits))
+
+
+@pytest.mark.parametrize("kind", ["batch1", "batched"])
 @pytest.mark.parametrize("path", ENDPOINTS)
-def test_top_k_on_the_batched_server(servers, ref, path):
-    state, srv = servers["batched"]
+def test_top_k_on_both_servers(servers, ref, kind, path):
+    """Both workers apply ``top_k`` with the shared sampler: 1 is greedy, off values change nothing, k draws only
+    among the k most probable tokens, and a seeded request gives the same tokens on either server and on the
+    reference model (the batch's exact-token rule at one intra-op thread)."""
+    _, srv = servers[kind]
     vocab = int(ref.model.config.vocab_size)
-    assert _ids(srv, path, temperature=2.0, top_k=1, seed=4) == _greedy(ref, path)
+    want = _greedy(ref, path)
+    assert _ids(srv, path, temperature=2.0, top_k=1, seed=4) == want
+    assert _ids(srv, path, temperature=0, top_k=5) == want  # greedy anyway: top_k changes nothing
     plain = _ids(srv, path, temperature=1.0, seed=4)
     for k in (None, -1, 0, vocab, vocab + 7):  # off
         assert _ids(srv, path, temperature=1.0, top_k=k, seed=4) == plain, k
     got = _ids(srv, path, temperature=2.0, top_k=2, seed=4)
     assert got == _ids(srv, path, temperature=2.0, top_k=2, seed=4)
-    ids = encode_prompt(ref.tokenizer, PROMPT) if "chat" in path else ref.tokenizer(PROMPT)["input_ids"]
-    dec = BatchDecoder(ref, 1, keep_logits=True)  # the shared sampler on the reference model, alone
-    seq = Sequence(0, ids, 6, 2.0, 1.0, 4, top_k=2)
-    dec.admit(seq)
-    while not dec.done(seq):
-        dec.step()
-    assert got == seq.new
-    assert all(int(t) in lg.topk(2).indices.tolist() for t, lg in zip(seq.new, seq.logits))
+    new, logits = _top_k_reference(ref, path, 2.0, 2, 4)
+    assert got == new and _in_top_k(got, logits, 2)
+    other = servers["batch1" if kind == "batched" else "batched"][1]
+    assert got == _ids(other, path, temperature=2.0, top_k=2, seed=4)
+    plain_new, plain_logits = _top_k_reference(ref, path, 2.0, 0, 4)
+    assert not _in_top_k(plain_new, plain_logits, 2)  # without top_k it leaves the top 2: the check has teeth
     assert "top_k must be -1 or 0 (off) or a positive integer" in _refused(srv, path, _body(path, top_k=-2), "top_k")
     assert _refused(srv, path, _body(path, top_k=2.5), "top_k")
-
-
-@pytest.mark.parametrize("path", ENDPOINTS)
-def test_top_k_on_the_batch1_server(servers, ref, path):
-    _, srv = servers["batch1"]
-    want = _greedy(ref, path)
-    assert _ids(srv, path, temperature=2.0, top_k=1, seed=4) == want  # greedy
-    assert _ids(srv, path, temperature=0, top_k=5) == want  # greedy anyway: top_k changes nothing
-    plain = _ids(srv, path, temperature=1.0, seed=4)
-    for k in (-1, 0, None, int(ref.model.config.vocab_size)):
-        assert _ids(srv, path, temperature=1.0, top_k=k, seed=4) == plain
-    msg = _refused(srv, path, _body(path, temperature=1.0, top_k=2), "top_k")
-    assert "top_k 2 is not supported by this server" in msg and "--max-batch" in msg
+    assert _get_stats(srv)["requests_failed"] == 0
 
 
 NON_FINITE = [b"NaN", b"Infinity", b"-Infinity", b"1e999"]
@@ -387,8 +395,9 @@ def test_huge_max_batch_is_refused_before_allocating(tiny_dirs, capsys, monkeypa
 
 
 def test_diffusion_server_sampling_edges(tiny_dirs):
-    """The diffusion loop has its own sampler: the request edge hands it only settings it defines (a tiny
-    temperature as 0, top_p 0 as the smallest positive top_p), so the edges are 200s, never 500s."""
+    """The diffusion loop samples with the shared sampler too, and the request edge hands it the settings as sent:
+    a tiny temperature and ``top_k`` 1 are greedy, ``top_p`` 0 keeps the most probable token (confidence 1, so each
+    block commits at once: greedy at one step per block), ``top_k`` is served; 200s, never 500s."""
     from moe_offload.models.diffusion import diffusion_generate_ids
 
     d = tiny_dirs["llada2_moe"]
@@ -396,13 +405,19 @@ def test_diffusion_server_sampling_edges(tiny_dirs):
                                          residency=0.5), log=lambda m: None)
     ref = load_offloaded(d, slots=state.plan.slots, device="cpu", progress=False)
     path = "/v1/completions"
-    want = diffusion_generate_ids(ref, ref.tokenizer(PROMPT)["input_ids"], 6, block_length=8, steps=4,
-                                  threshold=0.95).token_ids
+    ids = ref.tokenizer(PROMPT)["input_ids"]
+
+    def direct(**kw):
+        kw = {"block_length": 8, "steps": 4, "threshold": 0.95} | kw
+        return diffusion_generate_ids(ref, ids, 6, **kw).token_ids
+
+    want = direct()
     with ServerThread(state) as srv:
         for t in (0, 1e-40, 5e-324, GREEDY_TEMPERATURE / 2):
             assert _ids(srv, path, temperature=t) == want, t
-        tiny_p = _ids(srv, path, temperature=1.0, top_p=1e-300, seed=2)
-        assert _ids(srv, path, temperature=1.0, top_p=0, seed=2) == tiny_p
+        assert _ids(srv, path, temperature=2.0, top_k=1, seed=2) == want
+        for p in (0, 1e-300):
+            assert _ids(srv, path, temperature=1.0, top_p=p, seed=2) == direct(steps=1), p
         assert len(_ids(srv, path, temperature=2.0, top_p=1, seed=2, top_k=-1)) >= 1
-        assert "top_k 3 is not supported" in _refused(srv, path, _body(path, temperature=1.0, top_k=3), "top_k")
+        assert _ids(srv, path, temperature=1.0, top_k=3, seed=2) == direct(temperature=1.0, top_k=3, seed=2)
         assert _get_stats(srv)["requests_failed"] == 0

@@ -11,7 +11,7 @@
   padding mask when rows differ in length): each MoE layer sees the ``B`` tokens of the batch, so the engine plans
   the union of their experts through the one slot table (rounds when the union exceeds the pool) and runs one
   grouped GEMM per projection over all of them; every row then picks its token with its own settings and
-  generator (``generate._pick``: greedy, or temperature + top-k + top-p with its own seed);
+  generator (``sampling.pick``: greedy, or temperature + top-k + top-p with its own seed);
 - ``drop(seqs)`` removes finished or cancelled sequences between steps (their KV rows are freed); the others go on.
 
 The caller (``serve.batch_worker``, ``generate_batch_ids``) decides when to admit: prefills are admitted between
@@ -40,7 +40,7 @@ class Sequence:
     Attributes:
         request: request number (the engine's ``begin_step(request, 0)`` at its prefill).
         prompt_ids: the encoded prompt. max_new_tokens: most tokens to generate.
-        temperature / top_p / seed / top_k: sampling (temperature 0: greedy; top_k 0: off); see ``generate._pick``.
+        temperature / top_p / seed / top_k: sampling (temperature 0: greedy; top_k 0: off); see ``sampling.pick``.
         new: generated ids (the last one is not yet in the KV cache). logits: with ``keep_logits``, the float32
         ``[V]`` logits each token was chosen from. budget: set at admission, ``max_new_tokens`` cut to the model's
         position limit (``generate.token_budget``).

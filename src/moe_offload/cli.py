@@ -16,7 +16,7 @@ from pathlib import Path
 
 from . import __version__
 from .cliargs import (OneLineErrorParser, add_diffusion_args, add_host_store_arg, add_memory_budget_arg, add_model_args,
-                      add_predictor_lag_arg, float_, load_prompts, nonneg_int, positive_int, seed)
+                      add_predictor_lag_arg, finite_float, float_, load_prompts, nonneg_int, positive_int, seed)
 from .errors import MoeOffloadError
 from .models.resolve import BUILTIN_MODELS, resolve_model
 
@@ -48,9 +48,13 @@ def _add_generate_parser(sub) -> None:
                    "budget plans the KV cache and activations for (default: min(1024, the model's positions))")
     g.add_argument("--full-load", action="store_true", help="every weight on the device (the reference)")
     add_host_store_arg(g)
-    g.add_argument("--temperature", type=float_, default=0.0, help="sampling temperature; 0 = greedy (default)")
-    g.add_argument("--top-p", type=float_, default=1.0, help="nucleus sampling: keep the smallest set of tokens "
-                   "whose probability reaches this, in (0, 1] (with --temperature > 0)")
+    g.add_argument("--temperature", type=finite_float, default=0.0, help="sampling temperature, >= 0; below 1e-5 "
+                   "(0 included) = greedy (default 0)")
+    g.add_argument("--top-p", type=finite_float, default=1.0, help="nucleus sampling: keep the smallest set of "
+                   "most probable tokens whose probability reaches this, in [0, 1]; the most probable token is "
+                   "always kept (0 = only it) (with --temperature >= 1e-5)")
+    g.add_argument("--top-k", type=nonneg_int, default=0, metavar="K", help="keep the K most probable tokens, "
+                   "applied before --top-p (0 = off, 1 = greedy; with --temperature >= 1e-5)")
     g.add_argument("--seed", type=seed, help="sampling seed, an integer in [0, 4294967295] (distinct seeds give "
                    "distinct sequences; default: unseeded)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of text and a table")
@@ -197,7 +201,7 @@ def _generate_graph(args, path, prompts, diffusion) -> int:
     if lm.tokenizer is None:
         raise MoeOffloadError(f"{path} has no tokenizer: cannot encode prompts")
     outputs, stats = run_graph(lm, prompts, args.max_new_tokens, decoder=GraphDecoder(lm, backend=args.graph_backend),
-                               temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                               temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                                progress=not args.quiet)
     info = stats_dict(lm, stats)
     info["graph"] = {"backend": args.graph_backend}
@@ -223,8 +227,9 @@ def _cmd_generate(args) -> int:
     from .models.loader import PREDICTOR_POLICIES
     from .report import offload_notes, stats_dict
 
-    if args.temperature < 0 or not (0 < args.top_p <= 1):
-        raise MoeOffloadError("--temperature must be >= 0 and --top-p in (0, 1]")
+    if args.temperature < 0 or not (0 <= args.top_p <= 1):
+        raise MoeOffloadError(f"--temperature must be >= 0 and --top-p in [0, 1], got {args.temperature} and "
+                              f"{args.top_p}")
     if args.full_load and args.memory_budget is not None:
         raise MoeOffloadError("--memory-budget sizes the slot pool of the offloaded runtime; --full-load has none")
     if args.policy in PREDICTOR_POLICIES and not args.predictor and not args.full_load:
@@ -240,11 +245,12 @@ def _cmd_generate(args) -> int:
         from .models.diffusion import diffusion_summary, run_diffusion
 
         outputs, stats, results = run_diffusion(lm, prompts, args.max_new_tokens, temperature=args.temperature,
-                                                top_p=args.top_p, seed=args.seed, progress=not args.quiet,
+                                                top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                                                progress=not args.quiet,
                                                 **diffusion)
     else:
         outputs, stats = run(lm, prompts, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                             seed=args.seed, progress=not args.quiet)
+                             top_k=args.top_k, seed=args.seed, progress=not args.quiet)
     info = stats_dict(lm, stats)
     if diffusion is not None:
         info["diffusion"] = diffusion_summary(results, **diffusion)

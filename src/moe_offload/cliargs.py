@@ -4,6 +4,7 @@ option's default in ``--help``), argument types with their ranges, the model/pro
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 
 from .errors import MoeOffloadError
@@ -91,6 +92,15 @@ def float_(s: str) -> float:
         return float(s)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {s!r}") from None
+
+
+def finite_float(s: str) -> float:
+    """argparse type: a finite number (``nan``, ``inf``, ``-inf`` and overflowing ``1e999`` are refused: a sampling
+    setting that is not a number has no defined meaning, and range checks let NaN through)."""
+    v = float_(s)
+    if not math.isfinite(v):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {s!r}")
+    return v
 
 
 def split_floats(text: str, what: str) -> list[float]:

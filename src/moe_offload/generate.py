@@ -7,7 +7,6 @@ tokens/s) and so later issues can hook per-step decisions (prediction, prefetch)
 from __future__ import annotations
 
 import inspect
-import math
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -17,6 +16,8 @@ from .models.gen_limits import eos_token_ids, new_token_budget
 from .models.loader import LoadedModel
 from .runtime.emulated_clock import now
 from .runtime.engine import EngineStats
+from .sampling import GREEDY_TEMPERATURE  # noqa: F401 (re-exported: the servers and tests read it here)
+from .sampling import pick as _pick
 from .seeds import make_generator
 
 
@@ -108,48 +109,9 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-GREEDY_TEMPERATURE = 1e-5  # a temperature below this is greedy (argmax): dividing logits by it would overflow
-
-
-def _pick(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator | None,
-          top_k: int = 0) -> torch.Tensor:
-    """Next token from ``logits [1, V]`` (any float dtype); returns a ``[1]`` long tensor on ``logits.device``.
-
-    The one sampler of every generation path (``generate_ids``, ``batching.BatchDecoder``, the servers), defined
-    at every edge of its settings:
-
-    - ``temperature < GREEDY_TEMPERATURE`` (1e-5; 0, negative, subnormal): greedy ``argmax``; never NaN (a
-      smaller positive temperature would scale finite logits past the float32 range, ``inf - inf = nan``);
-    - ``top_k``: keep the ``top_k`` most probable tokens (0, negative or >= V: all of them; 1: greedy);
-    - ``top_p``: keep the smallest set of most probable tokens whose probability reaches ``top_p``; the most
-      probable token is always kept, so ``top_p`` 0 (or tiny) samples only it (greedy) and >= 1 keeps all;
-    - then draw from the kept probabilities with ``gen`` (a CPU generator; None: torch's global one).
-
-    ``top_k`` applies before ``top_p`` (on the renormalised top-k probabilities), as in transformers and vLLM.
-
-    Raises:
-        ValueError: a NaN or infinite ``temperature`` or ``top_p`` (callers validate them first).
-    """
-    if not (math.isfinite(temperature) and math.isfinite(top_p)):
-        raise ValueError(f"temperature and top_p must be finite, got {temperature} and {top_p}")
-    if temperature < GREEDY_TEMPERATURE or top_k == 1:
-        return logits.argmax(dim=-1)
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    if 0 < top_k < probs.shape[-1]:
-        keep = torch.zeros_like(probs, dtype=torch.bool).scatter(-1, probs.topk(top_k, dim=-1).indices, True)
-        probs = probs * keep
-        probs = probs / probs.sum(dim=-1, keepdim=True)
-    if top_p < 1.0:
-        sorted_p, idx = probs.sort(dim=-1, descending=True)
-        keep = sorted_p.cumsum(-1) - sorted_p < top_p
-        keep[..., 0] = True
-        probs = torch.zeros_like(probs).scatter(-1, idx, sorted_p * keep)
-    return torch.multinomial(probs.cpu(), 1, generator=gen).view(1).to(logits.device)
-
-
 @torch.no_grad()
 def generate_ids(lm: LoadedModel, prompt_ids: list[int], max_new_tokens: int, *, temperature: float = 0.0,
-                 top_p: float = 1.0, seed: int | None = None, request: int = 0,
+                 top_p: float = 1.0, top_k: int = 0, seed: int | None = None, request: int = 0,
                  on_step: Callable[[int], None] | None = None,
                  on_token: Callable[[int], bool | None] | None = None) -> tuple[list[int], float, float]:
     """Generate up to ``max_new_tokens`` after ``prompt_ids``; stops at an EOS id (included in the output) or at
@@ -159,7 +121,9 @@ def generate_ids(lm: LoadedModel, prompt_ids: list[int], max_new_tokens: int, *,
     request number ``request``); after it, ``on_step(step)`` is called (e.g. by a trace recorder).
     ``on_token(token_id)`` is called with every new token as soon as it is chosen (e.g. to stream it); when it
     returns True, generation stops after that token (a stop sequence matched, the client went away).
-    ``seed``: see ``moe_offload.seeds`` (an integer in [0, 2**32 - 1]; None: unseeded).
+    ``temperature`` / ``top_p`` / ``top_k``: the shared sampler's settings (``moe_offload.sampling``: a temperature
+    below ``GREEDY_TEMPERATURE``, 0 included, is greedy; ``top_p`` keeps at least the most probable token; ``top_k``
+    0: off, 1: greedy). ``seed``: see ``moe_offload.seeds`` (an integer in [0, 2**32 - 1]; None: unseeded).
 
     Returns:
         ``(new_ids, ttft_s, decode_s)``: generated ids, seconds from start to the first token (prefill), seconds
@@ -167,6 +131,7 @@ def generate_ids(lm: LoadedModel, prompt_ids: list[int], max_new_tokens: int, *,
 
     Raises:
         MoeOffloadError: the prompt leaves no room for a new token within the model's position limit.
+        ValueError: a NaN or infinite ``temperature`` or ``top_p``.
     """
     max_new_tokens = token_budget(lm, len(prompt_ids), max_new_tokens)
     dev = lm.device
@@ -186,7 +151,7 @@ def generate_ids(lm: LoadedModel, prompt_ids: list[int], max_new_tokens: int, *,
     ids = torch.tensor([prompt_ids], dtype=torch.long, device=dev)
     t0 = now()
     out = forward(0, input_ids=ids)
-    tok = _pick(out.logits[:, -1], temperature, top_p, gen)
+    tok = _pick(out.logits[:, -1], temperature, top_p, gen, top_k)
     past = out.get(cache_kw)
     new = [int(tok)]
     _sync(dev)
@@ -195,7 +160,7 @@ def generate_ids(lm: LoadedModel, prompt_ids: list[int], max_new_tokens: int, *,
     while not stop and len(new) < max_new_tokens and new[-1] not in eos:
         out = forward(len(new), input_ids=tok.view(1, 1), **{cache_kw: past})
         past = out.get(cache_kw)
-        tok = _pick(out.logits[:, -1], temperature, top_p, gen)
+        tok = _pick(out.logits[:, -1], temperature, top_p, gen, top_k)
         new.append(int(tok))
         stop = on_token is not None and bool(on_token(new[-1]))
     _sync(dev)
@@ -244,14 +209,17 @@ def run_requests(lm: LoadedModel, prompts: list[str], generate_one, *, max_new_t
 
 
 def run(lm: LoadedModel, prompts: list[str], max_new_tokens: int, *, temperature: float = 0.0, top_p: float = 1.0,
-        seed: int | None = None, progress: bool = False, recorder=None) -> tuple[list[Output], RunStats]:
+        top_k: int = 0, seed: int | None = None, progress: bool = False,
+        recorder=None) -> tuple[list[Output], RunStats]:
     """Generate for each prompt in turn; return the outputs and the run's totals (engine stats included).
 
-    ``recorder``: optional ``trace.collect.TraceRecorder`` fed every request and step."""
+    ``temperature`` / ``top_p`` / ``top_k`` / ``seed``: see ``generate_ids``. ``recorder``: optional
+    ``trace.collect.TraceRecorder`` fed every request and step."""
 
     def one(i, pids):
-        new, ttft, dec = generate_ids(lm, pids, max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                                      request=i, on_step=recorder.end_step if recorder is not None else None)
+        new, ttft, dec = generate_ids(lm, pids, max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                      seed=seed, request=i,
+                                      on_step=recorder.end_step if recorder is not None else None)
         return new, ttft, dec, len(new) - 1
 
     return run_requests(lm, prompts, one, max_new_tokens=max_new_tokens, progress=progress, recorder=recorder)

@@ -8,8 +8,10 @@ blocks, never a later block (``block_causal_mask``). Each block is refined over 
 steps**; one step is one forward pass (``models.diffusion_forward.StepForward``: by default over the current block
 only, against the **block-prefix KV cache** of the prompt's complete blocks and the committed blocks, which is
 exact under block-causal attention; with ``prefix_cache=False`` over the whole prefix, the reference loop), which
-yields, for every masked position of the current block, a token (greedy at temperature 0, else temperature + top-p
-sampling) and its confidence (that token's probability). The step commits every masked token whose confidence
+yields, for every masked position of the current block, a token and its confidence (``sampling.choose``: the
+sampler of every generation path, the same rules at its edges — greedy below ``sampling.GREEDY_TEMPERATURE`` or at
+top-k 1, else temperature + top-k + top-p sampling; the confidence is the token's probability: under the plain
+softmax when greedy, under the sampled distribution otherwise). The step commits every masked token whose confidence
 exceeds ``threshold``; when fewer than the step's scheduled count do, it commits the scheduled count of most
 confident ones instead. The schedule (``transfer_schedule``) splits ``block_length`` evenly over ``steps``
 (remainder to the first steps), so a block always completes within ``steps`` steps and threshold commits only make
@@ -33,6 +35,7 @@ import torch
 
 from ..errors import MoeOffloadError
 from ..runtime.emulated_clock import now
+from ..sampling import choose
 from .diffusion_forward import StepForward
 from .diffusion_result import BlockStats, DiffusionResult, diffusion_summary  # noqa: F401 (re-exported)
 from .loader import LoadedModel
@@ -113,24 +116,6 @@ def _mask_token_id(lm: LoadedModel) -> int:
     return int(mid)
 
 
-def _choose(logits: torch.Tensor, temperature: float, top_p: float,
-            gen: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``logits [N, V]`` -> ``(tokens [N] int64, confidence [N] float32)``: greedy at ``temperature == 0``, else
-    temperature + nucleus sampling; confidence = the chosen token's probability under the sampling distribution."""
-    if temperature <= 0:
-        probs = torch.softmax(logits.float(), dim=-1)
-        conf, tok = probs.max(dim=-1)
-        return tok, conf
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    if top_p < 1.0:
-        sorted_p, idx = probs.sort(dim=-1, descending=True)
-        keep = sorted_p.cumsum(-1) - sorted_p < top_p
-        probs = torch.zeros_like(probs).scatter(-1, idx, sorted_p * keep)
-        probs = probs / probs.sum(dim=-1, keepdim=True)
-    tok = torch.multinomial(probs.cpu(), 1, generator=gen).view(-1).to(logits.device)
-    return tok, probs.gather(-1, tok[:, None]).view(-1)
-
-
 def commit_positions(confidence: torch.Tensor, masked: torch.Tensor, scheduled: int, threshold: float) -> torch.Tensor:
     """Which positions of a block one diffusion step commits.
 
@@ -156,7 +141,8 @@ def commit_positions(confidence: torch.Tensor, masked: torch.Tensor, scheduled: 
 @torch.no_grad()
 def diffusion_generate_ids(lm: LoadedModel, prompt_ids: list[int], max_new_tokens: int, *, block_length: int = 32,
                            steps: int | None = None, threshold: float = 0.95, temperature: float = 0.0,
-                           top_p: float = 1.0, seed: int | None = None, request: int = 0, prefix_cache: bool = True,
+                           top_p: float = 1.0, top_k: int = 0, seed: int | None = None, request: int = 0,
+                           prefix_cache: bool = True,
                            on_step: Callable[[int, int, int], None] | None = None,
                            on_step_end: Callable[[int, int, int], None] | None = None,
                            on_block: Callable[[list[int]], bool | None] | None = None) -> DiffusionResult:
@@ -171,7 +157,9 @@ def diffusion_generate_ids(lm: LoadedModel, prompt_ids: list[int], max_new_token
         block_length: positions per block (LLaDA2: 32).
         steps: diffusion steps per block, in ``[1, block_length]``; default ``block_length`` (LLaDA2's default).
         threshold: commit every masked token whose confidence exceeds it, in (0, 1] (1.0: only the schedule).
-        temperature, top_p, seed: 0 = greedy (default); else sampling with this generator seed.
+        temperature, top_p, top_k, seed: the shared sampler's settings (``moe_offload.sampling``): a temperature
+            below ``GREEDY_TEMPERATURE`` (default 0) or ``top_k`` 1 is greedy; else sampling with this generator
+            seed, ``top_p`` keeping at least the most probable token, ``top_k`` 0 off.
         request: request number given to ``engine.begin_step``.
         prefix_cache: keep the keys and values of the prompt's complete blocks and of every committed block and run
             each step over the current block only (default; exact under block-causal attention, the same tokens);
@@ -196,6 +184,7 @@ def diffusion_generate_ids(lm: LoadedModel, prompt_ids: list[int], max_new_token
         MoeOffloadError: bad parameters (``check_params``), an empty prompt, a prompt that leaves no room for a block
             within the model's position limit, no mask token in the config, or the prefix cache for a model that
             takes no ``past_key_values``.
+        ValueError: a NaN or infinite ``temperature`` or ``top_p`` (``sampling.is_greedy``).
     """
     steps = block_length if steps is None else steps
     check_params(max_new_tokens, block_length, steps, threshold)
@@ -215,7 +204,7 @@ def diffusion_generate_ids(lm: LoadedModel, prompt_ids: list[int], max_new_token
     x[0, :prompt_len] = torch.tensor(prompt_ids, dtype=torch.long, device=dev)
     forward = StepForward(lm.model, total, block_length, block_causal_mask(total, block_length, dev), prefix_cache)
     loop = _BlockLoop(lm, x, forward, mask_id, transfer_schedule(block_length, steps), threshold, request,
-                      (temperature, top_p, make_generator(seed)), on_step, on_step_end)
+                      (temperature, top_p, make_generator(seed), top_k), on_step, on_step_end)
     first_block_s = 0.0
     emitted = 0  # output tokens handed to on_block so far
     end = prompt_len
@@ -239,7 +228,7 @@ def diffusion_generate_ids(lm: LoadedModel, prompt_ids: list[int], max_new_token
 
 class _BlockLoop:
     """The diffusion steps of one request's blocks (``diffusion_generate_ids``): hooks, forward, choice, commit;
-    ``sampling`` is ``(temperature, top_p, generator)``."""
+    ``sampling`` is ``(temperature, top_p, generator, top_k)`` (``sampling.choose``'s arguments)."""
 
     def __init__(self, lm, x, forward: StepForward, mask_id: int, schedule: list[int], threshold: float,
                  request: int, sampling: tuple, on_step, on_step_end):
@@ -272,7 +261,7 @@ class _BlockLoop:
                 self.on_step(stats.index, s, self.global_step)
             logits = self.forward(self.x, start, end).clone()
             logits[:, self.mask_id] = -math.inf  # the mask token is never an output
-            tok, conf = _choose(logits, *self.sampling)
+            tok, conf = choose(logits, *self.sampling)
             chosen = commit_positions(conf, masked, scheduled, self.threshold)
             block[chosen] = tok[chosen]
             stats.committed.append(int(chosen.sum()))
@@ -299,7 +288,8 @@ def _cut_after_eos(ids: list[int], eos: set[int]) -> list[int]:
 
 def run_diffusion(lm: LoadedModel, prompts: list[str], max_new_tokens: int, *, block_length: int = 32,
                   steps: int | None = None, threshold: float = 0.95, temperature: float = 0.0, top_p: float = 1.0,
-                  seed: int | None = None, progress: bool = False, recorder=None, prefix_cache: bool = True):
+                  top_k: int = 0, seed: int | None = None, progress: bool = False, recorder=None,
+                  prefix_cache: bool = True):
     """Block-diffusion generation for each prompt in turn, with the autoregressive ``generate.run``'s outputs and
     totals so the same reports apply.
 
@@ -308,7 +298,7 @@ def run_diffusion(lm: LoadedModel, prompts: list[str], max_new_tokens: int, *, b
         block, ``decode_s`` = the rest), ``generate.RunStats`` (engine counters; ``decode_tokens`` = tokens after
         the first block) and the ``DiffusionResult`` per prompt (blocks, steps, tokens per step).
         ``recorder``: optional ``trace.diffusion.DiffusionTraceRecorder``; its ``end_step`` gets the global diffusion
-        step. ``prefix_cache``: see ``diffusion_generate_ids``.
+        step. ``prefix_cache``, ``temperature`` / ``top_p`` / ``top_k`` / ``seed``: see ``diffusion_generate_ids``.
 
     Raises:
         MoeOffloadError: see ``diffusion_generate_ids``; also a checkpoint without a tokenizer.
@@ -323,7 +313,8 @@ def run_diffusion(lm: LoadedModel, prompts: list[str], max_new_tokens: int, *, b
 
     def one(i, pids):
         res = diffusion_generate_ids(lm, pids, max_new_tokens, block_length=block_length, steps=steps,
-                                     threshold=threshold, temperature=temperature, top_p=top_p, seed=seed, request=i,
+                                     threshold=threshold, temperature=temperature, top_p=top_p, top_k=top_k,
+                                     seed=seed, request=i,
                                      prefix_cache=prefix_cache,
                                      on_step_end=(lambda _b, _s, g: recorder.end_step(g)) if recorder else None)
         results.append(res)

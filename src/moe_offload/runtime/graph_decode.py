@@ -165,10 +165,10 @@ class GraphDecoder:
 
     @torch.no_grad()
     def generate_ids(self, prompt_ids: list[int], max_new_tokens: int, *, temperature: float = 0.0,
-                     top_p: float = 1.0, seed: int | None = None, request: int = 0):
+                     top_p: float = 1.0, top_k: int = 0, seed: int | None = None, request: int = 0):
         """``generate.generate_ids`` in graph mode: eager prefill into a static KV cache, then compiled decode
-        steps; stops at an EOS id or the model's position limit (``generate.token_budget``). Returns ``(new_ids,
-        ttft_s, decode_s)``.
+        steps; stops at an EOS id or the model's position limit (``generate.token_budget``); the same sampler
+        (``moe_offload.sampling``, outside the compiled step). Returns ``(new_ids, ttft_s, decode_s)``.
 
         Raises:
             MoeOffloadError: the prompt leaves no room for a new token within the model's position limit."""
@@ -184,7 +184,7 @@ class GraphDecoder:
         if engine is not None:
             engine.begin_step(request, 0)
         out = lm.model(input_ids=ids, cache=cache, use_cache=True)
-        tok = _pick(out.logits[:, -1], temperature, top_p, gen)
+        tok = _pick(out.logits[:, -1], temperature, top_p, gen, top_k)
         new = [int(tok)]
         _sync(dev)
         t1 = time.perf_counter()
@@ -193,22 +193,23 @@ class GraphDecoder:
                 engine.begin_step(request, len(new))
             pos = torch.tensor([[len(prompt_ids) + len(new) - 1]], dtype=torch.long, device=dev)
             logits = self._compiled_step(tok.view(1, 1), pos, cache)
-            tok = _pick(logits, temperature, top_p, gen)
+            tok = _pick(logits, temperature, top_p, gen, top_k)
             new.append(int(tok))
         _sync(dev)
         return new, t1 - t0, time.perf_counter() - t1
 
 
 def run_graph(lm, prompts: list[str], max_new_tokens: int, *, decoder: GraphDecoder | None = None,
-              temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None, progress: bool = False):
+              temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
+              progress: bool = False):
     """``generate.run`` in graph mode: ``(outputs, RunStats)``; ``decoder`` reuses a compiled step."""
     from ..generate import run_requests
 
     dec = decoder or GraphDecoder(lm)
 
     def one(i, pids):
-        new, ttft, d = dec.generate_ids(pids, max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                                        request=i)
+        new, ttft, d = dec.generate_ids(pids, max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                        seed=seed, request=i)
         return new, ttft, d, len(new) - 1
 
     return run_requests(lm, prompts, one, max_new_tokens=max_new_tokens, progress=progress)

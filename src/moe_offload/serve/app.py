@@ -25,15 +25,12 @@ from fastapi.responses import JSONResponse
 from fastapi.sse import EventSourceResponse, format_sse_event
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..generate import GREEDY_TEMPERATURE, encode_prompt
+from ..generate import encode_prompt
 from ..seeds import seed_problem
 from .protocol import ChatCompletionRequest, CompletionRequest, OpenAIError, error_body
 from .worker import SCHEDULING, Delta, Done, Failed, Job, Params, Worker, percentile
 
 NO_SEED = -1  # ``seed: -1`` means no seed (llama.cpp's and many UIs' "random seed")
-# the smallest normal float32: a smaller top_p (0, 1e-300) would round to 0 against float32 probabilities, and a
-# nucleus of top_p 0 keeps nothing in a sampler that does not keep the most probable token itself (diffusion's)
-TOP_P_MIN = float(torch.finfo(torch.float32).tiny)
 
 
 class ServeState:
@@ -205,36 +202,23 @@ class ServeState:
     def sampling(self, req) -> tuple[float, float, int]:
         """``(temperature, top_p, top_k)`` of a request, range-checked, with null as the default (0, 1, off).
 
-        A temperature below ``generate.GREEDY_TEMPERATURE`` becomes 0 (greedy) and a ``top_p`` below
-        ``TOP_P_MIN`` (0 included) becomes ``TOP_P_MIN`` (either keeps only the most probable token), so every
-        sampler the workers use (``generate._pick``, the diffusion loop's) gets settings it defines. ``top_k`` -1 / 0 / at least the vocabulary size is off (0);
-        1 is greedy (temperature 0), so only a ``top_k`` in [2, V) with a sampling temperature needs a worker that
-        applies it (``supports_top_k``).
+        The values go to the workers as sent: every worker (batch 1, continuous batching, block diffusion) samples
+        with ``moe_offload.sampling``, which defines every edge itself (a temperature below
+        ``GREEDY_TEMPERATURE`` is greedy, ``top_p`` keeps at least the most probable token, ``top_k`` -1 / 0 / at
+        least the vocabulary size is off and 1 is greedy).
 
         Raises:
-            OpenAIError: 400 naming the field: temperature outside [0, 2], top_p outside [0, 1], top_k below -1,
-                or a top_k this worker cannot apply.
+            OpenAIError: 400 naming the field: temperature outside [0, 2], top_p outside [0, 1], top_k below -1.
         """
         temperature = 0.0 if req.temperature is None else float(req.temperature)
         if not 0 <= temperature <= 2:
             raise OpenAIError(400, f"temperature must be in [0, 2], got {temperature}", param="temperature")
-        if temperature < GREEDY_TEMPERATURE:  # greedy, as generate._pick; the diffusion loop's sampler too
-            temperature = 0.0
         top_p = 1.0 if req.top_p is None else float(req.top_p)
         if not 0 <= top_p <= 1:
             raise OpenAIError(400, f"top_p must be in [0, 1], got {top_p}", param="top_p")
-        top_p = max(top_p, TOP_P_MIN)
         top_k = 0 if req.top_k is None else req.top_k
         if top_k < -1:
             raise OpenAIError(400, f"top_k must be -1 or 0 (off) or a positive integer, got {top_k}", param="top_k")
-        if top_k <= 0 or top_k >= int(self.lm.model.config.vocab_size):
-            top_k = 0
-        elif top_k == 1:
-            temperature, top_k = 0.0, 0
-        elif temperature > 0 and not getattr(self.worker, "supports_top_k", False):
-            raise OpenAIError(400, f"top_k {top_k} is not supported by this server: it runs one request at a time "
-                              "(batch 1), whose decode loop samples without top_k; send top_k -1 or 0 (off) or 1 "
-                              "(greedy), or serve with continuous batching (--max-batch > 1)", param="top_k")
         return temperature, top_p, top_k
 
     def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:

@@ -53,7 +53,6 @@ class BatchWorker(Worker):
     """
 
     scheduling = SCHEDULING
-    supports_top_k = True  # each row samples with ``generate._pick`` and its own settings, top_k included
 
     def __init__(self, lm, max_batch: int, tracker=None, prefill_tokens: int | None = None):
         super().__init__(lm, None, tracker)

@@ -14,9 +14,9 @@ which means no seed (llama.cpp's and many UIs' "random seed"; other negative see
 ``max_tokens`` / ``max_completion_tokens`` at least 1 and within the context, token ids within the vocabulary,
 ``top_k`` -1 or 0 (off) or positive.
 
-Sampling edges (``generate._pick``, the one sampler of both servers): a ``temperature`` below
-``generate.GREEDY_TEMPERATURE`` (1e-5), 0 included, is greedy; ``top_p`` in [0, 1] always keeps the most
-probable token (0: greedy); ``top_k`` 1 is greedy and ``top_k`` at least the vocabulary size is off.
+Sampling edges (``moe_offload.sampling``, the one sampler of both servers, ``generate`` and the diffusion loop): a
+``temperature`` below ``sampling.GREEDY_TEMPERATURE`` (1e-5), 0 included, is greedy; ``top_p`` in [0, 1] always
+keeps the most probable token (0: only it); ``top_k`` 1 is greedy and ``top_k`` at least the vocabulary size is off.
 
 Defaults that differ from OpenAI's: ``temperature`` defaults to 0 (greedy), as ``moe-offload generate`` does, so
 that a request without sampling settings gives ``generate``'s tokens; ``max_tokens`` defaults to the rest of the

@@ -82,8 +82,8 @@ class Detokenizer:
 
 @dataclass
 class Params:
-    """Generation settings of one request (validated by the app): tokens, sampling (``generate._pick``; ``top_k``
-    0: off, only a worker with ``supports_top_k`` gets another), stop sequences."""
+    """Generation settings of one request (validated by the app): tokens, sampling (``moe_offload.sampling``, the
+    one sampler of every worker; ``top_k`` -1 / 0: off), stop sequences."""
 
     max_tokens: int
     temperature: float = 0.0
@@ -200,12 +200,7 @@ class Worker:
         diffusion: block-diffusion parameters ``{"block_length", "steps", "threshold"}`` for a diffusion model, else
             None.
         tracker: ``serve.memory.DeviceTierTracker`` entered around every job (CPU memory measurement), or None.
-    Attributes:
-        supports_top_k: False: ``generate_ids`` and the diffusion loop take temperature and top_p only, so the app
-            refuses a ``top_k`` that would change the tokens (``ServeState.sampling``).
     """
-
-    supports_top_k = False
 
     def __init__(self, lm, diffusion: dict | None = None, tracker=None):
         self.lm = lm
@@ -331,7 +326,8 @@ class Worker:
         self._request += 1
         if self.diffusion is None:
             new, ttft, dec = generate_ids(lm, job.prompt_ids, p.max_tokens, temperature=p.temperature, top_p=p.top_p,
-                                          seed=p.seed, request=request, on_token=lambda t: on_tokens([t]))
+                                          top_k=p.top_k, seed=p.seed, request=request,
+                                          on_token=lambda t: on_tokens([t]))
             decode_tokens = max(0, len(new) - 1)
         else:
             from ..models.diffusion import diffusion_generate_ids
@@ -339,7 +335,8 @@ class Worker:
             d = self.diffusion
             res = diffusion_generate_ids(lm, job.prompt_ids, p.max_tokens, block_length=d["block_length"],
                                          steps=d["steps"], threshold=d["threshold"], temperature=p.temperature,
-                                         top_p=p.top_p, seed=p.seed, request=request, on_block=on_tokens,
+                                         top_p=p.top_p, top_k=p.top_k, seed=p.seed, request=request,
+                                         on_block=on_tokens,
                                          prefix_cache=d.get("prefix_cache", True))
             new, ttft, dec = res.token_ids, res.first_block_s, res.seconds - res.first_block_s
             decode_tokens = res.decode_tokens(d["block_length"])
