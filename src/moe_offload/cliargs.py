@@ -199,6 +199,9 @@ def add_host_store_arg(p: argparse.ArgumentParser) -> None:
                    "host RAM, page-locked on CUDA), mmap (the safetensors files' memory maps: the page cache) or disk "
                    "(read from the safetensors files with direct I/O, around the page cache: no expert byte in host "
                    "memory but the slots; for models larger than memory)")
+    p.add_argument("--host-cache", type=finite_float, metavar="GB",
+                   help="with --host-store disk: a host-RAM cache of this many GB (whole experts, LRU; page-locked "
+                   "on CUDA) between the disk and the device slots: three tiers (default: none, slots read from disk)")
 
 
 def add_predictor_lag_arg(p: argparse.ArgumentParser) -> None:

@@ -77,6 +77,11 @@ def _tier_stats(lm) -> dict:
     store = getattr(lm.engine, "store", None)
     if getattr(store, "mode", None) == "disk":
         st = store.stats
+        cache = getattr(store, "cache_stats", None)
+        if cache is not None:
+            out["host_cache"] = {"rows": store.rows, "bytes": store.nbytes, "hits": cache.hits,
+                                 "misses": cache.misses, "bypasses": cache.bypasses, "waits": cache.waits,
+                                 "evictions": cache.evictions, "hit_rate": cache.hit_rate}
         out["disk"] = {"requests": st.requests, "bytes_read": st.bytes_read, "expert_bytes": st.expert_bytes,
                        "experts": st.experts, "busy_s": st.busy_s, "gbps_per_reader": st.gbps,
                        "readers": store.readers, "direct_io": store.buffered_reason is None}
@@ -130,6 +135,11 @@ def _disk_line(k: dict) -> str:
             f"reader, {'direct I/O' if k['direct_io'] else 'buffered + fadvise DONTNEED'}")
 
 
+def _cache_line(c: dict) -> str:
+    return (f"{c['rows']} experts ({_fmt_bytes(c['bytes'])}), hit rate {c['hit_rate']:.4f} ({c['hits']} hits, "
+            f"{c['misses']} read from disk, {c['bypasses']} bypassed, {c['waits']} waited for a read in flight)")
+
+
 def stats_table(d: dict) -> str:
     """A short two-column text table of ``stats_dict`` output. A diffusion run (``d["diffusion"]``, from
     ``models.diffusion.diffusion_summary``) reports its own throughput (tokens/s, steps/s, blocks) instead of the
@@ -159,7 +169,8 @@ def stats_table(d: dict) -> str:
         ("experts", f"{_fmt_bytes(d['expert_bytes'])} each, stored as {' + '.join(d['expert_dtypes'])}"
                     + (f"; host store {d['host_store']} ({_fmt_bytes(d['host_store_bytes'])} private)"
                        if d["host_store"] else "")),
-    ] + ([("disk reads", _disk_line(d["disk"]))] if "disk" in d else [])
+    ] + ([("disk reads", _disk_line(d["disk"]))] if "disk" in d else []) + (
+        [("host cache", _cache_line(d["host_cache"]))] if "host_cache" in d else [])
     w = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)
 

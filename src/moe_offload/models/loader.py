@@ -211,7 +211,7 @@ def load_offloaded(model_dir: str | Path, *, device: str | None = None, dtype: s
                    progress: bool = True, link_epl: float = 1.39, link_gbps: float | None = None,
                    seconds_per_expert: float | None = None, interval: int = 1,
                    host_seconds_per_token_expert: float = 0.0, host_seconds_per_expert: float = 0.0,
-                   host_store: str | None = None) -> LoadedModel:
+                   host_store: str | None = None, host_cache_gb: float | None = None) -> LoadedModel:
     """Load ``model_dir`` with routed experts in a host store and a device slot pool of the requested size.
 
     Args:
@@ -242,6 +242,8 @@ def load_offloaded(model_dir: str | Path, *, device: str | None = None, dtype: s
             (``runtime.disk_store.DiskStore``: slot loads read the files with direct I/O, around the page cache; no
             expert byte in host memory but the slots; copies run on real reader threads, so ``link_gbps`` /
             ``seconds_per_expert`` emulation is refused: the disk is the link).
+        host_cache_gb: with ``host_store`` "disk": a host cache of this many GB (10^9 bytes; whole experts) between
+            the disk and the slots (``runtime.host_cache.HostCache``, LRU; page-locked on CUDA): three tiers.
 
     Raises:
         MoeOffloadError: any bad input (see ``read_config``, ``Checkpoint``, ``num_slots_for``, ``make_policy``), an
@@ -269,6 +271,8 @@ def load_offloaded(model_dir: str | Path, *, device: str | None = None, dtype: s
         budget = max(top_k, min(num_experts, -(-num_slots // len(mods))))
         num_slots = budget * len(mods)
     cmap = map_checkpoint(model, mods, ckpt, quant, {n for n, _ in shapes})
+    if host_cache_gb is not None and host_store != "disk":
+        raise MoeOffloadError("--host-cache sits between the disk and the device slots: use it with --host-store disk")
     if host_store == "disk" and (link_gbps is not None or seconds_per_expert is not None):
         raise MoeOffloadError("--link-gbps emulates a link; with --host-store disk the link is the disk itself")
     fmt = build_format(mods, cmap, ckpt, quant, dt, shapes, keep_file_dtype=host_store in FILE_BACKED)
@@ -286,6 +290,10 @@ def load_offloaded(model_dir: str | Path, *, device: str | None = None, dtype: s
         if store.pin_failed:
             print("moe-offload: warning: could not page-lock the host store; copies to the device are synchronous")
     fill_store(store, fmt, cmap, ckpt, len(mods), num_experts, progress)
+    if host_cache_gb is not None:  # three tiers: slots <- host cache <- disk
+        from ..runtime.host_cache import HostCache
+
+        store = HostCache(store, _host_cache_rows(host_cache_gb, fmt.layout.expert_bytes), pin=dev.type == "cuda")
     ckpt.close()
     model.eval()
     model.requires_grad_(False)
@@ -299,6 +307,20 @@ def load_offloaded(model_dir: str | Path, *, device: str | None = None, dtype: s
     return _with_limits(LoadedModel(model, _load_tokenizer(path), engine, arch, dev, dt, len(mods), num_experts,
                                     top_k, fmt.layout.expert_bytes, path, host_store, tuple(fmt.stored_dtypes),
                                     generation_class(config)[1]), config)
+
+
+def _host_cache_rows(gb: float, expert_bytes: int) -> int:
+    """Whole experts in a host cache of ``gb`` GB.
+
+    Raises:
+        MoeOffloadError: a size that is not a finite number > 0 or holds no expert.
+    """
+    if not (gb > 0 and math.isfinite(gb)):
+        raise MoeOffloadError(f"--host-cache must be a finite number of GB > 0, got {gb}")
+    rows = round(gb * 1e9) // expert_bytes
+    if rows < 1:
+        raise MoeOffloadError(f"--host-cache {gb:g} GB holds no expert of {expert_bytes:,d} B")
+    return rows
 
 
 def _make_engine(policy: str, refresh: bool, store, pool: SlotPool, mods: list, num_slots: int, top_k: int,

@@ -302,13 +302,19 @@ class DiskStore:
             for e, d in zip(eids, dsts):
                 self.copy_to(e, d)
             return
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.readers, thread_name_prefix="moe-offload-disk")
-        futures = [self._pool.submit(self.copy_to, e, d) for e, d in zip(eids, dsts)]
+        pool = self.executor()
+        futures = [pool.submit(self.copy_to, e, d) for e, d in zip(eids, dsts)]
         errors = [f.exception() for f in futures]
         for err in errors:
             if err is not None:
                 raise err
+
+    def executor(self) -> ThreadPoolExecutor:
+        """The ``readers`` reader threads (started at the first use)."""
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.readers, thread_name_prefix="moe-offload-disk")
+            return self._pool
 
     def gather(self, eids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """``(buf [len(eids), expert_bytes] uint8, rows [N] int64)``: ``eids`` read from disk and the map from global

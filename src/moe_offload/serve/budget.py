@@ -22,7 +22,8 @@ import torch
 
 from ..errors import MoeOffloadError
 from .batch_memory import plan_batch
-from .memory import GB, lookup_bytes, non_expert_bytes, profile_request, slots_for_budget, staging_bytes
+from .memory import (GB, host_cache_bytes, lookup_bytes, non_expert_bytes, profile_request, slots_for_budget,
+                     staging_bytes)
 
 CUDA_DEFAULT_FRACTION = 0.9  # default budget on CUDA: this share of the free device memory at start-up
 AUTO_HOST_FRACTION = 0.8     # --memory-budget auto on the CPU: this share of the memory the process may still use
@@ -70,7 +71,7 @@ def _host_store_share(lm, budget: int, source: str) -> int:
         MoeOffloadError: the host store alone takes the whole budget.
     """
     store = lm.engine.store.nbytes
-    if not (source.startswith("auto") and lm.device.type == "cpu" and store):
+    if not (source.startswith("auto") and lm.device.type == "cpu" and lm.engine.store.mode == "pinned"):
         return budget
     if store >= budget:
         raise MoeOffloadError(f"--memory-budget auto: the host store holds every expert in RAM ({store / GB:.2f} GB) "
@@ -103,7 +104,8 @@ def load_within_budget(path, budget: int, source: str, load: dict, max_context: 
     budget = _host_store_share(lm, budget, source)
     layers, n_total, top_k = lm.num_moe_layers, lm.num_moe_layers * lm.num_experts, lm.top_k
     pset = load_predictor(lm)
-    base = non_expert_bytes(lm) + (0 if pset is None else pset.parameter_bytes()) + lookup_bytes(lm) + staging_bytes(lm)
+    base = (non_expert_bytes(lm) + (0 if pset is None else pset.parameter_bytes()) + lookup_bytes(lm) + staging_bytes(lm)
+            + host_cache_bytes(lm))
     per_layer = layers if refresh else None
     slots_for_budget(budget, base, lm.expert_bytes, n_total, top_k, per_layer, weights_only=True)  # fail early
     log(f"profile run: the largest request ({max_context} tokens, sampled)")
@@ -154,7 +156,7 @@ def load_for_generate(path, memory_budget: float | str, load: dict, max_context:
                                                           lambda lm: None, log)
     lm.memory_plan = MemoryPlan(budget, source, non_expert_bytes(lm), lookup_bytes(lm), kv, act, lm.expert_bytes,
                                 lm.engine.pool.num_slots, lm.num_moe_layers * lm.num_experts, lm.top_k, max_context,
-                                batch, staging_bytes(lm))
+                                batch, staging_bytes(lm), host_cache_bytes(lm))
     for line in lm.memory_plan.lines():
         log(line)
     return lm

@@ -113,7 +113,7 @@ def _config(args):
                        block_length=args.block_length, steps=args.steps, threshold=args.threshold,
                        prefix_cache=not args.no_prefix_cache,
                        track_memory=getattr(args, "track_memory", False), progress=not args.quiet,
-                       host_store=args.host_store, max_batch=args.max_batch, predictor=args.predictor,
+                       host_store=args.host_store, host_cache_gb=args.host_cache, max_batch=args.max_batch, predictor=args.predictor,
                        cors_origins=_origins(getattr(args, "cors_origins", "*")))
 
 

@@ -164,6 +164,13 @@ def staging_bytes(lm) -> int:
     return getattr(getattr(lm.engine, "store", None), "max_staging_bytes", 0)
 
 
+def host_cache_bytes(lm) -> int:
+    """Bytes of a host cache in front of the disk (``--host-cache``) when it shares the slots' memory (the CPU);
+    0 otherwise (on CUDA it is host RAM, outside the device tier)."""
+    store = getattr(lm.engine, "store", None)
+    return store.nbytes if getattr(store, "mode", None) == "disk" and lm.device.type == "cpu" else 0
+
+
 def static_device_bytes(lm) -> int:
     """Device-tier bytes held between requests: non-expert weights + slot pool + lookup table (bytes)."""
     pool = 0 if lm.engine is None else lm.engine.pool.nbytes
@@ -310,6 +317,7 @@ class MemoryPlan:
         expert_bytes: one routed expert; slots: the pool size; routed_experts: L x E; top_k.
         max_context: tokens (prompt + new); batch: requests at once (1: queued).
         staging_bytes: a disk store's staging buffers (``staging_bytes``; host RAM, the slot pool's tier on the CPU).
+        host_cache_bytes: a host cache in front of the disk on the CPU (``host_cache_bytes``).
     """
 
     budget_bytes: int | None
@@ -325,6 +333,7 @@ class MemoryPlan:
     max_context: int
     batch: int = 1
     staging_bytes: int = 0
+    host_cache_bytes: int = 0
 
     @property
     def slot_bytes(self) -> int:
@@ -335,7 +344,7 @@ class MemoryPlan:
     def total_bytes(self) -> int:
         """Planned device-tier peak: every part plus the pool (bytes)."""
         return (self.non_expert_bytes + self.lookup_bytes + self.kv_cache_bytes + self.activation_bytes
-                + self.slot_bytes + self.staging_bytes)
+                + self.slot_bytes + self.staging_bytes + self.host_cache_bytes)
 
     @property
     def residency(self) -> float:
@@ -355,7 +364,8 @@ class MemoryPlan:
         head = (f"memory plan ({self.source}; budget "
                 + (f"{self.budget_bytes:,d} B = {self.budget_bytes / GB:.3f} GB" if self.budget_bytes is not None
                    else "none") + f"; max context {self.max_context} tokens, batch {self.batch}):")
-        staging = [row("disk staging buffers", self.staging_bytes)] if self.staging_bytes else []
+        staging = ([row("disk staging buffers", self.staging_bytes)] if self.staging_bytes else []) + (
+            [row("host cache", self.host_cache_bytes)] if self.host_cache_bytes else [])
         return [head,
                 row("non-expert weights", self.non_expert_bytes),
                 row("expert -> slot lookup table", self.lookup_bytes),

@@ -16,7 +16,8 @@ import uvicorn
 from ..errors import MoeOffloadError
 from .batch_memory import plan_batch
 from .budget import DEFAULT_MAX_CONTEXT, load_within_budget, resolve_budget
-from .memory import DeviceTierTracker, MemoryPlan, lookup_bytes, non_expert_bytes, profile_request, staging_bytes
+from .memory import (DeviceTierTracker, MemoryPlan, host_cache_bytes, lookup_bytes, non_expert_bytes, profile_request,
+                     staging_bytes)
 
 
 
@@ -37,7 +38,8 @@ class ServeConfig:
         prefix_cache: diffusion models: the block-prefix KV cache (default) or the reference loop (False).
         track_memory: on the CPU, measure the device tier during requests (``DeviceTierTracker``; slows decoding).
         progress: progress bars while loading.
-        host_store: "pinned" or "mmap" (``models.loader.load_offloaded``).
+        host_store: "pinned", "mmap" or "disk"; host_cache_gb: a host cache in front of the disk (GB;
+            ``models.loader.load_offloaded``).
         max_batch: most sequences decoding together (None: chosen by the memory plan, ``serve.batch_memory``;
             diffusion models and sliding-window / recurrent caches run batch 1).
         predictor: a trained SeqMoE predictor directory for the forecast-driven policies (``seqmoe*``); its
@@ -61,6 +63,7 @@ class ServeConfig:
     track_memory: bool = False
     progress: bool = False
     host_store: str = "pinned"
+    host_cache_gb: float | None = None
     max_batch: int | None = None
     predictor: str | None = None
     cors_origins: tuple[str, ...] = ("*",)
@@ -172,7 +175,8 @@ def load_for_serving(cfg: ServeConfig, log=_log):
     dev = resolve_device(cfg.device)
     budget, source = resolve_budget(cfg.memory_budget_gb, dev, bool(given))
     block = diffusion["block_length"] if diffusion else None
-    load = dict(device=cfg.device, dtype=cfg.dtype, policy=cfg.policy, progress=cfg.progress, host_store=cfg.host_store)
+    load = dict(device=cfg.device, dtype=cfg.dtype, policy=cfg.policy, progress=cfg.progress, host_store=cfg.host_store,
+                host_cache_gb=cfg.host_cache_gb)
     t0 = time.perf_counter()
     if budget is not None:
         lm, pset, batch, note, kv, act, budget = load_within_budget(
@@ -196,7 +200,7 @@ def load_for_serving(cfg: ServeConfig, log=_log):
             + ("per sequence, one demand per expert for the batch" if batch > 1 else "for one sequence"))
     plan = MemoryPlan(budget, source, non_expert_bytes(lm) + pred_bytes, lookup_bytes(lm), kv, act, lm.expert_bytes,
                       lm.engine.pool.num_slots, lm.num_moe_layers * lm.num_experts, lm.top_k, max_context, batch,
-                      staging_bytes(lm))
+                      staging_bytes(lm), host_cache_bytes(lm))
     for line in plan.lines():
         log(line)
     if note:

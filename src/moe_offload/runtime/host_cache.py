@@ -1,0 +1,209 @@
+"""The host tier between the disk and the device slots: ``--host-cache GB`` over ``--host-store disk`` (issue 35).
+
+Three tiers: device slots (``runtime.pool``, their own ``core.slots.SlotTable`` and policy) <- host cache (this: a
+``[rows, expert_bytes]`` buffer in host RAM, page-locked on CUDA, with its own expert -> row map and an eviction
+policy from ``core.policies``) <- disk (``runtime.disk_store.DiskStore``, direct I/O). A copy into a slot is served
+from the cache when the expert is there (a host memcpy, or a host->device copy at the link's speed on CUDA);
+otherwise the expert is read from disk into a cache row, evicting the policy's victim, and copied on from there.
+
+Thread-safety: copies come from the engine's thread, the disk store's readers (``copy_many``) and the transfer
+engine's worker at once. The map is guarded by one lock; rows being filled or read are pinned (never a victim); a
+request for an expert whose disk read is in flight waits for that read instead of issuing a second one. When every
+row is pinned, the expert is read from disk straight into the destination (counted as a bypass).
+
+On the CPU the slot pool is already host RAM, so the cache only adds a copy there; it exists so the three-tier path
+runs and is tested on the machines without a GPU, with the same code as on CUDA.
+
+Units: bytes.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..core.policies import make_policy
+from ..errors import MoeOffloadError
+from .disk_store import DiskStore
+from .store import _pin_in_place
+
+
+@dataclass
+class HostCacheStats:
+    """``hits`` (copies served from a cache row), ``misses`` (experts read from disk into a row), ``bypasses`` (read
+    from disk straight into the destination: every row pinned), ``waits`` (copies that waited for another thread's
+    read of the same expert), ``evictions``."""
+
+    hits: int = 0
+    misses: int = 0
+    bypasses: int = 0
+    waits: int = 0
+    evictions: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        n = self.hits + self.misses + self.bypasses
+        return self.hits / n if n else 0.0
+
+
+class HostCache:
+    """A host-RAM expert cache of ``rows`` experts in front of a ``DiskStore``, with the stores' interface
+    (``copy_to``, ``copy_many``, ``gather``, ``nbytes``, ``close``; ``mode`` "disk": it is the disk tier to the
+    engine, with a cache in front).
+
+    Args:
+        disk: the disk store (owned: closed with the cache).
+        rows: experts the cache holds, >= 1.
+        policy: its eviction policy's name (``core.policies.make_policy``: ``lru``, ``lfu``, ``lfru[-H]``).
+        pin: page-lock the rows (CUDA: host->device copies from them run at the link's speed).
+
+    Raises:
+        MoeOffloadError: ``rows`` < 1 or an unknown policy.
+    """
+
+    mode = "disk"
+
+    def __init__(self, disk: DiskStore, rows: int, policy: str = "lru", pin: bool = False):
+        if rows < 1:
+            raise MoeOffloadError(f"a host cache needs at least one expert row, got {rows}")
+        self.disk = disk
+        self.layout = disk.layout
+        self.num_experts_total = disk.num_experts_total
+        self.rows = min(int(rows), disk.num_experts_total)
+        self.policy = make_policy(policy, num_slots=self.rows, top_k=1)
+        self.buf = torch.empty((self.rows, self.layout.expert_bytes), dtype=torch.uint8)
+        self.pinned = bool(pin) and _pin_in_place(self.buf)
+        self.pin_failed = bool(pin) and not self.pinned
+        self._np = self.buf.numpy()
+        self.cache_stats = HostCacheStats()
+        self._row_of: dict[int, int] = {}
+        self._free = list(range(self.rows - 1, -1, -1))
+        self._pins = [0] * self.rows
+        self._inflight: dict[int, threading.Event] = {}
+        self._lock = threading.Lock()
+        self._tick = 0
+
+    # the disk store's counters and settings, read by reports and the memory plan
+    stats = property(lambda self: self.disk.stats)
+    readers = property(lambda self: self.disk.readers)
+    buffered_reason = property(lambda self: self.disk.buffered_reason)
+    files = property(lambda self: self.disk.files)
+    max_staging_bytes = property(lambda self: self.disk.max_staging_bytes)
+
+    @property
+    def nbytes(self) -> int:
+        """Private bytes held for experts: the cache rows."""
+        return self.buf.numel()
+
+    def _claim(self, eid: int) -> tuple[str, object]:
+        """Under the lock: ``("hit", row)``, ``("fill", row)`` (this thread reads it from disk), ``("wait", event)``
+        or ``("bypass", None)``; a returned row is pinned."""
+        self._tick += 1
+        row = self._row_of.get(eid)
+        if row is not None:
+            self.policy.on_access(eid, self._tick)
+            self._pins[row] += 1
+            self.cache_stats.hits += 1
+            return "hit", row
+        ev = self._inflight.get(eid)
+        if ev is not None:
+            return "wait", ev
+        self.policy.on_access(eid, self._tick)
+        if self._free:
+            row = self._free.pop()
+        else:
+            pinned = {e for e, r in self._row_of.items() if self._pins[r]}
+            if not self.policy.resident - pinned:
+                return "bypass", None
+            victim = self.policy.victim(pinned)
+            row = self._row_of.pop(victim)
+            self.policy.on_evict(victim)
+            self.cache_stats.evictions += 1
+        self._pins[row] += 1
+        self._inflight[eid] = threading.Event()
+        return "fill", row
+
+    def copy_to(self, eid: int, dst, non_blocking: bool = False) -> None:
+        """Expert ``eid`` into ``dst`` (numpy uint8 row, or a torch uint8 row on a device: a synchronous copy) from
+        its cache row, reading it from disk into a row first on a miss. Thread-safe.
+
+        Raises:
+            MoeOffloadError: a disk read fails (``DiskStore.copy_to``).
+        """
+        while True:
+            with self._lock:
+                kind, got = self._claim(eid)
+                if kind == "wait":
+                    self.cache_stats.waits += 1
+            if kind != "wait":
+                break
+            got.wait()
+        if kind == "bypass":
+            self.cache_stats.bypasses += 1
+            self.disk.copy_to(eid, dst)
+            return
+        row = got
+        try:
+            if kind == "fill":
+                self._fill(eid, row)
+            if isinstance(dst, np.ndarray):
+                np.copyto(dst, self._np[row])
+            else:
+                dst.copy_(self.buf[row])
+        finally:
+            with self._lock:
+                self._pins[row] -= 1
+
+    def _fill(self, eid: int, row: int) -> None:
+        """Read ``eid`` from disk into ``row``, then publish it (or give the row back if the read fails)."""
+        ok = False
+        try:
+            self.disk.copy_to(eid, self._np[row])
+            ok = True
+        finally:  # a failed read gives the row back (the error goes on to the caller)
+            with self._lock:
+                if ok:
+                    self._row_of[eid] = row
+                    self.policy.on_insert(eid, self._tick)
+                    self.cache_stats.misses += 1
+                else:
+                    self._free.append(row)
+                self._inflight.pop(eid).set()
+
+    def copy_many(self, eids: list[int], dsts: list, non_blocking: bool = False) -> None:
+        """``copy_to`` of each expert, the disk reads of several misses at once (the disk store's reader threads)."""
+        if len(eids) <= 1:
+            for e, d in zip(eids, dsts):
+                self.copy_to(e, d)
+            return
+        pool = self.disk.executor()
+        futures = [pool.submit(self.copy_to, e, d) for e, d in zip(eids, dsts)]
+        for err in [f.exception() for f in futures]:
+            if err is not None:
+                raise err
+
+    def gather(self, eids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(buf [len(eids), expert_bytes] uint8, rows [N] int64)`` for host fallback, through the cache."""
+        buf = torch.empty((len(eids), self.layout.expert_bytes), dtype=torch.uint8)
+        arr = buf.numpy()
+        self.copy_many(list(eids), [arr[i] for i in range(len(eids))])
+        rows = torch.full((self.num_experts_total,), -1, dtype=torch.long)
+        rows[list(eids)] = torch.arange(len(eids))
+        return buf, rows
+
+    def cached_bytes(self) -> int:
+        """The disk store's files in the page cache (``DiskStore.cached_bytes``)."""
+        return self.disk.cached_bytes()
+
+    def close(self) -> None:
+        """Close the disk store and unpin the rows."""
+        self.disk.close()
+        if self.pinned:
+            try:
+                torch.cuda.cudart().cudaHostUnregister(self.buf.data_ptr())
+            except Exception:
+                pass
+            self.pinned = False
