@@ -240,6 +240,13 @@ def test_disk_gbps_interpolates_on_log_size_and_picks_readers(monkeypatch):
     assert disk_link.disk_gbps({"gbps": 7.45}, 4096) == 7.45
     monkeypatch.setattr(disk_link, "this_machine_disk", lambda: disk)
     assert disk_link.readers_for(128 * 1024, 4) == 2
+    one_line(args + ["--host-store", "disk", "--full-load"], "--full-load keeps every weight in memory")
+    one_line(["trace", "collect", "--model", str(tiny_dirs["llada2_moe"]), "--prompt", "hi", "--host-store", "disk",
+              "--out", str(tmp_path / "d.trace"), "--quiet"], "--host-store, --host-cache and --residency do not apply")
+    out = tmp_path / "t.trace"  # a routing trace recorded from disk with a small pool: the same routing
+    assert main(["trace", "collect", "--model", d, "--prompt", PROMPT, "--max-new-tokens", "4", "--host-store", "disk",
+                 "--residency", "0.3", "--out", str(out), "--quiet"]) == 0 and out.is_file()
+    capsys.readouterr()
     monkeypatch.setattr(disk_link, "this_machine_disk", lambda: None)
     assert disk_link.readers_for(128 * 1024, 4) == 4
 
@@ -279,6 +286,13 @@ def test_cli_disk_store_and_memory_budget(tiny_dirs, refs, capsys, monkeypatch, 
     one_line(args + ["--memory-budget", "0.5", "--full-load"], "--full-load has none")
     one_line(args + ["--memory-budget", "0.5", "--graph"], "not --memory-budget")
     one_line(args + ["--host-store", "disk", "--graph"], "with --host-store pinned (not disk)")
+    one_line(args + ["--host-store", "disk", "--full-load"], "--full-load keeps every weight in memory")
+    one_line(["trace", "collect", "--model", str(tiny_dirs["llada2_moe"]), "--prompt", "hi", "--host-store", "disk",
+              "--out", str(tmp_path / "d.trace"), "--quiet"], "--host-store, --host-cache and --residency do not apply")
+    out = tmp_path / "t.trace"  # a routing trace recorded from disk with a small pool: the same routing
+    assert main(["trace", "collect", "--model", d, "--prompt", PROMPT, "--max-new-tokens", "4", "--host-store", "disk",
+                 "--residency", "0.3", "--out", str(out), "--quiet"]) == 0 and out.is_file()
+    capsys.readouterr()
     monkeypatch.setattr(disk_link, "this_machine_disk", lambda: None)
     one_line(["bench", "decode", "--model", d, "--host-store", "disk", "--residencies", "0.5", "--quiet",
               "--max-new-tokens", "2", "--prompt", "hi"], "run `moe-offload bench link --disk DIR` first")

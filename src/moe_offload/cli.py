@@ -232,6 +232,9 @@ def _cmd_generate(args) -> int:
                               f"{args.top_p}")
     if args.full_load and args.memory_budget is not None:
         raise MoeOffloadError("--memory-budget sizes the slot pool of the offloaded runtime; --full-load has none")
+    if args.full_load and (args.host_store != "pinned" or args.host_cache is not None):
+        raise MoeOffloadError("--host-store and --host-cache choose where offloaded experts live; --full-load keeps "
+                              "every weight in memory")
     if args.policy in PREDICTOR_POLICIES and not args.predictor and not args.full_load:
         raise MoeOffloadError(f"--policy {args.policy} needs --predictor DIR (it evicts by the predictor's forecast)")
     prompts = load_prompts(args)

@@ -173,9 +173,7 @@ def memory_budget(s: str) -> float | str:
     """argparse type of ``--memory-budget``: ``auto`` or a finite number of GB > 0 (one-line error otherwise)."""
     if s.strip().lower() == "auto":
         return "auto"
-    v = float_(s)
-    if v != v or v in (float("inf"), float("-inf")):
-        raise argparse.ArgumentTypeError(f"expected a finite number, got {s!r}")
+    v = finite_float(s)
     if v <= 0:
         raise argparse.ArgumentTypeError(f"expected a number of GB > 0 or auto, got {s!r}")
     return v

@@ -65,10 +65,10 @@ def stats_dict(lm: LoadedModel, s: RunStats) -> dict:
                           "decide_s": eng.auto_policy.decide_s}}
          if getattr(eng, "auto_policy", None) is not None else {}) | ({"host_fallback_experts": o.host_experts, "host_fallback_tokens": o.host_tokens,
           "fallback_s": o.fallback_s, "prefetches": o.prefetches, "diffusion_steps": o.steps}
-         if hasattr(o, "host_experts") else {}) | _tier_stats(lm)
+         if hasattr(o, "host_experts") else {}) | tier_stats(lm)
 
 
-def _tier_stats(lm) -> dict:
+def tier_stats(lm) -> dict:
     """``memory_plan`` (``--memory-budget``: ``serve.memory.MemoryPlan.as_dict``) and ``disk`` (``--host-store
     disk``: the store's read counters, ``runtime.disk_store.DiskReadStats``; bytes, seconds, GB/s), where they apply."""
     out = {}
@@ -131,8 +131,9 @@ def _diffusion_row(g: dict) -> str:
 
 def _disk_line(k: dict) -> str:
     return (f"{k['experts']} experts, {_fmt_bytes(k['bytes_read'])} read in {k['requests']} requests "
-            f"({k['bytes_read'] / max(1, k['requests']) / 1024:.0f} KiB each), {k['gbps_per_reader']:.2f} GB/s per "
-            f"reader, {'direct I/O' if k['direct_io'] else 'buffered + fadvise DONTNEED'}")
+            f"({k['bytes_read'] / max(1, k['requests']) / 1024:.0f} KiB each: whole 4 KiB pages around the expert's "
+            f"bytes), {k['gbps_per_reader']:.2f} GB/s per reader while reading, up to {k['readers']} readers at "
+            f"once, {'direct I/O' if k['direct_io'] else 'buffered + fadvise DONTNEED'}")
 
 
 def _cache_line(c: dict) -> str:

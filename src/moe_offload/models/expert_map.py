@@ -367,7 +367,8 @@ def fill_store(store, fmt: ExpertFormat, cmap: CheckpointMap, ckpt: Checkpoint, 
                 start = info.start if piece.fused_index is None else info.row_range(piece.fused_index)[0]
                 jobs.append((str(info.file), start, eid, pname, i, role, piece))
     jobs.sort(key=lambda j: (j[0], j[1]))
-    bar = tqdm(total=len(jobs), desc="experts -> host store", unit="tensor", disable=not progress, leave=False,
+    bar = tqdm(total=len(jobs), desc="experts -> host store" if store.mode not in FILE_BACKED else
+               "indexing experts in the files", unit="tensor", disable=not progress, leave=False,
                miniters=max(1, len(jobs) // 100))
     for _, start, eid, pname, i, role, piece in jobs:
         f, off = _targets(fmt, pname, i, role)

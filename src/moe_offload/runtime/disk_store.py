@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from ..errors import MoeOffloadError
-from .store import ExpertLayout
+from .store import ExpertLayout, gather_rows
 
 #: alignment of direct reads: file offset, length and buffer address (the page size covers every logical block size)
 IO_ALIGN = 4096
@@ -123,6 +123,19 @@ def open_direct(path: Path, allow_direct: bool = True) -> tuple[_File, str | Non
                               f"({getattr(e, 'strerror', e)}), so expert bytes would fill the page cache; use "
                               "--host-store mmap or pinned") from None
     return _File(path, fd, False), why
+
+
+def copy_concurrently(copy, pool: ThreadPoolExecutor | None, eids: list[int], dsts: list) -> None:
+    """``copy(eid, dst)`` for each pair, on ``pool``'s threads (None: one after another here); returns when all are
+    done, raising the first failure once every copy has finished."""
+    if pool is None:
+        for e, d in zip(eids, dsts):
+            copy(e, d)
+        return
+    futures = [pool.submit(copy, e, d) for e, d in zip(eids, dsts)]
+    for err in [f.exception() for f in futures]:
+        if err is not None:
+            raise err
 
 
 def plan_spans(segments: list[tuple[int, int, int, int]], merge_gap: int = MERGE_GAP,
@@ -298,16 +311,7 @@ class DiskStore:
         Raises:
             MoeOffloadError: as ``copy_to`` (the first failure; the others are still waited for).
         """
-        if len(eids) <= 1 or self.readers == 1:
-            for e, d in zip(eids, dsts):
-                self.copy_to(e, d)
-            return
-        pool = self.executor()
-        futures = [pool.submit(self.copy_to, e, d) for e, d in zip(eids, dsts)]
-        errors = [f.exception() for f in futures]
-        for err in errors:
-            if err is not None:
-                raise err
+        copy_concurrently(self.copy_to, self.executor() if len(eids) > 1 and self.readers > 1 else None, eids, dsts)
 
     def executor(self) -> ThreadPoolExecutor:
         """The ``readers`` reader threads (started at the first use)."""
@@ -317,14 +321,8 @@ class DiskStore:
             return self._pool
 
     def gather(self, eids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(buf [len(eids), expert_bytes] uint8, rows [N] int64)``: ``eids`` read from disk and the map from global
-        expert id to row of ``buf`` (-1 elsewhere), for host fallback compute."""
-        buf = torch.empty((len(eids), self.layout.expert_bytes), dtype=torch.uint8)
-        arr = buf.numpy()
-        self.copy_many(list(eids), [arr[i] for i in range(len(eids))])
-        rows = torch.full((self.num_experts_total,), -1, dtype=torch.long)
-        rows[list(eids)] = torch.arange(len(eids))
-        return buf, rows
+        """``runtime.store.gather_rows``: ``eids`` read from disk for host fallback compute."""
+        return gather_rows(self, eids)
 
     def cached_bytes(self) -> int:
         """Bytes of the store's files in the page cache now (``runtime.page_cache.cached_bytes``; non-expert

@@ -27,8 +27,8 @@ import torch
 
 from ..core.policies import make_policy
 from ..errors import MoeOffloadError
-from .disk_store import DiskStore
-from .store import _pin_in_place
+from .disk_store import DiskStore, copy_concurrently
+from .store import _pin_in_place, _unpin, gather_rows
 
 
 @dataclass
@@ -175,24 +175,11 @@ class HostCache:
 
     def copy_many(self, eids: list[int], dsts: list, non_blocking: bool = False) -> None:
         """``copy_to`` of each expert, the disk reads of several misses at once (the disk store's reader threads)."""
-        if len(eids) <= 1:
-            for e, d in zip(eids, dsts):
-                self.copy_to(e, d)
-            return
-        pool = self.disk.executor()
-        futures = [pool.submit(self.copy_to, e, d) for e, d in zip(eids, dsts)]
-        for err in [f.exception() for f in futures]:
-            if err is not None:
-                raise err
+        copy_concurrently(self.copy_to, self.disk.executor() if len(eids) > 1 else None, eids, dsts)
 
     def gather(self, eids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(buf [len(eids), expert_bytes] uint8, rows [N] int64)`` for host fallback, through the cache."""
-        buf = torch.empty((len(eids), self.layout.expert_bytes), dtype=torch.uint8)
-        arr = buf.numpy()
-        self.copy_many(list(eids), [arr[i] for i in range(len(eids))])
-        rows = torch.full((self.num_experts_total,), -1, dtype=torch.long)
-        rows[list(eids)] = torch.arange(len(eids))
-        return buf, rows
+        """``runtime.store.gather_rows`` through the cache, for host fallback compute."""
+        return gather_rows(self, eids)
 
     def cached_bytes(self) -> int:
         """The disk store's files in the page cache (``DiskStore.cached_bytes``)."""
@@ -202,8 +189,5 @@ class HostCache:
         """Close the disk store and unpin the rows."""
         self.disk.close()
         if self.pinned:
-            try:
-                torch.cuda.cudart().cudaHostUnregister(self.buf.data_ptr())
-            except Exception:
-                pass
+            _unpin(self.buf)
             self.pinned = False

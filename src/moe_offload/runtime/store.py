@@ -94,6 +94,26 @@ class ExpertLayout:
         return f"ExpertLayout({[(f.name, f.shape, str(f.dtype).replace('torch.', '')) for f in self.fields]})"
 
 
+def gather_rows(store, eids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(buf [len(eids), expert_bytes] uint8, rows [N] int64)``: ``eids`` copied out of a file-backed store (mmap,
+    disk, a host cache; ``store.copy_many``) and the map from global expert id to row of ``buf`` (-1 elsewhere), for
+    host fallback compute."""
+    buf = torch.empty((len(eids), store.layout.expert_bytes), dtype=torch.uint8)
+    arr = buf.numpy()
+    store.copy_many(list(eids), [arr[i] for i in range(len(eids))])
+    rows = torch.full((store.num_experts_total,), -1, dtype=torch.long)
+    rows[list(eids)] = torch.arange(len(eids))
+    return buf, rows
+
+
+def _unpin(t: torch.Tensor) -> None:
+    """Undo ``_pin_in_place`` (errors ignored: the memory stays usable, pageable)."""
+    try:
+        torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+    except Exception:
+        pass
+
+
 def _pin_in_place(t: torch.Tensor) -> bool:
     """Page-lock ``t``'s memory at its exact size (``cudaHostRegister``); False when CUDA refuses."""
     try:
@@ -157,10 +177,7 @@ class HostStore:
     def close(self) -> None:
         """Unpin the buffer (CUDA); the store stays readable."""
         if self.pinned:
-            try:
-                torch.cuda.cudart().cudaHostUnregister(self.buf.data_ptr())
-            except Exception:
-                pass
+            _unpin(self.buf)
             self.pinned = False
 
 
@@ -222,15 +239,8 @@ class MmapHostStore:
             self.copy_to(e, d, non_blocking)
 
     def gather(self, eids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(buf [len(eids), expert_bytes] uint8, rows [N] int64)``: copies of ``eids``' rows and the map from global
-        expert id to row of ``buf`` (-1 elsewhere), for host fallback compute."""
-        buf = torch.empty((len(eids), self.layout.expert_bytes), dtype=torch.uint8)
-        dst = buf.numpy()
-        rows = torch.full((self.num_experts_total,), -1, dtype=torch.long)
-        for i, e in enumerate(eids):
-            self.copy_to(e, dst[i])
-            rows[e] = i
-        return buf, rows
+        """``gather_rows``: copies of ``eids``' rows for host fallback compute."""
+        return gather_rows(self, eids)
 
     def close(self) -> None:
         """Release the memory maps."""

@@ -26,6 +26,7 @@ from fastapi.sse import EventSourceResponse, format_sse_event
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..generate import encode_prompt
+from ..report import tier_stats
 from ..seeds import seed_problem
 from .protocol import ChatCompletionRequest, CompletionRequest, OpenAIError, error_body
 from .worker import SCHEDULING, Delta, Done, Failed, Job, Params, Worker, percentile
@@ -132,8 +133,9 @@ class ServeState:
             "routed_experts": total,
             "residency": eng.pool.num_slots / total,
             "expert_bytes": lm.expert_bytes,
+            "host_store": lm.host_store,
             "memory": self.memory(),
-        }
+        } | tier_stats(lm)
         if hasattr(o, "host_experts"):  # diffusion refresh planners (TIDE): host fallback and prefetch counters
             out |= {"host_fallback_experts": o.host_experts, "host_fallback_tokens": o.host_tokens,
                     "fallback_s": o.fallback_s, "prefetches": o.prefetches, "diffusion_steps": o.steps}

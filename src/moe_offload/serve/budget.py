@@ -104,14 +104,17 @@ def load_within_budget(path, budget: int, source: str, load: dict, max_context: 
     budget = _host_store_share(lm, budget, source)
     layers, n_total, top_k = lm.num_moe_layers, lm.num_moe_layers * lm.num_experts, lm.top_k
     pset = load_predictor(lm)
-    base = (non_expert_bytes(lm) + (0 if pset is None else pset.parameter_bytes()) + lookup_bytes(lm) + staging_bytes(lm)
-            + host_cache_bytes(lm))
+    staging, cache = staging_bytes(lm), host_cache_bytes(lm)
+    base = non_expert_bytes(lm) + (0 if pset is None else pset.parameter_bytes()) + lookup_bytes(lm) + staging + cache
+    extra = (f", disk staging buffers ({staging / GB:.4f} GB)" if staging else "") + (
+        f", the --host-cache ({cache / GB:.4f} GB)" if cache else "")
     per_layer = layers if refresh else None
-    slots_for_budget(budget, base, lm.expert_bytes, n_total, top_k, per_layer, weights_only=True)  # fail early
+    slots_for_budget(budget, base, lm.expert_bytes, n_total, top_k, per_layer, weights_only=True,  # fail early
+                     extra=extra)
     log(f"profile run: the largest request ({max_context} tokens, sampled)")
     prof = profile_request(lm, max_context, block)
     batch, note, kv, act = plan_batch(lm, max_batch, budget, base, prof, max_context)
-    slots = slots_for_budget(budget, base + kv + act, lm.expert_bytes, n_total, top_k, per_layer)
+    slots = slots_for_budget(budget, base + kv + act, lm.expert_bytes, n_total, top_k, per_layer, extra=extra)
     lm.close()  # its copy worker would keep the first store and pool alive outside the plan
     del lm
     gc.collect()

@@ -379,7 +379,7 @@ class MemoryPlan:
 
 
 def slots_for_budget(budget_bytes: int, fixed_bytes: int, expert_bytes: int, routed_experts: int, top_k: int,
-                     num_moe_layers: int | None = None, weights_only: bool = False) -> int:
+                     num_moe_layers: int | None = None, weights_only: bool = False, extra: str = "") -> int:
     """Slots that fit: ``floor((budget - fixed) / expert_bytes)``, at most ``routed_experts``.
 
     Args:
@@ -392,6 +392,7 @@ def slots_for_budget(budget_bytes: int, fixed_bytes: int, expert_bytes: int, rou
             require top-k per layer.
         weights_only: ``fixed_bytes`` holds only the non-expert weights and the lookup table (the early check,
             before the profile run measures the KV cache and activations); the message then says so.
+        extra: what else ``fixed_bytes`` holds, for the message (e.g. ", disk staging buffers (0.003 GB)").
     Raises:
         MoeOffloadError: fewer slots than top-k (per layer with ``num_moe_layers``); the message gives the
             smallest budget that works.
@@ -404,9 +405,10 @@ def slots_for_budget(budget_bytes: int, fixed_bytes: int, expert_bytes: int, rou
         slots, need = per_layer * num_moe_layers, top_k * num_moe_layers
     if slots < need:
         least = fixed_bytes + need * expert_bytes
-        parts = ("non-expert weights and lookup table alone" if weights_only
-                 else "non-expert weights, lookup table, KV cache and activations")
-        more = " plus the KV cache and activations of a --max-context request" if weights_only else ""
+        parts = (f"non-expert weights and lookup table{extra} alone" if weights_only
+                 else f"non-expert weights, lookup table{extra}, KV cache and activations")
+        more = (" plus the KV cache and activations of a --max-context request" if weights_only
+                else " (a smaller --max-context needs less KV cache and activations)")
         raise MoeOffloadError(
             f"--memory-budget {budget_bytes / GB:g} GB is too small: {parts} take {fixed_bytes / GB:.4f} GB and "
             f"leave room for {max(0, slots)} slots of {expert_bytes:,d} B; {need} slots (top-k = {top_k}"

@@ -88,7 +88,7 @@ def measure_disk(directory: str | Path, file_mb: int = 512, seconds: float = 0.4
     """
     directory = Path(directory)
     if not directory.is_dir():
-        raise MoeOffloadError(f"--disk {directory}: not a directory")
+        raise MoeOffloadError(f"--disk {directory}: " + ("not a directory" if directory.exists() else "does not exist"))
     if file_mb * 1024 < 4 * max(sizes_kib) or seconds <= 0:
         raise MoeOffloadError("a disk measurement needs file_mb >= 4 x the largest request and seconds > 0")
     try:

@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..cliargs import add_diffusion_args, add_host_store_arg, add_model_args, load_prompts, positive_int, seed, split_floats
+from ..cliargs import (add_diffusion_args, add_host_store_arg, add_model_args, float_, load_prompts, positive_int, seed,
+                       split_floats)
 from ..errors import MoeOffloadError
 from ..models.resolve import resolve_model
 
@@ -20,6 +21,10 @@ def add_parser(sub) -> None:
     tc.add_argument("--out", required=True, help="trace file to write (must not exist)")
     tc.add_argument("--router-probs", action="store_true", help="also record softmax router probabilities")
     add_host_store_arg(tc)
+    tc.add_argument("--residency", type=float_, default=1.0,
+                    help="device slots as a fraction of all routed experts while recording, (0, 1] (default 1.0; a "
+                    "lossless run routes the same at any residency: lower it with --host-store disk for a model "
+                    "larger than memory)")
     tc.add_argument("--xl-forecasts", action="store_true",
                     help="also record the cross-layer forecasts of every decode step (the next --xl-depth layers' "
                     "routers on each MoE layer's router input), for simulate --policy xl,seqmoe-xl and predictor eval")
@@ -116,6 +121,9 @@ def _collect(args) -> int:
 
     params = loop_params(read_config(path)[2], args.block_length, args.steps, args.threshold, args.max_new_tokens,
                          str(path), prefix_cache=not args.no_prefix_cache)
+    if params is not None and (args.host_store != "pinned" or args.host_cache is not None or args.residency != 1.0):
+        raise MoeOffloadError("a diffusion trace is recorded with every weight in memory (FullLoad): --host-store, "
+                              "--host-cache and --residency do not apply")
     if params is not None:  # a diffusion trace (per block, step, layer: expert token counts)
         from ..models.diffusion import run_diffusion
         from ..models.loader import load_full
@@ -134,7 +142,7 @@ def _collect(args) -> int:
     if args.xl_depth and not args.xl_forecasts:
         raise MoeOffloadError("--xl-depth needs --xl-forecasts")
     lm = load_offloaded(path, device=args.device, dtype=args.dtype, policy=args.policy, progress=not args.quiet,
-                        host_store=args.host_store, host_cache_gb=args.host_cache)
+                        host_store=args.host_store, host_cache_gb=args.host_cache, residency=args.residency)
     if args.xl_depth and args.xl_depth > lm.num_moe_layers - 1:
         raise MoeOffloadError(f"--xl-depth {args.xl_depth}: the model's {lm.num_moe_layers} MoE layers have at most "
                               f"{lm.num_moe_layers - 1} later layers to forecast")
