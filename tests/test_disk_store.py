@@ -227,6 +227,23 @@ def test_measure_disk_table(tmp_path):
     assert e["best"]["64"][1] == max(e["table_gbps"]["64"].values())
 
 
+def test_over_disk_replaces_the_link_by_the_disk():
+    """``simulate --link disk``: the profile's link becomes its disk at one expert's read size (QD 1)."""
+    import dataclasses
+
+    from moe_offload.sim.disk_link import over_disk
+    from moe_offload.sim.profiles import load_hardware
+    from moe_offload.sim.timemodel import OnDemandTimeModel
+
+    hw = over_disk(load_hardware("rtx4090"), 4 * 2**20)
+    assert hw.link_gbps == 7.45 and hw.link.startswith("disk (PCIe 4.0 x4 NVMe")
+    tm = OnDemandTimeModel(hw, "qwen3-30b-a3b-fp8")
+    assert tm.t_load_s == pytest.approx(tm.model.expert_bytes / 7.45e9)
+    measured = dataclasses.replace(hw, extra={"disk": {"directory": "/x", "table_gbps": {"64": {"1": 1.0},
+                                                                                         "256": {"1": 2.0}}}})
+    assert over_disk(measured, 128 * 1024).link_gbps == pytest.approx(1.5)
+
+
 def test_disk_gbps_interpolates_on_log_size_and_picks_readers(monkeypatch):
     """Hand-worked: 64 KiB -> 1.0 GB/s and 256 KiB -> 2.0 GB/s at QD 1; 128 KiB lies halfway on a log scale: 1.5.
     At 128 KiB QD 2 gives 1.9, QD 4 gives 2.0: the smallest depth within 5% of the best is 2."""
@@ -247,6 +264,11 @@ def test_disk_gbps_interpolates_on_log_size_and_picks_readers(monkeypatch):
     assert main(["trace", "collect", "--model", d, "--prompt", PROMPT, "--max-new-tokens", "4", "--host-store", "disk",
                  "--residency", "0.3", "--out", str(out), "--quiet"]) == 0 and out.is_file()
     capsys.readouterr()
+    sim = ["simulate", "--trace", str(out), "--residency", "0.5", "--policy", "lru", "--link", "disk",
+           "--model-profile", "qwen3-30b-a3b-fp8"]
+    one_line(sim + ["--hardware", "h200", "--out", str(tmp_path / "s1")], "hardware profile h200 has no disk entry")
+    assert main(sim + ["--hardware", "rtx4090", "--out", str(tmp_path / "s2")]) == 0
+    assert "link: disk (PCIe 4.0 x4 NVMe SSD (Samsung 990 PRO)), 4.50 MiB reads at 7.45 GB/s" in capsys.readouterr().out
     monkeypatch.setattr(disk_link, "this_machine_disk", lambda: None)
     assert disk_link.readers_for(128 * 1024, 4) == 4
 
@@ -293,6 +315,11 @@ def test_cli_disk_store_and_memory_budget(tiny_dirs, refs, capsys, monkeypatch, 
     assert main(["trace", "collect", "--model", d, "--prompt", PROMPT, "--max-new-tokens", "4", "--host-store", "disk",
                  "--residency", "0.3", "--out", str(out), "--quiet"]) == 0 and out.is_file()
     capsys.readouterr()
+    sim = ["simulate", "--trace", str(out), "--residency", "0.5", "--policy", "lru", "--link", "disk",
+           "--model-profile", "qwen3-30b-a3b-fp8"]
+    one_line(sim + ["--hardware", "h200", "--out", str(tmp_path / "s1")], "hardware profile h200 has no disk entry")
+    assert main(sim + ["--hardware", "rtx4090", "--out", str(tmp_path / "s2")]) == 0
+    assert "link: disk (PCIe 4.0 x4 NVMe SSD (Samsung 990 PRO)), 4.50 MiB reads at 7.45 GB/s" in capsys.readouterr().out
     monkeypatch.setattr(disk_link, "this_machine_disk", lambda: None)
     one_line(["bench", "decode", "--model", d, "--host-store", "disk", "--residencies", "0.5", "--quiet",
               "--max-new-tokens", "2", "--prompt", "hi"], "run `moe-offload bench link --disk DIR` first")

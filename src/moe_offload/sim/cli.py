@@ -41,6 +41,10 @@ def add_parser(sub) -> None:
                     help="with --predictor: decode steps between the predictor's recursive rollouts, as the runtime "
                     f"runs it (default {ROLLOUT_EVERY}; 1 = every step, as SeqMoE)")
     add_predictor_lag_arg(sm)
+    sm.add_argument("--link", choices=["host", "disk"], default="host",
+                    help="the link a miss crosses: host (default: the hardware profile's host->device link, experts "
+                    "in host RAM) or disk (experts streamed from the profile's disk, its measured speed for one "
+                    "expert's read at queue depth 1, `bench link --disk`)")
     sm.add_argument("--link-epl", type=float_,
                     help="link speed in experts per layer compute time for the prefetching replay (default: the model "
                     "profile's measured value on --hardware, SeqMoE §2.2: 1.39 for qwen3-30b-a3b-fp8 on rtx4090)")
@@ -114,6 +118,11 @@ def run(args) -> int:
         model_id = model_fingerprint(json.loads((resolve_model(args.model) / "config.json").read_text()))
     traces = [(t, load_trace(t)) for t in args.trace]
     hw, mp, used = choose_profiles(args, traces)
+    if args.link == "disk":
+        from .disk_link import over_disk
+
+        hw = over_disk(hw, mp.expert_bytes)
+        used += f"; link: {hw.link} at {hw.link_gbps:.2f} GB/s"
     print(used)
     tm, no_speed = _time_model(args, hw, mp)
     forecasts, popularity, pset = {}, None, None
@@ -130,8 +139,8 @@ def run(args) -> int:
         raise MoeOffloadError(f"--policy {','.join(wants)} needs --predictor DIR")
     elif args.predictor_lag is not None:
         raise MoeOffloadError("--predictor-lag needs --predictor")
-    epl = args.link_epl or mp.paper_overlap_experts_per_layer.get(hw.name) or (
-        tm.experts_per_layer_compute if tm else None)
+    paper_epl = None if args.link == "disk" else mp.paper_overlap_experts_per_layer.get(hw.name)  # a PCIe figure
+    epl = args.link_epl or paper_epl or (tm.experts_per_layer_compute if tm else None)
     if epl is not None and not epl > 0:
         raise MoeOffloadError(f"--link-epl must be > 0, got {epl}")
     prefetching = [p for p in policies if p.lower() in PREFETCH_POLICIES]

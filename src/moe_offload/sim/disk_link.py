@@ -153,6 +153,26 @@ def disk_gbps(disk: dict, request_bytes: int, depth: int | None = 1) -> float:
     return _interp(col, request_bytes)
 
 
+def over_disk(hw, expert_bytes: int):
+    """``hw`` (a ``sim.profiles.HardwareProfile``) with its link replaced by its disk (``disk`` entry): the
+    bandwidth of ``expert_bytes`` reads at queue depth 1 (a published entry: its one figure). The projection of
+    ``simulate --link disk``: experts streamed from disk straight into the device tier (two tiers).
+
+    Raises:
+        MoeOffloadError: the profile has no disk entry.
+    """
+    import dataclasses
+
+    disk = hw.extra.get("disk")
+    if not disk:
+        raise MoeOffloadError(f"hardware profile {hw.name} has no disk entry (this machine: `moe-offload bench link "
+                              "--disk DIR`; shipped: rtx4090)")
+    gbps = disk_gbps(disk, expert_bytes, 1)
+    what = disk.get("device") or f"measured in {disk.get('directory', '?')}"
+    return dataclasses.replace(hw, link=f"disk ({what}), {expert_bytes / 2**20:.2f} MiB reads", link_gbps=gbps,
+                               link_theoretical_gbps=None, link_efficiency=None)
+
+
 def this_machine_disk() -> dict | None:
     """The ``disk`` entry of the ``this-machine`` profile (``bench link --disk``), or None when not measured."""
     from .profiles import this_machine_path
