@@ -257,18 +257,6 @@ def test_disk_gbps_interpolates_on_log_size_and_picks_readers(monkeypatch):
     assert disk_link.disk_gbps({"gbps": 7.45}, 4096) == 7.45
     monkeypatch.setattr(disk_link, "this_machine_disk", lambda: disk)
     assert disk_link.readers_for(128 * 1024, 4) == 2
-    one_line(args + ["--host-store", "disk", "--full-load"], "--full-load keeps every weight in memory")
-    one_line(["trace", "collect", "--model", str(tiny_dirs["llada2_moe"]), "--prompt", "hi", "--host-store", "disk",
-              "--out", str(tmp_path / "d.trace"), "--quiet"], "--host-store, --host-cache and --residency do not apply")
-    out = tmp_path / "t.trace"  # a routing trace recorded from disk with a small pool: the same routing
-    assert main(["trace", "collect", "--model", d, "--prompt", PROMPT, "--max-new-tokens", "4", "--host-store", "disk",
-                 "--residency", "0.3", "--out", str(out), "--quiet"]) == 0 and out.is_file()
-    capsys.readouterr()
-    sim = ["simulate", "--trace", str(out), "--residency", "0.5", "--policy", "lru", "--link", "disk",
-           "--model-profile", "qwen3-30b-a3b-fp8"]
-    one_line(sim + ["--hardware", "h200", "--out", str(tmp_path / "s1")], "hardware profile h200 has no disk entry")
-    assert main(sim + ["--hardware", "rtx4090", "--out", str(tmp_path / "s2")]) == 0
-    assert "link: disk (PCIe 4.0 x4 NVMe SSD (Samsung 990 PRO)), 4.50 MiB reads at 7.45 GB/s" in capsys.readouterr().out
     monkeypatch.setattr(disk_link, "this_machine_disk", lambda: None)
     assert disk_link.readers_for(128 * 1024, 4) == 4
 

@@ -115,9 +115,9 @@ class _MinKeyHeap(EvictionPolicy):
         super().__init__()
         self._heap: list[tuple] = []
 
+    @abstractmethod
     def key(self, eid: int) -> tuple:
         """The eviction key of ``eid`` now (smallest is evicted), ending with ``eid``."""
-        raise NotImplementedError
 
     def _push(self, eid: int) -> None:
         heapq.heappush(self._heap, self.key(eid))
