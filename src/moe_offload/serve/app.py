@@ -1,5 +1,5 @@
 """The OpenAI-compatible HTTP API (FastAPI): ``/v1/models``, ``/v1/chat/completions``, ``/v1/completions``,
-``/v1/stats``, ``/health``.
+``/v1/stats``, ``/health``, and Prometheus metrics at ``/metrics`` (``serve.metrics``).
 
 Streaming responses are server-sent events (``data: {chunk}`` ... ``data: [DONE]``); a client that disconnects
 mid-stream cancels its request (Starlette cancels the response stream; the stream's ``finally`` cancels the job).
@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..generate import encode_prompt
 from ..report import tier_stats
 from ..seeds import seed_problem
+from .metrics import install_metrics
 from .protocol import ChatCompletionRequest, CompletionRequest, OpenAIError, error_body
 from .worker import SCHEDULING, Delta, Done, Failed, Job, Params, Worker, percentile
 
@@ -344,6 +345,7 @@ def create_app(state: ServeState) -> FastAPI:
     if state.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(state.cors_origins), allow_methods=["*"],
                            allow_headers=["*"], allow_credentials=False)
+    install_metrics(app, state)  # GET /metrics, the HTTP request counter, app.state.metrics
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(request: Request, exc: OpenAIError):
@@ -398,13 +400,16 @@ def create_app(state: ServeState) -> FastAPI:
 
 async def _respond(state: ServeState, request: Request, body, ids: list[int], params: Params, chat: bool):
     job = Job(ids, params, asyncio.get_running_loop())
+    endpoint = "/v1/chat/completions" if chat else "/v1/completions"
+    finished = lambda ev: request.app.state.metrics.finished(endpoint, job, ev)  # noqa: E731
     state.worker.submit(job)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     created = _now()
     obj = "chat.completion" if chat else "text_completion"
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return EventSourceResponse(_stream(state, job, rid, created, chat, include_usage, body.return_token_ids),
+        return EventSourceResponse(_stream(state, job, rid, created, chat, include_usage, body.return_token_ids,
+                                           finished),
                                    headers={"Cache-Control": "no-cache"})
     ev = None
     checked = time.monotonic()
@@ -419,6 +424,7 @@ async def _respond(state: ServeState, request: Request, body, ids: list[int], pa
                 if await request.is_disconnected():
                     return JSONResponse(error_body("client disconnected"), status_code=499)
     finally:
+        finished(ev)
         if not isinstance(ev, (Done, Failed)):  # the client went away (or the handler was cancelled)
             state.worker.cancel(job)
     if isinstance(ev, Failed):
@@ -444,9 +450,10 @@ def _sse(obj) -> bytes:
 
 
 async def _stream(state: ServeState, job: Job, rid: str, created: int, chat: bool, include_usage: bool,
-                  token_ids: bool):
+                  token_ids: bool, finished):
     """Server-sent events of one request: chunks as tokens (or diffusion blocks) become final, a last chunk with
-    the finish reason, an optional usage chunk, then ``[DONE]``. Cancels the job if the stream is abandoned."""
+    the finish reason, an optional usage chunk, then ``[DONE]``. Cancels the job if the stream is abandoned;
+    ``finished(last event)`` counts the request in the metrics when the stream ends."""
     obj = "chat.completion.chunk" if chat else "text_completion"
     head = {"id": rid, "object": obj, "created": created, "model": state.model_name}
 
@@ -480,5 +487,6 @@ async def _stream(state: ServeState, job: Job, rid: str, created: int, chat: boo
                 yield format_sse_event(data_str="[DONE]")
                 return
     finally:
+        finished(ev)
         if not isinstance(ev, (Done, Failed)):  # abandoned: the client disconnected mid-stream
             state.worker.cancel(job)
