@@ -202,3 +202,17 @@ def test_prefetch_and_predictor_metrics(tiny_dirs, random_pset, tmp_path):
     assert _value(fams, "moe_offload_prefetches_landed") == pf.landed
     assert _value(fams, "moe_offload_prefetches_waited") == pf.waited
     assert _value(fams, "moe_offload_transfer_copies", outcome="ok") == pf.transfer.stats.copies
+
+
+def test_continuous_batching_metrics(tiny_dirs):
+    """``--max-batch 2``: the batch limit, and one decode step per token after the first of each request."""
+    state = load_for_serving(ServeConfig(tiny_dirs["qwen3_moe"], model_name="tiny", residency=0.5, max_context=64,
+                                         max_batch=2), log=lambda m: None)
+    with ServerThread(state) as srv:
+        usages = _two_requests(srv)
+        _wait_idle(srv)
+        _, fams = _scrape(srv)
+    assert _value(fams, "moe_offload_batch_size_max") == 2 and _value(fams, "moe_offload_batch_size") == 0
+    steps = {s.labels["batch_size"]: s.value for s in fams["moe_offload_decode_steps"].samples}
+    assert steps == {"1": sum(u["completion_tokens"] - 1 for u in usages)}  # the requests ran one after the other
+    assert _value(fams, "moe_offload_generation_tokens") == sum(u["completion_tokens"] for u in usages)
