@@ -313,6 +313,11 @@ class DiskStore:
         """
         copy_concurrently(self.copy_to, self.executor() if len(eids) > 1 and self.readers > 1 else None, eids, dsts)
 
+    def reset_stats(self) -> None:
+        """Zero ``stats``."""
+        with self._lock:
+            self.stats = DiskReadStats()
+
     def executor(self) -> ThreadPoolExecutor:
         """The ``readers`` reader threads (started at the first use)."""
         with self._lock:

@@ -23,7 +23,7 @@ from .breakdown import StepClock
 from .emulated_clock import now
 from .experts import IMPLEMENTATION_NAME, device_index, register, slot_pair_outputs
 from .pool import SlotPool
-from .store import HostStore
+from .store import HostStore, reset_store_stats
 
 
 @dataclass
@@ -105,8 +105,11 @@ class OffloadEngine:
         return self.clock.result
 
     def reset_stats(self) -> None:
+        """Zero the counters: the engine's, the clock's and the store's (a disk store's reads, a host cache's hits),
+        so that every tier counts the same requests."""
         self.stats = EngineStats()
         self.clock.reset()
+        reset_store_stats(self.store)
 
     def close(self) -> None:
         """Stop the prefetcher's copy worker (which otherwise keeps the store and the pool alive), close the

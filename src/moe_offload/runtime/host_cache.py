@@ -93,6 +93,12 @@ class HostCache:
     files = property(lambda self: self.disk.files)
     max_staging_bytes = property(lambda self: self.disk.max_staging_bytes)
 
+    def reset_stats(self) -> None:
+        """Zero the cache's counters and the disk store's."""
+        with self._lock:
+            self.cache_stats = HostCacheStats()
+        self.disk.reset_stats()
+
     @property
     def nbytes(self) -> int:
         """Private bytes held for experts: the cache rows."""

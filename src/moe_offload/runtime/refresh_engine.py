@@ -106,7 +106,11 @@ class RefreshEngine:
             mod.config._experts_implementation = IMPLEMENTATION_NAME
 
     def reset_stats(self) -> None:
+        """Zero the engine's counters and the store's (``runtime.store.reset_store_stats``)."""
+        from .store import reset_store_stats
+
         self.stats = RefreshStats()
+        reset_store_stats(self.store)
 
     @property
     def policy_name(self) -> str:

@@ -94,6 +94,13 @@ class ExpertLayout:
         return f"ExpertLayout({[(f.name, f.shape, str(f.dtype).replace('torch.', '')) for f in self.fields]})"
 
 
+def reset_store_stats(store) -> None:
+    """Zero a store's own counters where it keeps any (``DiskStore.stats``, ``HostCache.cache_stats``)."""
+    reset = getattr(store, "reset_stats", None)
+    if reset is not None:
+        reset()
+
+
 def gather_rows(store, eids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """``(buf [len(eids), expert_bytes] uint8, rows [N] int64)``: ``eids`` copied out of a file-backed store (mmap,
     disk, a host cache; ``store.copy_many``) and the map from global expert id to row of ``buf`` (-1 elsewhere), for
