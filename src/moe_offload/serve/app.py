@@ -1,5 +1,5 @@
 """The OpenAI-compatible HTTP API (FastAPI): ``/v1/models``, ``/v1/chat/completions``, ``/v1/completions``,
-``/v1/stats``, ``/health``.
+``/v1/stats``, ``/health``; Anthropic's ``/v1/messages`` comes from ``anthropic_api`` (its own error shape).
 
 Streaming responses are server-sent events (``data: {chunk}`` ... ``data: [DONE]``); a client that disconnects
 mid-stream cancels its request (Starlette cancels the response stream; the stream's ``finally`` cancels the job).
@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..generate import encode_prompt
 from ..report import tier_stats
 from ..seeds import seed_problem
+from .anthropic_api import anthropic_router
 from .protocol import ChatCompletionRequest, CompletionRequest, OpenAIError, error_body, validation_message
 from .worker import SCHEDULING, Delta, Done, Failed, Job, Params, Worker, percentile, wait_result
 
@@ -362,6 +363,7 @@ def create_app(state: ServeState) -> FastAPI:
         params = state.params(body, len(ids), getattr(body, which), which)
         return await _respond(state, request, body, ids, params, chat=True)
 
+    app.include_router(anthropic_router(state))  # POST /v1/messages (serve/anthropic_api.py)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
