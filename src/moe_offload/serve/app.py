@@ -1,5 +1,6 @@
 """The OpenAI-compatible HTTP API (FastAPI): ``/v1/models``, ``/v1/chat/completions``, ``/v1/completions``,
-``/v1/stats``, ``/health``, and Prometheus metrics at ``/metrics`` (``serve.metrics``).
+``/v1/stats``, ``/health``, and Prometheus metrics at ``/metrics`` (``serve.metrics``); Anthropic's ``/v1/messages``
+comes from ``anthropic_api`` (its own error shape).
 
 Streaming responses are server-sent events (``data: {chunk}`` ... ``data: [DONE]``); a client that disconnects
 mid-stream cancels its request (Starlette cancels the response stream; the stream's ``finally`` cancels the job).
@@ -28,9 +29,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..generate import encode_prompt
 from ..report import tier_stats
 from ..seeds import seed_problem
+from .anthropic_api import anthropic_router
 from .metrics import install_metrics
-from .protocol import ChatCompletionRequest, CompletionRequest, OpenAIError, error_body
-from .worker import SCHEDULING, Delta, Done, Failed, Job, Params, Worker, percentile
+from .protocol import ChatCompletionRequest, CompletionRequest, OpenAIError, error_body, validation_message
+from .worker import SCHEDULING, Delta, Done, Failed, Job, Params, Worker, percentile, wait_result
 
 NO_SEED = -1  # ``seed: -1`` means no seed (llama.cpp's and many UIs' "random seed")
 
@@ -225,12 +227,19 @@ class ServeState:
         return temperature, top_p, top_k
 
     def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
-        """Token ids of the messages in the model's chat template (a single user message without a template: its
-        text, as ``generate`` encodes a prompt; several messages without a template: ``role: text`` lines)."""
-        if not req.messages:
+        """Token ids of a chat request's messages (``encode_messages``)."""
+        return self.encode_messages([{"role": m.role, "content": m.text()} for m in req.messages])
+
+    def encode_messages(self, msgs: list[dict]) -> list[int]:
+        """Token ids of ``[{"role", "content": str}]`` in the model's chat template (a single user message: its
+        text, as ``generate`` encodes a prompt; several messages without a template: ``role: text`` lines).
+
+        Raises:
+            OpenAIError: 400 (``param`` ``messages``) for no message or one the chat template rejects.
+        """
+        if not msgs:
             raise OpenAIError(400, "messages must hold at least one message", param="messages")
         tok = self.lm.tokenizer
-        msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
         if len(msgs) == 1 and msgs[0]["role"] == "user":
             return encode_prompt(tok, msgs[0]["content"])
         if getattr(tok, "chat_template", None):
@@ -283,36 +292,6 @@ def refuse_unsupported(body, chat: bool) -> None:
             what = "tool and function calling is" if name in ("tools", "tool_choice", "functions",
                                                                "function_call") else f"{name} is"
             raise OpenAIError(400, f"{name}: {what} not supported by this server", param=name)
-
-
-_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "literal"}
-
-
-def _param_path(loc) -> str | None:
-    """The request field of a pydantic error location: body fields and list indexes joined with dots, without
-    the union-member tags pydantic adds (``str``, ``list[int]``, ``function-after[...]``, model names)."""
-    keep = [str(x) for x in loc if isinstance(x, int) or (
-        x != "body" and str(x).isidentifier() and str(x).lower() not in _TYPE_TAGS and not str(x)[:1].isupper())]
-    return ".".join(keep) or None
-
-
-def validation_message(errors: list[dict]) -> tuple[str, str | None]:
-    """``(message, param)`` of a request that failed validation (``RequestValidationError.errors()``): our own
-    checks (a lone surrogate) before type mismatches of other union members; invalid JSON and a body that is
-    not an object have no param."""
-    e = next((x for x in errors if x.get("type") in ("value_error", "finite_number")), errors[0] if errors else {})
-    loc = e.get("loc", ())
-    if e.get("type") == "json_invalid":  # loc is ("body", character offset): not a parameter
-        at = f" at character {loc[1]}" if len(loc) > 1 else ""
-        return f"the request body is not valid JSON{at}: {e.get('ctx', {}).get('error', e.get('msg'))}", None
-    param = _param_path(loc)
-    if not param and e.get("type") in ("model_attributes_type", "dict_type"):
-        return "the request body must be a JSON object (send it with Content-Type: application/json)", None
-    msg = str(e.get("msg", "invalid value")).removeprefix("Value error, ")
-    return f"{param or 'body'}: {msg}", param
-
-
-DISCONNECT_POLL_S = 0.25  # a non-streamed request checks this often whether its client is still there
 
 
 def _now() -> int:
@@ -387,6 +366,8 @@ def create_app(state: ServeState) -> FastAPI:
         params = state.params(body, len(ids), getattr(body, which), which)
         return await _respond(state, request, body, ids, params, chat=True)
 
+    app.include_router(anthropic_router(state))  # POST /v1/messages (serve/anthropic_api.py)
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         state.check_model(body.model)
@@ -412,21 +393,12 @@ async def _respond(state: ServeState, request: Request, body, ids: list[int], pa
                                            finished),
                                    headers={"Cache-Control": "no-cache"})
     ev = None
-    checked = time.monotonic()
     try:
-        while not isinstance(ev, (Done, Failed)):
-            try:
-                ev = await asyncio.wait_for(job.events.get(), timeout=DISCONNECT_POLL_S)
-            except TimeoutError:
-                pass
-            if time.monotonic() - checked >= DISCONNECT_POLL_S and not isinstance(ev, (Done, Failed)):
-                checked = time.monotonic()
-                if await request.is_disconnected():
-                    return JSONResponse(error_body("client disconnected"), status_code=499)
+        ev = await wait_result(state.worker, job, request.is_disconnected)
     finally:
         finished(ev)
-        if not isinstance(ev, (Done, Failed)):  # the client went away (or the handler was cancelled)
-            state.worker.cancel(job)
+    if ev is None:
+        return JSONResponse(error_body("client disconnected"), status_code=499)
     if isinstance(ev, Failed):
         return JSONResponse(error_body(ev.message, type="server_error", code=ev.code), status_code=ev.status)
     choice = {"index": 0, "finish_reason": ev.finish_reason, "logprobs": None}

@@ -152,3 +152,30 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
                code: str | None = None) -> dict:
     """The OpenAI error object ``{"error": {"message", "type", "param", "code"}}``."""
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "literal"}
+
+
+def _param_path(loc) -> str | None:
+    """The request field of a pydantic error location: body fields and list indexes joined with dots, without
+    the union-member tags pydantic adds (``str``, ``list[int]``, ``function-after[...]``, model names)."""
+    keep = [str(x) for x in loc if isinstance(x, int) or (
+        x != "body" and str(x).isidentifier() and str(x).lower() not in _TYPE_TAGS and not str(x)[:1].isupper())]
+    return ".".join(keep) or None
+
+
+def validation_message(errors: list[dict]) -> tuple[str, str | None]:
+    """``(message, param)`` of a request that failed validation (``RequestValidationError.errors()``): our own
+    checks (a lone surrogate) before type mismatches of other union members; invalid JSON and a body that is
+    not an object have no param."""
+    e = next((x for x in errors if x.get("type") in ("value_error", "finite_number")), errors[0] if errors else {})
+    loc = e.get("loc", ())
+    if e.get("type") == "json_invalid":  # loc is ("body", character offset): not a parameter
+        at = f" at character {loc[1]}" if len(loc) > 1 else ""
+        return f"the request body is not valid JSON{at}: {e.get('ctx', {}).get('error', e.get('msg'))}", None
+    param = _param_path(loc)
+    if not param and e.get("type") in ("model_attributes_type", "dict_type"):
+        return "the request body must be a JSON object (send it with Content-Type: application/json)", None
+    msg = str(e.get("msg", "invalid value")).removeprefix("Value error, ")
+    return f"{param or 'body'}: {msg}", param

@@ -36,7 +36,8 @@ class Detokenizer:
 
     ``add(ids)`` returns the text that became final: the decoded text grows token by token; text that could still
     change (an incomplete UTF-8 sequence, shown as U+FFFD) or that could be the start of a stop sequence is held
-    back. When a stop sequence appears, the text is cut before it and ``stopped`` is set. ``finish()`` returns the
+    back. When a stop sequence appears, the text is cut before it, ``stopped`` is set and ``matched`` is that stop
+    sequence (the earliest in the text; the first listed at a tie). ``finish()`` returns the
     held-back rest. The concatenation of everything returned is ``text``, which is what a non-streamed response
     carries, so streamed deltas always concatenate to the non-streamed text.
 
@@ -52,6 +53,7 @@ class Detokenizer:
         self.ids: list[int] = []
         self.text = ""
         self.stopped = False
+        self.matched: str | None = None
 
     def _decode(self) -> str:
         return self.tokenizer.decode(self.ids, skip_special_tokens=True)
@@ -63,10 +65,12 @@ class Detokenizer:
         self.ids.extend(ids)
         full = self._decode()
         if self.stop:
-            hits = [i for i in (full.find(s, max(0, len(self.text) - len(s))) for s in self.stop) if i >= 0]
+            hits = [(i, s) for i, s in ((full.find(s, max(0, len(self.text) - len(s))), s) for s in self.stop)
+                    if i >= 0]
             if hits:
+                at, self.matched = min(hits, key=lambda h: h[0])
                 self.stopped = True
-                return self._emit(full[:min(hits)])
+                return self._emit(full[:at])
         safe = len(full.rstrip("\ufffd")) - self.hold
         return self._emit(full[:safe]) if safe > len(self.text) else ""
 
@@ -106,7 +110,8 @@ class Done:
     """End of a request: ``finish_reason`` ("stop": an EOS id of ``models.gen_limits.eos_token_ids`` or a stop
     sequence; "length": max_tokens or the model's position limit), the full ``text`` and ``token_ids``,
     ``prompt_tokens``, and times in seconds (``ttft_s``: prefill / first block; ``decode_s``: the rest;
-    ``queue_s``: waiting for the worker)."""
+    ``queue_s``: waiting for the worker), and ``stop_sequence``: the stop sequence that ended it (None: EOS,
+    ``max_tokens`` or the position limit)."""
 
     finish_reason: str
     text: str
@@ -115,6 +120,7 @@ class Done:
     ttft_s: float
     decode_s: float
     queue_s: float
+    stop_sequence: str | None = None
 
 
 @dataclass
@@ -179,6 +185,39 @@ class ServerStats:
     ttft_s: collections.deque = field(default_factory=lambda: collections.deque(maxlen=10000))
     server_ttft_s: collections.deque = field(default_factory=lambda: collections.deque(maxlen=10000))
     queue_s: collections.deque = field(default_factory=lambda: collections.deque(maxlen=10000))
+
+
+DISCONNECT_POLL_S = 0.25  # a non-streamed request checks this often whether its client is still there
+
+
+async def wait_result(worker, job: Job, is_disconnected) -> Done | Failed | None:
+    """The final event of a non-streamed request (``Delta`` events are skipped), checking every
+    ``DISCONNECT_POLL_S`` seconds whether its client is still there.
+
+    Args:
+        worker: the worker (``Worker`` or ``BatchWorker``) ``job`` was submitted to.
+        job: the request.
+        is_disconnected: ``async () -> bool`` (Starlette's ``Request.is_disconnected``).
+    Returns:
+        ``Done`` or ``Failed``; None when the client went away. Unless it returns ``Done`` / ``Failed`` (the client
+        left, or the caller was cancelled), the job is cancelled.
+    """
+    ev = None
+    checked = time.monotonic()
+    try:
+        while not isinstance(ev, (Done, Failed)):
+            try:
+                ev = await asyncio.wait_for(job.events.get(), timeout=DISCONNECT_POLL_S)
+            except TimeoutError:
+                pass
+            if time.monotonic() - checked >= DISCONNECT_POLL_S and not isinstance(ev, (Done, Failed)):
+                checked = time.monotonic()
+                if await is_disconnected():
+                    return None
+    finally:
+        if not isinstance(ev, (Done, Failed)):  # the client went away (or the handler was cancelled)
+            worker.cancel(job)
+    return ev
 
 
 def percentile(values, q: float) -> float | None:
@@ -367,4 +406,4 @@ class Worker:
         st.queue_s.append(queue_s)
         if job.first_token_at is not None:
             st.server_ttft_s.append(job.first_token_at - job.created)
-        job.push(Done(reason, detok.text, list(new), len(job.prompt_ids), ttft, dec, queue_s))
+        job.push(Done(reason, detok.text, list(new), len(job.prompt_ids), ttft, dec, queue_s, detok.matched))
