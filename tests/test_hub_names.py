@@ -154,7 +154,8 @@ def test_offline_and_not_cached_in_a_fresh_process(tmp_path):
     assert status == "2" and float(seconds) < 2.0
     assert out.stderr.strip() == (f"moe-offload: error: org/absent is not in the Hugging Face cache "
                                   f"{tmp_path / 'empty-cache'} and HF_HUB_OFFLINE=1 forbids downloading it: "
-                                  "download it once without HF_HUB_OFFLINE, or set HF_HUB_CACHE to the cache that holds it")
+                                  "download it once without HF_HUB_OFFLINE, or set HF_HUB_CACHE to the cache that "
+                                  "holds it")
 
 
 def test_pickle_only_repository(capsys, hub):
@@ -171,7 +172,7 @@ def test_models_config_reads_config_json_alone(capsys, hub, tiny_dirs):
     assert expected.startswith("qwen3_moe (") and "routed experts" in expected
     assert main(["models", "--config", "org/config-only"]) == 0
     assert capsys.readouterr().out == expected
-    line = _one_line(capsys, ["generate", "--model", "org/config-only", *GEN])  # no weights cached: not servable
+    line = _one_line(capsys, ["generate", "--model", "org/config-only", *GEN])  # no weights: not servable
     assert line.startswith("moe-offload: error: org/config-only has no *.safetensors weights;")
 
 
@@ -271,3 +272,44 @@ def test_trace_collect_from_a_hub_name(capsys, hub, tiny_dirs):
     config = json.loads((tiny_dirs["qwen3_moe"] / "config.json").read_text())
     assert trace.header["model_id"] == model_fingerprint(config)
     assert trace.num_requests == 1 and trace.num_experts == 16 and len(trace.expert_ids) > 0
+
+
+REPO_FILES = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "README.md",
+              ".gitattributes", "model.safetensors.index.json", "model-00001-of-00002.safetensors",
+              "model-00002-of-00002.safetensors", "consolidated.safetensors", "pytorch_model.bin", "model.gguf",
+              "original/consolidated.00.pth", "original/params.json", "original/model.safetensors",
+              "preprocessor_config.json"]
+
+
+@pytest.mark.parametrize("with_index", [True, False])
+def test_only_what_the_engine_reads_is_downloaded(tmp_path, monkeypatch, with_index):
+    """A stand-in for the Hub (``snapshot_download`` applying huggingface_hub's own pattern filter to a listing):
+    first the metadata at the asked revision, then the shards the index names (without an index: every top-level
+    safetensors file), pinned to the snapshot's commit; no pickle, GGUF or subfolder file, and with an index no stray
+    safetensors (consolidated.safetensors)."""
+    import huggingface_hub
+    from huggingface_hub.utils import filter_repo_objects
+
+    from moe_offload.models import hub as hubmod
+
+    snap, calls = tmp_path / "snapshots" / COMMIT_A, []
+    snap.mkdir(parents=True)
+    index = {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
+
+    listing = [f for f in REPO_FILES if with_index or not f.endswith("index.json")]
+
+    def fake_snapshot_download(repo_id, revision=None, allow_patterns=None, ignore_patterns=None, **kw):
+        got = list(filter_repo_objects(listing, allow_patterns=allow_patterns, ignore_patterns=ignore_patterns))
+        calls.append((repo_id, revision, sorted(got)))
+        for name in got:
+            (snap / name).parent.mkdir(parents=True, exist_ok=True)
+            (snap / name).write_text(json.dumps(index) if name.endswith("index.json") else "x")
+        return str(snap)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    assert hubmod.snapshot("org/big@v2", progress=False) == snap
+    meta = ["config.json", "generation_config.json"] + ["model.safetensors.index.json"] * with_index
+    shards = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    assert calls == [("org/big", "v2", meta + ["tokenizer.json", "tokenizer_config.json"]),
+                     ("org/big", COMMIT_A, shards if with_index else ["consolidated.safetensors"] + shards)]
+    assert sorted(str(p.relative_to(snap)) for p in snap.rglob("*")) == sorted(calls[0][2] + calls[1][2])
