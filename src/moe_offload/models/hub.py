@@ -163,12 +163,15 @@ def _check_weights(name: str, repo_id: str, folder: Path, shards: list[str]) -> 
 def _weights_note(repo_id: str, folder: Path) -> str:
     """``" (it holds pytorch_model.bin, ...)"``: the pickle or GGUF weight files of the repository at ``folder``'s
     commit, from the cached listing of the repository (no network) or else the snapshot folder; "" when none."""
-    from huggingface_hub import get_cached_repo_tree
-    from huggingface_hub.errors import CachedRepoTreeNotFoundError
+    import huggingface_hub
+    from huggingface_hub import errors
 
+    listing = getattr(huggingface_hub, "get_cached_repo_tree", None)  # newer huggingface_hub caches the listing
     try:
-        files = [f.path for f in get_cached_repo_tree(repo_id, revision=folder.name)]
-    except (CachedRepoTreeNotFoundError, OSError, ValueError):
+        files = [f.path for f in listing(repo_id, revision=folder.name)] if listing else None
+    except (getattr(errors, "CachedRepoTreeNotFoundError", OSError), OSError, ValueError):
+        files = None
+    if files is None:
         files = [str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()]
     weights = sorted(f for f in files if f.lower().endswith(PICKLE_SUFFIXES + (".gguf",)))
     if not weights:
@@ -193,9 +196,12 @@ def hub_error(name: str, e: Exception) -> str:
     token), unknown repository, unknown revision, no such file, offline or unreachable and not cached (naming the
     cache directory), an incomplete cached snapshot, another HTTP error, a name the Hub refuses."""
     from huggingface_hub import constants, get_token
+    from huggingface_hub import errors
     from huggingface_hub.errors import (EntryNotFoundError, GatedRepoError, HFValidationError, HfHubHTTPError,
-                                        IncompleteSnapshotError, LocalEntryNotFoundError, OfflineModeIsEnabled,
-                                        RepositoryNotFoundError, RevisionNotFoundError)
+                                        LocalEntryNotFoundError, OfflineModeIsEnabled, RepositoryNotFoundError,
+                                        RevisionNotFoundError)
+
+    incomplete = getattr(errors, "IncompleteSnapshotError", ())  # a partial cached snapshot (newer huggingface_hub)
 
     repo_id, _, revision = name.partition("@")
     first = (str(e).strip().splitlines() or [type(e).__name__])[0]
@@ -212,7 +218,7 @@ def hub_error(name: str, e: Exception) -> str:
                 "checkpoint directory")
     if isinstance(e, RevisionNotFoundError):
         return f"{repo_id} has no revision {revision!r} on the Hugging Face Hub (a branch, tag or commit hash)"
-    if isinstance(e, IncompleteSnapshotError):
+    if incomplete and isinstance(e, incomplete):
         return f"the cached snapshot of {name} in {where} is incomplete and the Hub cannot be reached: {first}"
     if isinstance(e, (LocalEntryNotFoundError, OfflineModeIsEnabled)):
         if constants.is_offline_mode():
