@@ -138,8 +138,10 @@ def parse_intervals(text: str) -> list[int]:
 
 
 MODEL_HELP = ("checkpoint directory (any MoE model type of the installed transformers that `moe-offload models` lists "
-              "as served; a multimodal checkpoint is served for text-only prompts), or a built-in name: testbed "
-              "(default), testbed-sparse, llada2-medium (built on first use)")
+              "as served; a multimodal checkpoint is served for text-only prompts), a built-in name: testbed "
+              "(default), testbed-sparse, llada2-medium (built on first use), or a Hugging Face Hub name "
+              "ORG/NAME[@REVISION] (config, tokenizer and safetensors downloaded into the Hugging Face cache, "
+              "HF_HUB_CACHE; HF_HUB_OFFLINE=1: the cache only; HF_TOKEN for gated models)")
 
 
 def add_prompt_args(p: argparse.ArgumentParser) -> None:

@@ -1,4 +1,6 @@
-"""``--model``: a checkpoint directory, or the name of a built-in model that is built into the cache on first use."""
+"""``--model``: a checkpoint directory, the name of a built-in model that is built into the cache on first use, or a
+Hugging Face Hub name ``ORG/NAME[@REVISION]`` (``models.hub``) — in that order, so a local directory named like a Hub
+name wins."""
 
 from __future__ import annotations
 
@@ -17,12 +19,15 @@ def closest_builtin(name: str) -> str | None:
 
 
 def resolve_model(name: str | None, progress: bool = True) -> Path:
-    """A checkpoint directory for ``--model``: a path, or a built-in name (built into the cache on first use).
+    """A checkpoint directory for ``--model``: a path, a built-in name (built into the cache on first use), or a Hub
+    name ``ORG/NAME[@REVISION]`` (its snapshot in the Hugging Face cache, downloaded when missing: ``hub.snapshot``).
 
     Raises:
-        MoeOffloadError: ``name`` is neither an existing path nor a built-in name (the message names the built-in
-            models and, when one is close, suggests it), or an existing path that is not a checkpoint directory (a
-            GGUF file, another file, a directory without config.json: ``checkpoint.not_a_checkpoint`` says which).
+        MoeOffloadError: ``name`` is neither an existing path, a built-in name nor a Hub name (the message names the
+            built-in models and, when one is close, suggests it), an existing path that is not a checkpoint directory
+            (a GGUF file, another file, a directory without config.json: ``checkpoint.not_a_checkpoint`` says which),
+            or a Hub name that cannot be fetched (``hub.snapshot``: malformed, unknown, gated, offline and not cached,
+            no safetensors).
     """
     from .checkpoint import not_a_checkpoint
 
@@ -40,6 +45,11 @@ def resolve_model(name: str | None, progress: bool = True) -> Path:
         from ..testbed.build import ensure_testbed
 
         return ensure_testbed(name, progress=progress)
+    from .hub import looks_like_hub_name, snapshot
+
+    if looks_like_hub_name(name):
+        return snapshot(name, progress=progress)
     close = closest_builtin(name)
     hint = f"did you mean the built-in model {close}? " if close else ""
-    raise MoeOffloadError(f"model directory not found: {name}; {hint}(built-in models: {', '.join(BUILTIN_MODELS)})")
+    raise MoeOffloadError(f"model directory not found: {name}; {hint}(built-in models: {', '.join(BUILTIN_MODELS)}; "
+                          "a Hugging Face Hub model: ORG/NAME[@REVISION])")

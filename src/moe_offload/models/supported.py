@@ -207,6 +207,20 @@ def describe_config(path: str | Path) -> str:
     ] + (["  multimodal: served for text-only prompts"] if geo.multimodal else []))
 
 
+def config_source(name: str) -> Path:
+    """What ``models --config name`` reads: an existing path as it is (a local directory named like a Hub name wins),
+    else for a Hub name ``ORG/NAME[@REVISION]`` its config.json alone, from the Hugging Face cache or downloaded.
+
+    Raises:
+        MoeOffloadError: a Hub name that cannot be fetched (``hub.config_file``: malformed, unknown, gated, offline
+            and not cached, no config.json); a path that does not exist is left to ``describe_config``.
+    """
+    from .hub import config_file, looks_like_hub_name
+
+    path = Path(name)
+    return config_file(name) if not path.exists() and looks_like_hub_name(name) else path
+
+
 def torch_itemsize(dtype) -> int:
     """Bytes per element of a torch dtype."""
     import torch
@@ -227,8 +241,9 @@ def add_parser(sub) -> None:
                    "transformers (dense models, MoEs without ExpertsInterface, sub-configurations), refused")
     p.add_argument("--record", metavar="FILE", help="with --verify: also write the results as a record (JSON; "
                    "default: none)")
-    p.add_argument("--config", metavar="PATH", help="check one checkpoint's config.json (the file or its directory; "
-                   "no weights needed): served or why not, layers, experts, bytes (default: none)")
+    p.add_argument("--config", metavar="PATH", help="check one checkpoint's config.json (the file, its directory, or a "
+                   "Hugging Face Hub name ORG/NAME[@REVISION], of which config.json alone is downloaded; no weights "
+                   "needed): served or why not, layers, experts, bytes (default: none)")
 
 
 def run(args) -> int:
@@ -238,7 +253,7 @@ def run(args) -> int:
     if args.record and not args.verify:
         raise MoeOffloadError("--record needs --verify (a record holds verified results)")
     if args.config:
-        print(describe_config(args.config))
+        print(describe_config(config_source(args.config)))
         return 0
     show = (lambda r: print(f"{r.model_type}: {r.status} ({r.seconds} s)", file=sys.stderr, flush=True)) \
         if args.verify else None
