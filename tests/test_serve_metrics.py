@@ -117,6 +117,7 @@ def test_metrics_count_the_requests_tokens_and_experts(served):
     assert _value(fams, "moe_offload_routed_experts") == stats["routed_experts"]
     assert 0 < _value(fams, "moe_offload_resident_experts") <= stats["slots"]
     assert _value(fams, "moe_offload_memory_budget_bytes") == state.plan.budget_bytes
+    assert _value(fams, "moe_offload_process_resident_memory_bytes") > 0  # memory in use (the CPU: the process's)
     assert _value(fams, "moe_offload_memory_planned_bytes", part="slot_pool") == state.plan.slot_bytes
     assert sum(s.value for s in fams["moe_offload_memory_planned_bytes"].samples) == state.plan.total_bytes
     assert _value(fams, "moe_offload_memory_peak_bytes") == state.memory()["measured"]["device_peak_bytes"]
@@ -205,6 +206,7 @@ def test_prefetch_and_predictor_metrics(tiny_dirs, random_pset, tmp_path):
     assert pf.prefetches > 0
     assert _value(fams, "moe_offload_prefetches_landed") == pf.landed
     assert _value(fams, "moe_offload_prefetches_waited") == pf.waited
+    assert _value(fams, "moe_offload_prefetches_wasted") == eng.table.prefetches_wasted
     assert _value(fams, "moe_offload_transfer_copies", outcome="ok") == pf.transfer.stats.copies
 
 

@@ -101,6 +101,28 @@ def test_prefetched_but_unactivated_experts_of_the_layer_become_used():
     consistent(t)
 
 
+def test_wasted_prefetches_are_counted_at_eviction():
+    """A prefetched expert evicted before any layer needed it is wasted; one a layer needed is not, whatever happens
+    to it later; a failed copy is not. Three slots, LRU: prefetch 5 and 6 (layer 1), layer 1 needs 4 and 6 (4 goes to
+    the last Empty slot; 5 was never needed), then layer 0 needs 0 and 1: two evictions, LRU's victims 5 (inserted at
+    tick 0, never accessed) and then 4 or 6 (accessed at tick 1) — only 5 counts."""
+    t, _ = table()
+    for e in (5, 6):
+        ld = t.prefetch(e)
+        assert t.land(e, ld.slot, ld.tag)
+    t.plan_layer([4, 6], layer=1)
+    assert t.prefetches_wasted == 0
+    plan = t.plan_layer([0, 1], layer=0)
+    evicted = {ld.evicted for r in plan.rounds for ld in r.loads}
+    assert 5 in evicted and len(evicted) == 2
+    assert t.prefetches_wasted == 1
+    ld = t.prefetch(7)                                             # a failed copy: not wasted
+    assert ld is not None and t.land(7, ld.slot, ld.tag, ok=False)
+    t.plan_layer([4, 5], layer=1)
+    t.plan_layer([2, 3], layer=0)
+    assert t.prefetches_wasted == 1
+
+
 def test_on_demand_load_goes_to_compute_and_hits_are_pinned():
     t, pol = table(slots=3)
     t.plan_layer([0, 1, 2])                                        # LRU order 0, 1, 2

@@ -41,6 +41,8 @@ class SlotTable:
         expert_in: list[int] of length S, the expert in each slot (for a Fetch slot, the expert being fetched into
             it), -1 when Empty.
         tick: number of layer executions planned so far (the policies' clock).
+        prefetches_wasted: prefetched experts evicted before any layer needed them (the forecast was wrong or came
+            too early; a failed or cancelled copy is not counted).
 
     Policy events: ``on_evict`` when a victim leaves its slot (at ``prefetch`` for a prefetch's victim);
     ``on_insert`` when an expert becomes resident: an on-demand load, a successful landing, or the adoption of an
@@ -77,6 +79,8 @@ class SlotTable:
         self._next_tag = 1
         self._fetching: dict[int, int] = {}                 # expert in flight -> its Fetch slot
         self._pinned: set[int] = set()                      # experts in Fetch or Compute slots
+        self._unused_prefetch: set[int] = set()             # prefetched, not needed by any layer since
+        self.prefetches_wasted = 0
         self.tick = 0
 
     # ---- queries -------------------------------------------------------------------------------------------
@@ -161,6 +165,7 @@ class SlotTable:
         self.expert_in[slot] = eid
         self._fetching[eid] = slot
         self._pinned.add(eid)
+        self._unused_prefetch.add(eid)
         return Load(eid=eid, slot=slot, evicted=evicted, tag=tag)
 
     def land(self, eid: int, slot: int, tag: int, ok: bool = True) -> bool:
@@ -196,6 +201,7 @@ class SlotTable:
             self._state[slot] = SlotState.EMPTY
             self.expert_in[slot] = -1
             self._pinned.discard(eid)
+            self._unused_prefetch.discard(eid)
             i = bisect.bisect_left(self._empty, -slot, key=lambda s: -s)  # keep the list descending
             self._empty.insert(i, slot)
         return True
@@ -257,6 +263,8 @@ class SlotTable:
             tokens = [1] * len(needed)
         pairs = sorted(zip(needed, tokens))
         needed = [e for e, _ in pairs]
+        if self._unused_prefetch:
+            self._unused_prefetch.difference_update(needed)
         slot_of, fetching = self.slot_of, self._fetching
         hit_list = [e for e in needed if slot_of[e] >= 0]
         miss_list = [e for e in needed if slot_of[e] < 0]
@@ -345,6 +353,9 @@ class SlotTable:
             raise RuntimeError(f"policy {self.policy.name} chose expert {evicted}, which is not in a Used slot")
         self.slot_of[evicted] = -1
         self.policy.on_evict(evicted)
+        if evicted in self._unused_prefetch:
+            self._unused_prefetch.discard(evicted)
+            self.prefetches_wasted += 1
         return slot, evicted
 
     def _release_experts(self, eids) -> None:

@@ -15,9 +15,9 @@ Prometheus conventions: ``moe_offload_`` prefix, counters end in ``_total``, bas
 Counters read from the engine go down when something resets the engine's counters (``loadtest``,
 ``bench compare``); Prometheus' ``rate`` treats that as a counter reset.
 
-What the runtime does not count, and so is not exported: wasted prefetches (an expert prefetched and evicted
-before any layer used it; ``core.slots.SlotTable`` does not record it), and the device memory in use on the CPU
-(only its peak is measured, by ``serve --track-memory``).
+Memory in use: on CUDA the allocator's bytes; on the CPU, where the slots and the host tiers are the process's own
+RAM, the process's resident memory (``prometheus_client``'s ``ProcessCollector`` in every app's registry:
+``moe_offload_process_resident_memory_bytes``).
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ import time
 
 from fastapi import FastAPI
 from fastapi.responses import Response
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, ProcessCollector,
+                               generate_latest)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -205,6 +206,8 @@ def prefetch_families(engine):
     yield fam
     yield _counter("prefetches_landed", "Prefetch copies that landed in their slot", pf.landed)
     yield _counter("prefetches_waited", "Needed experts still in flight that a layer waited for", pf.waited)
+    yield _counter("prefetches_wasted", "Prefetched experts evicted before any layer needed them",
+                   engine.table.prefetches_wasted)
     t = pf.transfer.stats
     yield _labelled(CounterMetricFamily, "transfer_copies", "Copies through the transfer engine, by outcome",
                     "outcome", {"ok": t.copies, "cancelled": t.cancelled, "failed": t.failed})
@@ -248,6 +251,7 @@ class ServeMetrics:
     def __init__(self, state):
         reg = self.registry = CollectorRegistry(auto_describe=False)
         reg.register(ServeCollector(state))
+        ProcessCollector(namespace=P.rstrip("_"), registry=reg)  # ..._process_resident_memory_bytes: in use
         ep = ["endpoint"]
         self.http_requests = Counter(P + "http_requests", "HTTP requests by method, route and status",
                                      ["method", "endpoint", "status"], registry=reg)
