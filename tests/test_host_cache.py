@@ -131,3 +131,55 @@ def test_cli_three_tiers_with_a_budget(tiny_dirs, refs, capsys):
     assert c["rows"] == 20 and plan["host_cache_bytes"] == c["bytes"] == st["host_store_bytes"] == 20 * 24576
     assert plan["total_bytes"] <= 2_000_000 and st["slots"] < st["routed_experts"]
     assert c["hits"] + c["misses"] + c["bypasses"] == st["misses"] and st["disk"]["experts"] == c["misses"] + c["bypasses"]
+
+
+def test_simulated_host_tier_decides_as_the_runtime_cache(disk_lm):
+    """The simulator's host tier and the runtime's ``HostCache`` on the same requests: the same hits, reads and
+    evictions (one policy implementation, the same calls); a prefill request changes contents but is not counted."""
+    from moe_offload.sim.host_tier import HostTierReplay, three_tier_load_s
+
+    seq = [0, 1, 0, 2, 1, 0, 3, 3, 1]
+    cache = HostCache(disk_lm.engine.store, rows=2, policy="lru")
+    buf = np.zeros(cache.layout.expert_bytes, np.uint8)
+    for e in seq:
+        cache.copy_to(e, buf)
+    sim = HostTierReplay(2)
+    sim(1, seq)
+    st = cache.cache_stats
+    assert (sim.hits, sim.misses, sim.evictions) == (st.hits, st.misses, st.evictions) == (2, 7, 5)
+    pre = HostTierReplay(2)
+    pre(0, [0, 1])      # a prefill: cached, not counted
+    pre(1, [0, 2])
+    assert (pre.hits, pre.misses, pre.evictions) == (1, 1, 1)
+    assert three_tier_load_s(1e-3, 4e-3, 0.75) == pytest.approx(2e-3)
+
+
+def test_simulate_three_tiers_cli(tmp_path, capsys, tiny_dirs):
+    """``simulate --host-cache-frac``: projected speed between host-RAM and disk-only, hit rate reported;
+    refusals in one line."""
+    import csv
+
+    from moe_offload.cli import main
+
+    t = tmp_path / "t.trace"
+    assert main(["trace", "collect", "--model", str(tiny_dirs["qwen3_moe"]), "--prompt", PROMPT, "--max-new-tokens",
+                 "12", "--out", str(t), "--quiet"]) == 0
+    base = ["simulate", "--trace", str(t), "--residency", "0.3", "--policy", "lru", "--hardware", "rtx4090",
+            "--model-profile", "qwen3-30b-a3b-fp8"]
+    rows = {}
+    for name, extra in {"host": [], "three": ["--host-cache-frac", "0.4"], "disk": ["--link", "disk"]}.items():
+        assert main(base + extra + ["--out", str(tmp_path / name)]) == 0
+        rows[name] = next(csv.DictReader(open(tmp_path / name / "results.csv")))
+    h = float(rows["three"]["host_cache_hit_rate"])
+    assert 0 <= h <= 1 and int(rows["three"]["host_cache_rows"]) == 20
+    # the same misses, each costing the host copy plus a disk read for the host cache's misses:
+    # stall(three) = stall(host link) + (1 - h) * stall(disk link), exactly (the stall is linear in the misses)
+    stall = {k: float(r["stall_s_per_step"]) for k, r in rows.items()}
+    assert stall["three"] == pytest.approx(stall["host"] + (1 - h) * stall["disk"])
+    assert float(rows["three"]["projected_tok_s"]) <= float(rows["host"]["projected_tok_s"])
+    capsys.readouterr()
+    for extra, needle in [(["--host-cache-frac", "1.5"], "must be in (0, 1]"),
+                          (["--host-cache-frac", "0.4", "--link", "disk"], "it replaces --link disk"),
+                          (["--host-cache-frac", "0.4", "--hardware", "h200"], "has no disk entry")]:
+        assert main(base + extra + ["--out", str(tmp_path / "x")]) == 2
+        assert needle in capsys.readouterr().err

@@ -45,6 +45,10 @@ def add_parser(sub) -> None:
                     help="the link a miss crosses: host (default: the hardware profile's host->device link, experts "
                     "in host RAM) or disk (experts streamed from the profile's disk, its measured speed for one "
                     "expert's read at queue depth 1, `bench link --disk`)")
+    sm.add_argument("--host-cache-frac", type=float_, metavar="F",
+                    help="three tiers: a host cache holding this fraction of all routed experts (LRU, as --host-cache) "
+                    "between the hardware profile's disk and the device slots; a device miss costs the host->device "
+                    "copy plus, when the host cache misses too, a disk read (history policies; default: none)")
     sm.add_argument("--link-epl", type=float_,
                     help="link speed in experts per layer compute time for the prefetching replay (default: the model "
                     "profile's measured value on --hardware, SeqMoE §2.2: 1.39 for qwen3-30b-a3b-fp8 on rtx4090)")
@@ -159,7 +163,8 @@ def run(args) -> int:
         from ..predictor.xl_calibrate import describe_xl_weights
 
         print(f"seqmoe-xl's cross-layer blend weights: {describe_xl_weights(pset)}")
-    rows = _replays(traces, policies, residencies, mp, hw, tm, epl, forecasts, popularity)
+    rows = _replays(traces, policies, residencies, mp, hw, tm, epl, forecasts, popularity,
+                    _host_tier(args, hw, mp, policies))
     files = write_report(rows, out, f"Expert hit rate and projected decode speed ({mp.name} on {hw.name})")
     print((out / "results.md").read_text())
     if no_speed:
@@ -168,11 +173,51 @@ def run(args) -> int:
     return 0
 
 
-def _replays(traces, policies, residencies, mp, hw, tm, epl, forecasts, popularity) -> list[dict]:
+def _host_tier(args, hw, mp, policies) -> tuple[float, float] | None:
+    """``(host cache fraction, seconds of one expert's disk read)`` for ``--host-cache-frac``, else None.
+
+    Raises:
+        MoeOffloadError: a fraction outside (0, 1], with --link disk, with a prefetching policy, or a hardware
+            profile without a disk entry.
+    """
+    frac = args.host_cache_frac
+    if frac is None:
+        return None
+    from .disk_link import disk_gbps
+    from .prefetch_sim import PREFETCH_POLICIES
+
+    if not 0 < frac <= 1:
+        raise MoeOffloadError(f"--host-cache-frac must be in (0, 1], got {frac}")
+    if args.link == "disk":
+        raise MoeOffloadError("--host-cache-frac puts a host cache between the disk and the device: it replaces "
+                              "--link disk (two tiers), keep the host link")
+    pre = [p for p in policies if p.lower() in PREFETCH_POLICIES]
+    if pre:
+        raise MoeOffloadError(f"--host-cache-frac projects the history policies; not {', '.join(pre)} (their link "
+                              "model has one tier)")
+    disk = hw.extra.get("disk")
+    if not disk:
+        raise MoeOffloadError(f"hardware profile {hw.name} has no disk entry for the tier below the host cache")
+    return frac, mp.expert_bytes / (disk_gbps(disk, mp.expert_bytes, 1) * 1e9)
+
+
+def _three_tier_time(tm, host, tier, res, tr) -> dict:
+    """The time model's decode time with ``tier``'s (``HostTierReplay``) hit rate folded into the per-miss cost."""
+    import copy
+
+    from .host_tier import three_tier_load_s
+
+    tm3 = copy.copy(tm)
+    tm3.t_load_s = three_tier_load_s(tm.t_load_s, host[1], tier.hit_rate)
+    return tm3.decode_time(res.per_step, tr) | {"host_cache_rows": tier.rows, "host_cache_hit_rate": tier.hit_rate}
+
+
+def _replays(traces, policies, residencies, mp, hw, tm, epl, forecasts, popularity, host=None) -> list[dict]:
     """One report row per (trace, policy, residency): hit counts, and projected speed where ``tm`` (the time model)
-    and ``epl`` (the link speed) are known."""
+    and ``epl`` (the link speed) are known; with ``host`` (``_host_tier``) through a host cache tier."""
     from tqdm.auto import tqdm
 
+    from .host_tier import HostTierReplay
     from .prefetch_sim import PREFETCH_POLICIES, replay_policy
     from .simulator import layer_needs
 
@@ -189,17 +234,21 @@ def _replays(traces, policies, residencies, mp, hw, tm, epl, forecasts, populari
                     from .forecasts import oracle_stream
 
                     fc = oracle.setdefault(name, oracle_stream(fc, tr))
+                tier = None if host is None else HostTierReplay(max(1, math.ceil(host[0] * n_total - 1e-9)))
                 res, fraction = replay_policy(tr, p, slots, epl, forecasts=fc, needs=needs,
-                                              prefill_popularity=None if p.lower() == "xl" else popularity)
+                                              prefill_popularity=None if p.lower() == "xl" else popularity,
+                                              on_loads=tier)
                 row = _row(name, tr, mp, hw, res.policy if p.lower() not in PREFETCH_POLICIES else p.lower(), r,
                            slots, res) | {"link_epl": epl, "decode_fraction_link_model": fraction}
                 if p.lower() in PREFETCH_POLICIES:
                     row |= {"prefetches": res.prefetches, "prefetch_accuracy": res.prefetch_accuracy,
                             "late": res.decode_late}
                 else:
-                    t = tm.decode_time(res.per_step, tr) if tm is not None else {}
+                    t = {} if tm is None else (tm.decode_time(res.per_step, tr) if tier is None else
+                                               _three_tier_time(tm, host, tier, res, tr))
                     row |= {k: t[k] for k in ("projection", "projected_tok_s", "full_load_tok_s",
-                                              "fraction_of_full_load", "stall_s_per_step") if k in t}
+                                              "fraction_of_full_load", "stall_s_per_step", "host_cache_rows",
+                                              "host_cache_hit_rate") if k in t}
                 rows.append(row)
                 bar.update(1)
     bar.close()

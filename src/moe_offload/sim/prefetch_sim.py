@@ -206,7 +206,7 @@ def link_fraction(res: ReplayResult, trace: Trace, link_epl: float) -> float:
 
 
 def replay_policy(trace: Trace, policy: str, num_slots: int, link_epl: float | None, forecasts=None,
-                  prefill_popularity=None, needs=None) -> tuple[ReplayResult, float | None]:
+                  prefill_popularity=None, needs=None, on_loads=None) -> tuple[ReplayResult, float | None]:
     """One policy's replay as ``simulate`` and ``bench decode`` run it: the SeqMoE pipelines of
     ``PREFETCH_POLICIES`` through ``replay_with_prefetch``, every other policy through ``simulator.replay`` (a
     forecast-driven one fed ``forecasts``).
@@ -216,11 +216,12 @@ def replay_policy(trace: Trace, policy: str, num_slots: int, link_epl: float | N
         link_epl: link speed in experts per layer time; None: no speed projection.
         forecasts: ``sim.forecasts.forecast_stream`` of ``trace`` (for the forecast-driven policies).
         prefill_popularity: the predictor's ``[L, E]`` prefill popularity (SeqMoE §8.4) or None.
+        on_loads: ``simulator.replay``'s hook for a tier below the slots (not for the prefetching pipelines).
     Returns:
         ``(result, decode fraction of FullLoad under the link model or None)``.
     Raises:
         MoeOffloadError: unknown policy, or a forecast-driven one without ``forecasts``; prefetching without
-            ``link_epl``.
+            ``link_epl`` or with ``on_loads``.
     """
     from .simulator import FORECAST_POLICIES, replay
 
@@ -228,9 +229,13 @@ def replay_policy(trace: Trace, policy: str, num_slots: int, link_epl: float | N
     if key in PREFETCH_POLICIES:
         if link_epl is None:
             raise MoeOffloadError(f"--policy {policy} needs a link speed")
+        if on_loads is not None:
+            raise MoeOffloadError(f"--policy {policy} prefetches over one link: the host cache tier is projected for "
+                                  "the history policies only")
         evict, sched = PREFETCH_POLICIES[key]
         pr = replay_with_prefetch(trace, num_slots, evict, link_epl, forecasts=forecasts, scheduler=sched,
                                   needs=needs, prefill_popularity=prefill_popularity)
         return pr, pr.decode_fraction_of_full_load
-    res = replay(trace, num_slots, policy, needs=needs, forecasts=forecasts if key in FORECAST_POLICIES else None)
+    res = replay(trace, num_slots, policy, needs=needs, forecasts=forecasts if key in FORECAST_POLICIES else None,
+                 on_loads=on_loads)
     return res, (link_fraction(res, trace, link_epl) if link_epl else None)

@@ -100,12 +100,15 @@ def build_policy(name: str, trace: Trace, num_slots: int, needs=None) -> Evictio
                        num_moe_layers=trace.num_moe_layers)
 
 
-def replay(trace: Trace, num_slots: int, policy: str | EvictionPolicy, needs=None, forecasts=None) -> ReplayResult:
+def replay(trace: Trace, num_slots: int, policy: str | EvictionPolicy, needs=None, forecasts=None,
+           on_loads=None) -> ReplayResult:
     """Replay ``trace`` with a pool of ``num_slots`` slots under ``policy`` (a name or a fresh policy object).
 
     ``needs`` (from ``layer_needs``) can be passed to share the preprocessing across many replays.
     ``forecasts`` (from ``sim.forecasts.forecast_stream``): predictor forecasts handed to the policy's
     ``observe`` before planning the layer that triggered them (required by forecast-driven policies).
+    ``on_loads(step, eids)``: told the experts each layer loads on demand, in order (a tier below the slots, e.g.
+    ``sim.host_tier.HostTierReplay``).
     Raises MoeOffloadError for an unknown policy name; ``num_slots`` must be >= 1 (fewer than top-k works here:
     the table processes such layers in rounds, as the runtime does).
     """
@@ -133,6 +136,8 @@ def replay(trace: Trace, num_slots: int, policy: str | EvictionPolicy, needs=Non
             plan = table.plan_layer(ids, cnt)
             h += plan.hits
             m += plan.misses
+            if on_loads is not None:
+                on_loads(step, [ld.eid for rnd in plan.rounds for ld in rnd.loads])
         req_a[i], step_a[i], hits_a[i], miss_a[i] = req, step, h, m
         res.hits += h
         res.misses += m
