@@ -81,7 +81,8 @@ class HostCache:
         self.cache_stats = HostCacheStats()
         self._row_of: dict[int, int] = {}
         self._free = list(range(self.rows - 1, -1, -1))
-        self._pins = [0] * self.rows
+        self._pins = [0] * self.rows                   # copies using each row now
+        self._pinned: set[int] = set()                 # experts whose row is in use (never a victim)
         self._inflight: dict[int, threading.Event] = {}
         self._lock = threading.Lock()
         self._tick = 0
@@ -111,7 +112,7 @@ class HostCache:
         row = self._row_of.get(eid)
         if row is not None:
             self.policy.on_access(eid, self._tick)
-            self._pins[row] += 1
+            self._pin(eid, row)
             self.cache_stats.hits += 1
             return "hit", row
         ev = self._inflight.get(eid)
@@ -121,16 +122,25 @@ class HostCache:
         if self._free:
             row = self._free.pop()
         else:
-            pinned = {e for e, r in self._row_of.items() if self._pins[r]}
-            if not self.policy.resident - pinned:
+            resident, pinned = self.policy.resident, self._pinned
+            if len(resident) <= sum(1 for e in pinned if e in resident):
                 return "bypass", None
             victim = self.policy.victim(pinned)
             row = self._row_of.pop(victim)
             self.policy.on_evict(victim)
             self.cache_stats.evictions += 1
-        self._pins[row] += 1
+        self._pin(eid, row)
         self._inflight[eid] = threading.Event()
         return "fill", row
+
+    def _pin(self, eid: int, row: int) -> None:
+        self._pins[row] += 1
+        self._pinned.add(eid)
+
+    def _unpin(self, eid: int, row: int) -> None:
+        self._pins[row] -= 1
+        if not self._pins[row]:
+            self._pinned.discard(eid)
 
     def copy_to(self, eid: int, dst, non_blocking: bool = False) -> None:
         """Expert ``eid`` into ``dst`` (numpy uint8 row, or a torch uint8 row on a device: a synchronous copy) from
@@ -161,7 +171,7 @@ class HostCache:
                 dst.copy_(self.buf[row])
         finally:
             with self._lock:
-                self._pins[row] -= 1
+                self._unpin(eid, row)
 
     def _fill(self, eid: int, row: int) -> None:
         """Read ``eid`` from disk into ``row``, then publish it (or give the row back if the read fails)."""
