@@ -258,11 +258,7 @@ def anthropic_router(state) -> APIRouter:
         if body.stream:
             return EventSourceResponse(stream_events(state, job, mid, bool(body.return_token_ids), finished),
                                        headers={"Cache-Control": "no-cache"})
-        ev = None
-        try:
-            ev = await wait_result(state.worker, job, request.is_disconnected)
-        finally:
-            finished(ev)
+        ev = await wait_result(state.worker, job, request.is_disconnected, finished)
         if ev is None:
             return error_response(499, "client disconnected")
         if isinstance(ev, Failed):

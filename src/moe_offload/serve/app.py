@@ -392,11 +392,7 @@ async def _respond(state: ServeState, request: Request, body, ids: list[int], pa
         return EventSourceResponse(_stream(state, job, rid, created, chat, include_usage, body.return_token_ids,
                                            finished),
                                    headers={"Cache-Control": "no-cache"})
-    ev = None
-    try:
-        ev = await wait_result(state.worker, job, request.is_disconnected)
-    finally:
-        finished(ev)
+    ev = await wait_result(state.worker, job, request.is_disconnected, finished)
     if ev is None:
         return JSONResponse(error_body("client disconnected"), status_code=499)
     if isinstance(ev, Failed):

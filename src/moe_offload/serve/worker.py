@@ -190,7 +190,7 @@ class ServerStats:
 DISCONNECT_POLL_S = 0.25  # a non-streamed request checks this often whether its client is still there
 
 
-async def wait_result(worker, job: Job, is_disconnected) -> Done | Failed | None:
+async def wait_result(worker, job: Job, is_disconnected, on_end=None) -> Done | Failed | None:
     """The final event of a non-streamed request (``Delta`` events are skipped), checking every
     ``DISCONNECT_POLL_S`` seconds whether its client is still there.
 
@@ -198,6 +198,7 @@ async def wait_result(worker, job: Job, is_disconnected) -> Done | Failed | None
         worker: the worker (``Worker`` or ``BatchWorker``) ``job`` was submitted to.
         job: the request.
         is_disconnected: ``async () -> bool`` (Starlette's ``Request.is_disconnected``).
+        on_end: ``(last event) -> None``, called however the wait ends (the metrics' ``finished``), or None.
     Returns:
         ``Done`` or ``Failed``; None when the client went away. Unless it returns ``Done`` / ``Failed`` (the client
         left, or the caller was cancelled), the job is cancelled.
@@ -215,6 +216,8 @@ async def wait_result(worker, job: Job, is_disconnected) -> Done | Failed | None
                 if await is_disconnected():
                     return None
     finally:
+        if on_end is not None:
+            on_end(ev)
         if not isinstance(ev, (Done, Failed)):  # the client went away (or the handler was cancelled)
             worker.cancel(job)
     return ev
