@@ -84,8 +84,22 @@ def tier_stats(lm) -> dict:
                                  "evictions": cache.evictions, "hit_rate": cache.hit_rate}
         out["disk"] = {"requests": st.requests, "bytes_read": st.bytes_read, "expert_bytes": st.expert_bytes,
                        "experts": st.experts, "busy_s": st.busy_s, "gbps_per_reader": st.gbps,
-                       "readers": store.readers, "direct_io": store.buffered_reason is None}
+                       "readers": store.readers, "direct_io": store.buffered_reason is None,
+                       "demand_s": st.demand_s, "demand_bytes": st.demand_bytes, "demand_gbps": st.demand_gbps,
+                       "demand_vs_measured": _demand_vs_measured(st),
+                       "prefetch_yields": st.prefetch_yields, "prefetch_cancelled": st.prefetch_cancelled}
     return out
+
+
+def _demand_vs_measured(st) -> float | None:
+    """``DiskReadStats.demand_efficiency`` against this machine's ``bench link --disk`` measurement (None: no
+    measurement, or no on-demand read)."""
+    from .sim.disk_link import disk_gbps, this_machine_disk
+
+    disk = this_machine_disk()
+    if not disk or "table_gbps" not in disk:
+        return None
+    return st.demand_efficiency(lambda size, depth: disk_gbps(disk, size, depth))
 
 
 def _fmt_bytes(n: float) -> str:
@@ -133,7 +147,12 @@ def _disk_line(k: dict) -> str:
     return (f"{k['experts']} experts, {_fmt_bytes(k['bytes_read'])} read in {k['requests']} requests "
             f"({k['bytes_read'] / max(1, k['requests']) / 1024:.0f} KiB each: whole 4 KiB pages around the expert's "
             f"bytes), {k['gbps_per_reader']:.2f} GB/s per reader while reading, up to {k['readers']} readers at "
-            f"once, {'direct I/O' if k['direct_io'] else 'buffered + fadvise DONTNEED'}")
+            f"once, {'direct I/O' if k['direct_io'] else 'buffered + fadvise DONTNEED'}; on-demand reads "
+            f"{k['demand_gbps']:.2f} GB/s while outstanding"
+            + (f" ({k['demand_vs_measured']:.0%} of `bench link --disk` at that request size and queue depth)"
+               if k.get("demand_vs_measured") is not None else "")
+            + (f"; prefetches yielded {k['prefetch_yields']} chunks to on-demand reads" if k["prefetch_yields"]
+               else ""))
 
 
 def _cache_line(c: dict) -> str:

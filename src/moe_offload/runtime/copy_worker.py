@@ -19,7 +19,8 @@ _QUEUED, _RUNNING, _DONE = 0, 1, 2
 
 
 class _Job:
-    __slots__ = ("eid", "slot", "tag", "state", "urgent", "ready", "event", "started_at", "deadline", "landing")
+    __slots__ = ("eid", "slot", "tag", "state", "urgent", "ready", "event", "started_at", "deadline", "landing",
+                 "stop")
 
     def __init__(self, eid: int, slot: int, tag: int, ready):
         self.eid = eid
@@ -32,6 +33,11 @@ class _Job:
         self.started_at = None
         self.deadline = 0.0          # emulated link: the copy is not complete before this perf_counter time
         self.landing = None          # the runtime.transfer.Landing once done
+        self.stop = False            # cancelled while running: a store that reads in chunks stops at the next one
+
+
+class CopyCancelled(Exception):
+    """A running copy stopped at a chunk because it was cancelled (``TransferEngine.cancel``)."""
 
 
 class CopyWorker:
@@ -79,6 +85,8 @@ class CopyWorker:
                 self._copy(job)
                 self._link_time(job)
                 err = None
+            except CopyCancelled:
+                err = "cancelled"
             except Exception as e:  # report the failure, keep serving the queue
                 err = f"{type(e).__name__}: {e}"
             with self._cond:
@@ -94,15 +102,32 @@ class CopyWorker:
         worker (``submit``, then ``wait``, which moves them ahead of queued prefetches)."""
         return False
 
+    def _read(self, job: _Job, dst, non_blocking: bool = False) -> None:
+        """The store's copy of ``job``'s expert into ``dst``: a prefetch read that yields to on-demand reads and stops
+        at a chunk when cancelled where the store reads in chunks (``read_prefetch``: the disk tier).
+
+        Raises:
+            CopyCancelled: the copy was cancelled while running and stopped before its end.
+        """
+        read = getattr(self.store, "read_prefetch", None)
+        if read is None:
+            self.store.copy_to(job.eid, dst, non_blocking=non_blocking)
+        elif not read(job.eid, dst, lambda: job.stop):
+            raise CopyCancelled(job.eid)
+
     def _copy(self, job: _Job) -> None:
-        """Copy ``job``'s expert into its slot; returns when the bytes are all in the slot."""
+        """Copy ``job``'s expert into its slot; returns when the bytes are all in the slot.
+
+        Raises:
+            CopyCancelled: as ``_read``.
+        """
         if self._cpu:
-            self.store.copy_to(job.eid, self._dst[job.slot])
+            self._read(job, self._dst[job.slot])
         elif self._cuda:
             stream = self._stream
             with torch.cuda.stream(stream):
                 stream.wait_event(job.ready)
-                self.store.copy_to(job.eid, self.pool.buf[job.slot], non_blocking=True)
+                self._read(job, self.pool.buf[job.slot], non_blocking=True)
                 ev = torch.cuda.Event()
                 ev.record(stream)
             with self._cond:
@@ -110,4 +135,4 @@ class CopyWorker:
                 self._cond.notify_all()
             ev.synchronize()    # releases the GIL; blocks this worker only
         else:
-            self.store.copy_to(job.eid, self.pool.buf[job.slot])
+            self._read(job, self.pool.buf[job.slot])

@@ -10,7 +10,15 @@ aligned. A span is read with ``os.preadv`` (which releases the GIL) into a page-
 thread, and the expert's fields are copied from there into the destination (a slot of the pool, or a host row).
 
 Several experts are read at once by ``copy_many`` (a pool of ``readers`` threads: the queue depth of the on-demand
-misses of one layer); a prefetch copy runs on the transfer engine's worker thread through ``copy_to``.
+misses of one layer; the calling thread reads one of them itself). A prefetch copy runs on the transfer engine's
+worker thread through ``read_prefetch``, in chunks of at most ``PREFETCH_CHUNK`` bytes: before each chunk it yields
+to on-demand reads (it waits while ``copy_to`` / ``copy_many`` calls are outstanding, unless the engine is waiting
+for that very prefetch) and stops when its copy was cancelled, so an on-demand miss never queues behind a whole
+prefetch and a cancelled prefetch stops reading at a chunk.
+
+Reads while misses are outstanding are measured (``DiskReadStats.demand_s``, ``demand_reads``) so that a report can
+set them against the bandwidth ``bench link --disk`` measured at the same request size and queue depth
+(``demand_efficiency``).
 
 Where the filesystem refuses ``O_DIRECT``, a file is read through the page cache and each span is dropped again
 with ``posix_fadvise(POSIX_FADV_DONTNEED)`` (said once on stderr); a filesystem that refuses both is an error.
@@ -29,7 +37,8 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -45,25 +54,56 @@ IO_ALIGN = 4096
 MERGE_GAP = 64 * 1024
 #: default reader threads (queue depth of ``copy_many``)
 DEFAULT_READERS = 4
+#: largest read of a prefetch between two checks for on-demand reads to yield to and for cancellation (bytes); an
+#: expert up to this size is read in one request (a 324 KiB testbed expert), a 9.4 MB one in ten
+PREFETCH_CHUNK = 1 << 20
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
 @dataclass
 class DiskReadStats:
-    """Counters of a ``DiskStore``: ``requests`` (preadv calls), ``bytes_read`` (aligned span bytes transferred),
-    ``expert_bytes`` (field bytes delivered), ``experts`` (experts read), ``busy_s`` (seconds spent in reads, summed
-    over threads). ``gbps`` is ``bytes_read / busy_s / 1e9`` (per-thread bandwidth; the link's achieved bandwidth is
-    the bytes over the wall time the caller measures)."""
+    """Counters of a ``DiskStore``.
+
+    ``requests`` (preadv calls), ``bytes_read`` (aligned span bytes transferred), ``expert_bytes`` (field bytes
+    delivered), ``experts`` (experts read), ``busy_s`` (seconds spent in reads, summed over threads). ``gbps`` is
+    ``bytes_read / busy_s / 1e9`` (per-thread bandwidth).
+
+    On-demand reads (``copy_to`` / ``copy_many``, misses the engine waits for): ``demand_s`` (wall seconds during
+    which at least one was outstanding), ``demand_bytes`` (their aligned bytes) and ``demand_reads`` ``{(span
+    bytes, queue depth at its start): reads}``, from which ``demand_efficiency`` compares them with a measured disk.
+    Prefetches (``read_prefetch``): ``prefetch_yields`` (chunks held back for on-demand reads),
+    ``prefetch_cancelled`` (prefetches stopped at a chunk because their copy was cancelled).
+    """
 
     requests: int = 0
     bytes_read: int = 0
     expert_bytes: int = 0
     experts: int = 0
     busy_s: float = 0.0
+    demand_s: float = 0.0
+    demand_bytes: int = 0
+    demand_reads: dict = field(default_factory=dict)
+    prefetch_yields: int = 0
+    prefetch_cancelled: int = 0
 
     @property
     def gbps(self) -> float:
         return self.bytes_read / self.busy_s / 1e9 if self.busy_s > 0 else 0.0
+
+    @property
+    def demand_gbps(self) -> float:
+        """GB/s of on-demand reads while they were outstanding: ``demand_bytes / demand_s / 1e9`` (0: none)."""
+        return self.demand_bytes / self.demand_s / 1e9 if self.demand_s > 0 else 0.0
+
+    def demand_efficiency(self, gbps_at) -> float | None:
+        """Share of a measured disk's speed the on-demand reads reached: the seconds the disk needs for these reads at
+        its measured bandwidth (``gbps_at(span_bytes, depth)`` GB/s for all ``depth`` reads in flight together, so one
+        read takes ``span_bytes / gbps`` of wall time) over ``demand_s``. 1.0 = as fast as ``bench link --disk``
+        measured; None when no on-demand read was made."""
+        if self.demand_s <= 0 or not self.demand_reads:
+            return None
+        ideal = sum(n * size / (gbps_at(size, depth) * 1e9) for (size, depth), n in self.demand_reads.items())
+        return ideal / self.demand_s
 
 
 @dataclass(frozen=True)
@@ -125,17 +165,33 @@ def open_direct(path: Path, allow_direct: bool = True) -> tuple[_File, str | Non
     return _File(path, fd, False), why
 
 
-def copy_concurrently(copy, pool: ThreadPoolExecutor | None, eids: list[int], dsts: list) -> None:
-    """``copy(eid, dst)`` for each pair, on ``pool``'s threads (None: one after another here); returns when all are
-    done, raising the first failure once every copy has finished."""
-    if pool is None:
-        for e, d in zip(eids, dsts):
-            copy(e, d)
-        return
-    futures = [pool.submit(copy, e, d) for e, d in zip(eids, dsts)]
+def copy_concurrently(copy, pool: ThreadPoolExecutor | None, eids: list[int], dsts: list, depth: int = 1) -> None:
+    """``copy(eid, dst)`` for each pair, ``depth`` at once: the calling thread and ``depth - 1`` of ``pool``'s threads
+    take the pairs in order (None or ``depth`` 1: one after another here; the caller works rather than waiting, which
+    saves a thread hand-off per batch). Returns when all are done, raising the first failure once every copy has
+    finished (a thread stops taking pairs after a failure of its own)."""
+    pairs = iter(list(zip(eids, dsts)))
+    take = threading.Lock()
+
+    def work() -> None:
+        while True:
+            with take:
+                nxt = next(pairs, None)
+            if nxt is None:
+                return
+            copy(*nxt)
+
+    helpers = min(depth, len(eids)) - 1 if pool is not None else 0
+    futures = [pool.submit(work) for _ in range(max(0, helpers))]
+    first = None
+    try:
+        work()
+    except Exception as e:  # noqa: BLE001 - re-raised below, after the helpers are done
+        first = e
     for err in [f.exception() for f in futures]:
-        if err is not None:
-            raise err
+        first = first or err
+    if first is not None:
+        raise first
 
 
 def plan_spans(segments: list[tuple[int, int, int, int]], merge_gap: int = MERGE_GAP,
@@ -184,9 +240,13 @@ class DiskStore:
     pin_failed = False
 
     def __init__(self, layout: ExpertLayout, num_experts_total: int, readers: int = DEFAULT_READERS,
-                 allow_direct: bool = True):
+                 allow_direct: bool = True, prefetch_chunk: int = PREFETCH_CHUNK):
         if readers < 1:
             raise MoeOffloadError(f"a disk store needs at least one reader thread, got {readers}")
+        if prefetch_chunk < IO_ALIGN or prefetch_chunk % IO_ALIGN:
+            raise MoeOffloadError(f"a prefetch chunk must be a positive multiple of {IO_ALIGN} bytes, got "
+                                  f"{prefetch_chunk}")
+        self.prefetch_chunk = int(prefetch_chunk)
         self.layout = layout
         self.num_experts_total = num_experts_total
         self.readers = readers
@@ -199,6 +259,9 @@ class DiskStore:
         self._spans: list[list[_Span]] | None = None
         self._stage = threading.local()
         self._lock = threading.Lock()
+        self._demand_done = threading.Condition(self._lock)   # notified when no on-demand read is outstanding
+        self._demand = 0                                      # on-demand calls outstanding, all threads
+        self._demand_since = 0.0
         self._pool: ThreadPoolExecutor | None = None
 
     @property
@@ -258,37 +321,47 @@ class DiskStore:
             st.np = np.frombuffer(st.buf, dtype=np.uint8)
         return st.view, st.np
 
-    def _read_span(self, span: _Span, view: memoryview) -> int:
-        """Read ``span`` into ``view``; returns the requests issued."""
+    def _read_span(self, span: _Span, view: memoryview, lo: int = 0, hi: int | None = None) -> int:
+        """Read bytes ``[lo, hi)`` of ``span`` into the same bytes of ``view`` (None: to its end; ``lo`` and ``hi``
+        multiples of ``IO_ALIGN``); returns the requests issued."""
         f = self._files[span.file]
-        got, requests = 0, 0
-        while got < span.need:
+        end = span.need if hi is None else min(hi, span.need)
+        stop = span.length if hi is None or hi >= span.need else hi
+        got, requests = lo, 0
+        while got < end:
             try:
-                n = os.preadv(f.fd, [view[got:span.length]], span.start + got)
+                n = os.preadv(f.fd, [view[got:stop]], span.start + got)
             except OSError as e:
                 raise MoeOffloadError(f"reading {f.path} at byte {span.start + got} failed: {e.strerror}") from None
             requests += 1
-            if n <= 0 or (f.direct and n % IO_ALIGN and got + n < span.need):
+            if n <= 0 or (f.direct and n % IO_ALIGN and got + n < end):
                 raise MoeOffloadError(f"{f.path} ended at byte {span.start + got + max(n, 0)} while an expert was "
                                       "read from it: the checkpoint file was truncated or replaced while running")
             got += n
         if not f.direct:
-            os.posix_fadvise(f.fd, span.start, span.length, os.POSIX_FADV_DONTNEED)
+            os.posix_fadvise(f.fd, span.start + lo, stop - lo, os.POSIX_FADV_DONTNEED)
         return requests
 
-    def copy_to(self, eid: int, dst, non_blocking: bool = False) -> None:
-        """Read expert ``eid`` from disk into ``dst`` (a numpy uint8 row of ``expert_bytes``, or a torch uint8 row on
-        a device; the copy to a device is synchronous: the staging buffer is reused). Thread-safe.
-
-        Raises:
-            MoeOffloadError: a read fails or a file ends early (module docstring).
-        """
+    def _read(self, eid: int, dst, gate=None, depth: int = 0) -> bool:
+        """Expert ``eid`` into ``dst``; ``gate()`` (a prefetch) is asked before each chunk of ``prefetch_chunk``
+        bytes and False abandons the read (returns False, ``dst`` partly written); ``depth`` > 0: an on-demand read
+        issued ``depth`` at once (recorded in ``stats.demand_reads``)."""
         spans = self.spans(eid)
         view, arr = self._buffer(max(s.length for s in spans))
         t0 = time.perf_counter()
         requests = nread = 0
+        done = True
         for span in spans:
-            requests += self._read_span(span, view)
+            if gate is None:
+                requests += self._read_span(span, view)
+            else:
+                for lo in range(0, span.need, self.prefetch_chunk):
+                    if not gate():
+                        done = False
+                        break
+                    requests += self._read_span(span, view, lo, lo + self.prefetch_chunk)
+                if not done:
+                    break
             nread += span.length
             for dst_off, src_off, n in span.pieces:
                 if isinstance(dst, np.ndarray):
@@ -300,18 +373,81 @@ class DiskStore:
             st = self.stats
             st.requests += requests
             st.bytes_read += nread
-            st.expert_bytes += sum(n for s in spans for _, _, n in s.pieces)
-            st.experts += 1
             st.busy_s += busy
+            if done:
+                st.expert_bytes += sum(n for s in spans for _, _, n in s.pieces)
+                st.experts += 1
+            else:
+                st.prefetch_cancelled += 1
+            if depth:
+                key = (sum(s.length for s in spans), depth)
+                st.demand_reads[key] = st.demand_reads.get(key, 0) + 1
+                st.demand_bytes += nread
+        return done
+
+    @contextmanager
+    def _on_demand(self):
+        """An on-demand read is outstanding inside (prefetches yield to it; ``stats.demand_s`` counts the wall time
+        during which any is)."""
+        with self._lock:
+            if not self._demand:
+                self._demand_since = time.perf_counter()
+            self._demand += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._demand -= 1
+                if not self._demand:
+                    self.stats.demand_s += time.perf_counter() - self._demand_since
+                    self._demand_done.notify_all()
+
+    def copy_to(self, eid: int, dst, non_blocking: bool = False, depth: int = 1) -> None:
+        """Read expert ``eid`` from disk into ``dst`` (a numpy uint8 row of ``expert_bytes``, or a torch uint8 row on
+        a device; the copy to a device is synchronous: the staging buffer is reused): an on-demand read, which
+        prefetches yield to. ``depth``: how many reads the caller issues at once with this one (statistics only).
+        Thread-safe.
+
+        Raises:
+            MoeOffloadError: a read fails or a file ends early (module docstring).
+        """
+        with self._on_demand():
+            self._read(eid, dst, depth=max(1, depth))
 
     def copy_many(self, eids: list[int], dsts: list, non_blocking: bool = False) -> None:
-        """Read experts ``eids`` into ``dsts`` (as ``copy_to``), up to ``readers`` at once; returns when all are in
-        (``non_blocking`` is accepted for the stores' common interface; disk reads always complete).
+        """Read experts ``eids`` into ``dsts`` (as ``copy_to``), up to ``readers`` at once (the calling thread is one
+        of them); returns when all are in (``non_blocking`` is accepted for the stores' common interface; disk reads
+        always complete).
 
         Raises:
             MoeOffloadError: as ``copy_to`` (the first failure; the others are still waited for).
         """
-        copy_concurrently(self.copy_to, self.executor() if len(eids) > 1 and self.readers > 1 else None, eids, dsts)
+        depth = max(1, min(len(eids), self.readers))
+        with self._on_demand():
+            copy_concurrently(lambda e, d: self._read(e, d, depth=depth),
+                              self.executor() if depth > 1 else None, eids, dsts, depth)
+
+    def read_prefetch(self, eid: int, dst, stopped=None) -> bool:
+        """A prefetch of expert ``eid`` into ``dst`` (as ``copy_to``), read in chunks of ``prefetch_chunk`` bytes:
+        before each chunk it waits while on-demand reads (``copy_to`` / ``copy_many``) are outstanding, and stops
+        when ``stopped()`` (its copy was cancelled) is true. Never waits for itself: the engine waits for a prefetch
+        in flight (``TransferEngine.wait``) only while none of its own on-demand reads is outstanding.
+
+        Returns:
+            True when all of the expert is in ``dst``; False when stopped (``dst`` partly written: its slot must not
+            be used, which ``SlotTable.land(..., ok=False)`` ensures).
+        Raises:
+            MoeOffloadError: as ``copy_to``.
+        """
+        def gate() -> bool:
+            with self._lock:
+                if self._demand:
+                    self.stats.prefetch_yields += 1
+                while self._demand and not (stopped is not None and stopped()):
+                    self._demand_done.wait(0.005)  # ``stopped`` flips without notifying this condition
+            return not (stopped is not None and stopped())
+
+        return self._read(eid, dst, gate)
 
     def reset_stats(self) -> None:
         """Zero ``stats``."""

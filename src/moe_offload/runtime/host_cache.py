@@ -142,13 +142,28 @@ class HostCache:
         if not self._pins[row]:
             self._pinned.discard(eid)
 
-    def copy_to(self, eid: int, dst, non_blocking: bool = False) -> None:
+    def copy_to(self, eid: int, dst, non_blocking: bool = False, depth: int = 1) -> None:
         """Expert ``eid`` into ``dst`` (numpy uint8 row, or a torch uint8 row on a device: a synchronous copy) from
-        its cache row, reading it from disk into a row first on a miss. Thread-safe.
+        its cache row, reading it from disk into a row first on a miss (an on-demand read: ``DiskStore.copy_to``;
+        ``depth``: reads issued at once with it, for its statistics). Thread-safe.
 
         Raises:
             MoeOffloadError: a disk read fails (``DiskStore.copy_to``).
         """
+        self._copy(eid, dst, None, depth)
+
+    def read_prefetch(self, eid: int, dst, stopped=None) -> bool:
+        """``copy_to`` for a prefetch: a disk read on a cache miss is ``DiskStore.read_prefetch`` (yields to on-demand
+        reads at each chunk, stops when ``stopped()``; a stopped read gives its row back). Returns False when
+        stopped (``dst`` not to be used), True when the expert is in ``dst``.
+
+        Raises:
+            MoeOffloadError: a disk read fails.
+        """
+        return self._copy(eid, dst, stopped if stopped is not None else (lambda: False), 1)
+
+    def _copy(self, eid: int, dst, stopped, depth: int) -> bool:
+        """``copy_to`` (``stopped`` None) or ``read_prefetch``; False when a prefetch was stopped."""
         while True:
             with self._lock:
                 kind, got = self._claim(eid)
@@ -159,27 +174,34 @@ class HostCache:
             got.wait()
         if kind == "bypass":
             self.cache_stats.bypasses += 1
-            self.disk.copy_to(eid, dst)
-            return
+            return self._from_disk(eid, dst, stopped, depth)
         row = got
         try:
-            if kind == "fill":
-                self._fill(eid, row)
+            if kind == "fill" and not self._fill(eid, row, stopped, depth):
+                return False
             if isinstance(dst, np.ndarray):
                 np.copyto(dst, self._np[row])
             else:
                 dst.copy_(self.buf[row])
+            return True
         finally:
             with self._lock:
                 self._unpin(eid, row)
 
-    def _fill(self, eid: int, row: int) -> None:
-        """Read ``eid`` from disk into ``row``, then publish it (or give the row back if the read fails)."""
+    def _from_disk(self, eid: int, dst, stopped, depth: int) -> bool:
+        if stopped is None:
+            self.disk.copy_to(eid, dst, depth=depth)
+            return True
+        return self.disk.read_prefetch(eid, dst, stopped)
+
+    def _fill(self, eid: int, row: int, stopped, depth: int) -> bool:
+        """Read ``eid`` from disk into ``row``, then publish it (or give the row back if the read fails or the
+        prefetch is stopped); False when stopped."""
         ok = False
         try:
-            self.disk.copy_to(eid, self._np[row])
-            ok = True
-        finally:  # a failed read gives the row back (the error goes on to the caller)
+            ok = self._from_disk(eid, self._np[row], stopped, depth)
+            return ok
+        finally:  # a failed or stopped read gives the row back (an error goes on to the caller)
             with self._lock:
                 if ok:
                     self._row_of[eid] = row
@@ -190,8 +212,11 @@ class HostCache:
                 self._inflight.pop(eid).set()
 
     def copy_many(self, eids: list[int], dsts: list, non_blocking: bool = False) -> None:
-        """``copy_to`` of each expert, the disk reads of several misses at once (the disk store's reader threads)."""
-        copy_concurrently(self.copy_to, self.disk.executor() if len(eids) > 1 else None, eids, dsts)
+        """``copy_to`` of each expert, the disk reads of several misses at once (the disk store's reader threads and
+        the calling thread, ``readers`` at most)."""
+        depth = max(1, min(len(eids), self.disk.readers))
+        copy_concurrently(lambda e, d: self.copy_to(e, d, depth=depth),
+                          self.disk.executor() if depth > 1 else None, eids, dsts, depth)
 
     def gather(self, eids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """``runtime.store.gather_rows`` through the cache, for host fallback compute."""

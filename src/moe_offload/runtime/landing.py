@@ -37,7 +37,8 @@ class Landing:
 class TransferStats:
     """Counters since construction or ``reset_stats``.
 
-    submitted: ``submit`` calls accepted; copies: copies that landed ok; cancelled: copies dropped before starting;
+    submitted: ``submit`` calls accepted; copies: copies that landed ok; cancelled: copies dropped before starting
+    or stopped at a chunk (the disk tier);
     failed: copies that started but raised; bytes_copied: bytes of the ok copies; busy_s: seconds the link was busy
     (sum over started copies of finish - start, emulated link time included); max_queued: the longest the queue
     of not-yet-started copies has been.

@@ -202,7 +202,7 @@ class RefreshEngine:
         if slot is None:
             return
         if self.transfer.pending(g) and not self.transfer.cancel(g):
-            self.transfer.wait(g)  # a copy in progress always completes: never reuse its slot before that
+            self.transfer.wait(g)  # a copy in progress completes or stops at a chunk: never reuse its slot before it lands
         self._set_lookup(g, -1)
         self._free[layer].append(slot)
 

@@ -238,16 +238,20 @@ class TransferEngine(CopyWorker):
             return job.landing
 
     def cancel(self, eid: int) -> bool:
-        """Drop the queued (not yet started) copy of ``eid``.
+        """Drop the queued (not yet started) copy of ``eid``, or stop the running one at its next chunk.
 
         Returns:
             True when a queued copy was dropped: its landing (``ok=False``, ``error="cancelled"``, the submitted
             tag) is reported by the next ``poll`` (or ``wait(eid)``) so the caller frees the slot with
-            ``SlotTable.land(..., ok=False)``. False when no copy of ``eid`` is queued (a copy in flight always
-            completes; an unknown ``eid`` is ignored); the pool slot is never touched by a cancelled copy.
+            ``SlotTable.land(..., ok=False)``; the pool slot is never touched by it. False when no copy of ``eid``
+            is queued (an unknown ``eid`` is ignored): a copy in flight completes, except from a store that reads in
+            chunks (the disk tier's ``read_prefetch``), which stops at its next chunk and lands ``ok=False``,
+            ``error="cancelled"`` with its slot partly written — ``wait(eid)`` or ``poll`` tells which happened.
         """
         with self._cond:
             job = self._active.get(int(eid))
+            if job is not None and job.state == _RUNNING:
+                job.stop = True
             if job is None or job.state != _QUEUED:
                 return False
             self._queue.remove(job)
@@ -368,6 +372,8 @@ class TransferEngine(CopyWorker):
             if ok:
                 st.copies += 1
                 st.bytes_copied += self.expert_bytes
+            elif error == "cancelled":  # stopped at a chunk while running
+                st.cancelled += 1
             else:
                 st.failed += 1
         self._cond.notify_all()

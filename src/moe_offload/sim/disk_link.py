@@ -136,10 +136,11 @@ def _interp(points: dict, request_bytes: int) -> float:
 
 def disk_gbps(disk: dict, request_bytes: int, depth: int | None = 1) -> float:
     """GB/s of a profile's ``disk`` entry at ``request_bytes`` per request: at queue depth ``depth`` (None: the best
-    measured depth); a published entry without a table gives its one ``gbps`` figure for every size.
+    measured depth; a depth between two measured ones: linear between them, beyond the measured ones: the nearest);
+    a published entry without a table gives its one ``gbps`` figure for every size.
 
     Raises:
-        MoeOffloadError: a ``disk`` entry without ``gbps``.
+        MoeOffloadError: a ``disk`` entry without ``gbps``, or a depth < 1.
     """
     if "table_gbps" not in disk:
         if "gbps" not in disk:
@@ -147,10 +148,16 @@ def disk_gbps(disk: dict, request_bytes: int, depth: int | None = 1) -> float:
         return float(disk["gbps"])
     if depth is None:
         return _interp({k: v[1] for k, v in disk["best"].items()}, request_bytes)
-    col = {k: row[str(depth)] for k, row in disk["table_gbps"].items() if str(depth) in row}
-    if not col:
-        raise MoeOffloadError(f"the disk was not measured at queue depth {depth}")
-    return _interp(col, request_bytes)
+    if depth < 1:
+        raise MoeOffloadError(f"a queue depth is at least 1, got {depth}")
+    depths = sorted({int(d) for row in disk["table_gbps"].values() for d in row})
+    if depth in depths or depth < depths[0] or depth > depths[-1]:
+        d = min(depths, key=lambda x: abs(x - depth))
+        return _interp({k: row[str(d)] for k, row in disk["table_gbps"].items() if str(d) in row}, request_bytes)
+    lo = max(d for d in depths if d < depth)
+    hi = min(d for d in depths if d > depth)
+    w = (depth - lo) / (hi - lo)
+    return (1 - w) * disk_gbps(disk, request_bytes, lo) + w * disk_gbps(disk, request_bytes, hi)
 
 
 def over_disk(hw, expert_bytes: int):
