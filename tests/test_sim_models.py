@@ -13,7 +13,7 @@ from moe_offload.sim.timemodel import OnDemandTimeModel, calibration_check
 from moe_offload.trace.format import load_trace
 from moe_offload.trace.synthetic import synthetic_trace
 
-SHIPPED_HW = {"rtx4090", "rtx5090", "rtx-pro-6000", "h200"}
+SHIPPED_HW = {"rtx4090", "rtx5090", "rtx-pro-6000", "h200", "apple-m4-max"}
 SHIPPED_MODELS = {"qwen3-30b-a3b-fp8", "gpt-oss-120b-mxfp4", "qwen3.6-35b-a3b-bf16", "deepseek-v4-flash",
                   "llada2.0-mini", "testbed", "testbed-sparse"}
 
