@@ -139,7 +139,8 @@ def parse_intervals(text: str) -> list[int]:
 
 MODEL_HELP = ("checkpoint directory (any MoE model type of the installed transformers that `moe-offload models` lists "
               "as served; a multimodal checkpoint is served for text-only prompts), a built-in name: testbed "
-              "(default), testbed-sparse, llada2-medium (built on first use), or a Hugging Face Hub name "
+              "(default), testbed-sparse, testbed-sparse-wide (its experts widened to 768 neurons, bf16, 2.6 GB), "
+              "llada2-medium (built on first use), or a Hugging Face Hub name "
               "ORG/NAME[@REVISION] (config, tokenizer and safetensors downloaded into the Hugging Face cache, "
               "HF_HUB_CACHE; HF_HUB_OFFLINE=1: the cache only; HF_TOKEN for gated models)")
 

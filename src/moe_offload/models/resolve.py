@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..errors import MoeOffloadError
 
-BUILTIN_MODELS = ("testbed", "testbed-sparse", "llada2-medium")
+BUILTIN_MODELS = ("testbed", "testbed-sparse", "testbed-sparse-wide", "llada2-medium")
 
 
 def closest_builtin(name: str) -> str | None:
@@ -41,6 +41,10 @@ def resolve_model(name: str | None, progress: bool = True) -> Path:
         from .tiny import ensure_llada2_medium
 
         return ensure_llada2_medium(progress=progress)
+    if name == "testbed-sparse-wide":
+        from ..testbed.widen import ensure_wide
+
+        return ensure_wide(progress=progress)
     if name in BUILTIN_MODELS:
         from ..testbed.build import ensure_testbed
 
