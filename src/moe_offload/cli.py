@@ -99,9 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench_sub = add_bench_parsers(sub)
     add_predictor_parser(sub, positive_int, nonneg_int, float_)
     add_serve_parsers(sub, bench_sub, positive_int, nonneg_int, float_)
+    from .models.gguf_export import add_parser as add_export_parser
     from .models.supported import add_parser as add_models_parser
 
     add_models_parser(sub)
+    add_export_parser(sub)
     return ap
 
 
@@ -320,6 +322,8 @@ def _dispatch(args) -> int:
         from .predictor.cli import run
     elif args.cmd == "models":
         from .models.supported import run
+    elif args.cmd == "export":
+        from .models.gguf_export import run
     else:
         from .cli_bench import run
     return run(args)

@@ -1,0 +1,171 @@
+"""``moe-offload export gguf``: a testbed-family checkpoint as a GGUF file for llama.cpp (issue 36).
+
+The side-by-side benchmark (``bench disk``) runs llama.cpp on the same checkpoint as moe-offload, so the checkpoint
+must exist as GGUF. The conversion is llama.cpp's own: its ``convert_hf_to_gguf.py`` (which writes through the
+``gguf`` package shipped beside it) knows the tensor names, the Q/K row permutation of its rope layout and the
+tokenizer metadata its loader expects; a second implementation here would be a second place for those to go wrong,
+and the result is checked against llama.cpp itself (tests/test_gguf_export.py: greedy tokens of llama.cpp on the
+exported default testbed against our FullLoad's).
+
+Where the converter comes from, in order: ``--converter PATH``, ``$LLAMA_CPP_DIR/convert_hf_to_gguf.py``, a
+``convert_hf_to_gguf.py`` on ``PATH``. It is in every llama.cpp source tree, e.g. the one vendored in the
+llama-cpp-python source package (``pip download --no-deps --no-binary :all: llama-cpp-python``, then
+``vendor/llama.cpp``); it needs ``sentencepiece`` installed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from ..errors import MoeOffloadError
+
+#: output types of the converter this command offers (the checkpoint's own precision or a wider one)
+OUTTYPES = ("f32", "bf16", "f16")
+CONVERTER = "convert_hf_to_gguf.py"
+
+
+def find_converter(explicit: str | os.PathLike | None = None) -> Path:
+    """llama.cpp's ``convert_hf_to_gguf.py`` (module docstring: where it is looked for).
+
+    Raises:
+        MoeOffloadError: not found (the message says how to get it).
+    """
+    if explicit is not None:
+        path = Path(explicit)
+        if path.is_dir():
+            path = path / CONVERTER
+        if not path.is_file():
+            raise MoeOffloadError(f"--converter {explicit}: no {CONVERTER} there")
+        return path
+    env = os.environ.get("LLAMA_CPP_DIR")
+    if env and (Path(env) / CONVERTER).is_file():
+        return Path(env) / CONVERTER
+    which = shutil.which(CONVERTER)
+    if which:
+        return Path(which)
+    raise MoeOffloadError(f"llama.cpp's {CONVERTER} was not found: pass --converter PATH or set LLAMA_CPP_DIR to a "
+                          "llama.cpp source tree (e.g. `pip download --no-deps --no-binary :all: llama-cpp-python` "
+                          "and its vendor/llama.cpp)")
+
+
+def export_gguf(model_dir: str | os.PathLike, out: str | os.PathLike, outtype: str = "f32",
+                converter: str | os.PathLike | None = None, timeout_s: float = 3600) -> Path:
+    """Convert the Mixtral-layout checkpoint ``model_dir`` into the GGUF file ``out`` (``outtype`` f32, bf16 or
+    f16) with llama.cpp's converter; written to ``out.partial`` and renamed, so ``out`` is complete or absent.
+
+    Returns:
+        ``out``.
+    Raises:
+        MoeOffloadError: ``out`` exists (never overwritten) or its folder does not, ``model_dir`` is not a
+            Mixtral-layout checkpoint, an unknown ``outtype``, the converter is missing or fails (its last line).
+    """
+    model_dir, out = Path(model_dir), Path(out)
+    if outtype not in OUTTYPES:
+        raise MoeOffloadError(f"--outtype must be one of {', '.join(OUTTYPES)}, got {outtype!r}")
+    if out.exists():
+        raise MoeOffloadError(f"{out} already exists; choose a new --out")
+    if not out.parent.is_dir():
+        raise MoeOffloadError(f"{out.parent} is not a directory")
+    try:
+        model_type = json.loads((model_dir / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError) as e:
+        raise MoeOffloadError(f"{model_dir}: no readable config.json ({e})") from None
+    if model_type != "mixtral":
+        raise MoeOffloadError(f"export gguf converts the testbed family (Mixtral layout); {model_dir} is "
+                              f"{model_type!r}")
+    script = find_converter(converter)
+    partial = out.with_name(out.name + ".partial")
+    cmd = [sys.executable, str(script), str(model_dir), "--outfile", str(partial), "--outtype", outtype]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        partial.unlink(missing_ok=True)
+        raise MoeOffloadError(f"{script.name} did not finish within {timeout_s:.0f} s") from None
+    if proc.returncode != 0 or not partial.is_file():
+        partial.unlink(missing_ok=True)
+        lines = [ln for ln in (proc.stderr + proc.stdout).splitlines() if ln.strip()]
+        raise MoeOffloadError(f"{script.name} failed (exit {proc.returncode}): {lines[-1] if lines else 'no output'}")
+    partial.rename(out)
+    return out
+
+
+def add_parser(sub) -> None:
+    """Register ``moe-offload export gguf``."""
+    p = sub.add_parser("export", help="write a checkpoint in another engine's format (for side-by-side runs)")
+    esub = p.add_subparsers(dest="export_cmd", required=True)
+    g = esub.add_parser("gguf", help="a testbed-family (Mixtral layout) checkpoint as GGUF for llama.cpp, through "
+                        "llama.cpp's own convert_hf_to_gguf.py")
+    g.add_argument("--model", default="testbed", help="checkpoint directory or built-in name (default: testbed)")
+    g.add_argument("--out", required=True, help="the GGUF file to write (must not exist)")
+    g.add_argument("--outtype", default="f32", choices=OUTTYPES, help="tensor type in the file (default: f32)")
+    g.add_argument("--converter", help="llama.cpp's convert_hf_to_gguf.py or its folder (default: $LLAMA_CPP_DIR, "
+                   "then PATH)")
+    g.add_argument("--check", metavar="LLAMA_COMPLETION", help="then check the file with llama.cpp's llama-completion: "
+                   "its greedy text against our FullLoad's (one thread) on --check-prompts ShareGPT prompts")
+    g.add_argument("--check-prompts", type=int, default=10, help="with --check: prompts (default 10)")
+    g.add_argument("--check-tokens", type=int, default=16, help="with --check: tokens per prompt (default 16)")
+
+
+def run(args) -> int:
+    """``moe-offload export gguf``: convert, print the file written; exit 0."""
+    from .resolve import resolve_model
+
+    if args.check and not Path(args.check).is_file():
+        raise MoeOffloadError(f"--check {args.check}: no such file")
+    model = resolve_model(args.model)
+    out = export_gguf(model, args.out, args.outtype, args.converter)
+    print(f"wrote {out} ({out.stat().st_size / 1e9:.2f} GB, {args.outtype})")
+    if args.check:
+        from ..testbed.sharegpt import human_turns
+
+        prompts = [t for t in human_turns(4 * args.check_prompts) if len(t) <= 300][:args.check_prompts]
+        rows = check_tokens(model, out, Path(args.check), prompts, args.check_tokens)
+        print("| prompt | tokens agreeing | ours | llama.cpp |\n|---|---|---|---|")
+        for r in rows:
+            cut = (lambda t: t.replace("\n", " ").replace("|", "/")[:60])
+            print(f"| {cut(r['prompt'])} | {r['agree']} / {r['n']} | {cut(r['ours'])} | {cut(r['llama'])} |")
+        full = sum(r["agree"] == r["n"] for r in rows)
+        print(f"{full} of {len(rows)} prompts agree on all their first tokens")
+    return 0
+
+
+def check_tokens(model_dir: Path, gguf: Path, llama_bin: Path, prompts: list[str], n: int = 16,
+                 threads: int = 2, timeout_s: float = 600) -> list[dict]:
+    """llama.cpp's greedy continuation of each prompt on ``gguf`` against our FullLoad's (one thread) on
+    ``model_dir``: ``[{"prompt", "ours", "llama", "agree"}]`` where ``agree`` is the number of our first ``n`` tokens
+    whose text is a prefix of llama.cpp's text (llama-completion prints text, not ids; its prompt is ours in the
+    chat template, so both start from the same token ids).
+
+    Raises:
+        MoeOffloadError: llama.cpp fails on a prompt (its last line).
+    """
+    import torch
+
+    from ..generate import encode_prompt, generate_ids
+    from .loader import load_full
+
+    torch.set_num_threads(1)
+    lm = load_full(model_dir, device="cpu")
+    tok = lm.tokenizer
+    out = []
+    for p in prompts:
+        ids = generate_ids(lm, encode_prompt(tok, p), n)[0]
+        text = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
+        proc = subprocess.run([str(llama_bin), "-m", str(gguf), "-p", text, "-n", str(n), "--temp", "0", "-t",
+                               str(threads), "-c", "4096", "-no-cnv", "--no-warmup", "--seed", "0",
+                               "--no-display-prompt", "-ctk", "f32", "-ctv", "f32", "-fa", "off"],
+                              capture_output=True, text=True, timeout=timeout_s)
+        if proc.returncode != 0:
+            lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+            raise MoeOffloadError(f"llama.cpp failed: {lines[-1] if lines else proc.returncode}")
+        theirs = proc.stdout.removesuffix(" [end of text]\n").removesuffix(" [end of text]")
+        agree = 0
+        while agree < len(ids) and theirs.startswith(tok.decode(ids[:agree + 1])):
+            agree += 1
+        out.append({"prompt": p, "ours": tok.decode(ids), "llama": theirs, "agree": agree, "n": len(ids)})
+    return out
