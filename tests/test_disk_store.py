@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from moe_offload.errors import MoeOffloadError
-from moe_offload.generate import encode_prompt, generate_ids
+from moe_offload.generation.generate import encode_prompt, generate_ids
 from moe_offload.models.checkpoint import Checkpoint
-from moe_offload.models.diffusion import diffusion_generate_ids
+from moe_offload.generation.diffusion import diffusion_generate_ids
 from moe_offload.models.loader import load_full, load_offloaded
 from moe_offload.runtime import disk_store
 from moe_offload.runtime.disk_store import IO_ALIGN, plan_spans

@@ -239,7 +239,7 @@ def test_write_report_not_synthetic_and_refuses_non_empty(tmp_path):
 
 
 def test_bench_replay_speed_runs():
-    from moe_offload.sim.speed import bench_replay_speed
+    from moe_offload.bench.replay_speed import bench_replay_speed
 
     r = bench_replay_speed(seconds=0.2, num_moe_layers=8, num_experts=32, top_k=4)
     assert r["accesses"] > 0 and r["accesses_per_s"] > 0 and r["replay_s"] > 0

@@ -109,7 +109,7 @@ def test_weights_file_and_its_refusals(trace, pset, tmp_path, capsys):
 def test_calibrated_weights_reach_the_simulator_and_the_runtime_feed(tiny_dirs, random_pset):
     """``PredictorSet.xl_weights`` is what ``xl_stream`` (simulate, bench decode's simulated column) and
     ``attach_cross_layer`` (the runtime's ``seqmoe-xl``) blend with."""
-    from moe_offload.generate import run
+    from moe_offload.generation.generate import run
     from moe_offload.models.loader import load_offloaded
     from moe_offload.predictor.cross_layer import attach_cross_layer
     from moe_offload.sim.forecasts import xl_stream

@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from ..cliargs import seed
+from ..common.cliargs import seed
 from ..errors import MoeOffloadError
 from .xl_calibrate import XL_GRID
 
@@ -160,7 +160,7 @@ def cmd_eval(args) -> int:
     Raises:
         MoeOffloadError: unreadable predictor/traces, a predictor or control of another model, mismatched ranges.
     """
-    from ..report import format_table
+    from ..generation.report import format_table
     from .baselines import MarkovPredictor
     from .evaluate import evaluate_predictor, popularity_counts, recall_table
     from .model import load_predictor
@@ -179,7 +179,7 @@ def cmd_eval(args) -> int:
     pop = popularity_counts(fit_on, h.num_moe_layers, h.num_experts)
     weights = None
     if args.xl_weights:
-        from ..cliargs import split_floats
+        from ..common.cliargs import split_floats
         from .xl_calibrate import check_xl_weights
 
         weights = check_xl_weights(split_floats(args.xl_weights, "--xl-weights"))
@@ -234,8 +234,8 @@ def cmd_calibrate_xl(args) -> int:
         MoeOffloadError: unreadable predictor or traces, traces without cross-layer forecasts, a bad grid, an
             existing ``xl_weights.json`` without ``--replace``.
     """
-    from ..cliargs import split_floats
-    from ..report import format_table
+    from ..common.cliargs import split_floats
+    from ..generation.report import format_table
     from .model import load_predictor
     from .xl_calibrate import XL_WEIGHTS_NAME, calibrate_xl_weights, check_xl_weights, write_xl_weights
 

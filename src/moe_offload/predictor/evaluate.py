@@ -235,7 +235,7 @@ def measure_overhead(model: str, pset: PredictorSet, num_prompts: int = 4, max_n
     """
     from ..models.resolve import resolve_model
     from ..errors import MoeOffloadError
-    from ..generate import run
+    from ..generation.generate import run
     from ..models.loader import load_offloaded
     from ..testbed.sharegpt import human_turns
     from .runtime import PredictorRunner

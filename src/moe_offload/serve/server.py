@@ -133,7 +133,7 @@ class GracefulServer(uvicorn.Server):
 
 
 def _diffusion_params(cfg: ServeConfig, arch) -> dict | None:
-    from ..models.diffusion import loop_params
+    from ..generation.diffusion import loop_params
 
     return loop_params(arch, cfg.block_length, cfg.steps, cfg.threshold, prefix_cache=cfg.prefix_cache)
 

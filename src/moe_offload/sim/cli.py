@@ -8,7 +8,7 @@ import json
 import math
 from pathlib import Path
 
-from ..cliargs import add_predictor_lag_arg, float_, int_in, split_floats
+from ..common.cliargs import add_predictor_lag_arg, float_, int_in, split_floats
 from ..errors import MoeOffloadError
 from ..predictor.runtime import ROLLOUT_EVERY
 

@@ -131,7 +131,7 @@ def profile_costs_on_trace(trace: DiffusionTrace, hardware, model_profile, overl
     experts, top-8) under ``llada2.0-mini``: the per-expert costs (swap, device, host fallback; seconds) are the
     profile's, and a step's non-expert work is one forward of the trace's mean tokens per step, scaled from the
     profile's MoE layers to the trace's. ``bench diffusion`` scales every cost onto its measured FullLoad
-    (``bench_diffusion.diffusion_regime``); ``simulate-diffusion`` uses these costs when only the layer count
+    (``bench.diffusion.diffusion_regime``); ``simulate-diffusion`` uses these costs when only the layer count
     differs.
 
     Raises:

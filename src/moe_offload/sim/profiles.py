@@ -117,7 +117,7 @@ class ModelProfile:
 
 def cache_dir() -> Path:
     """The user cache: ``$MOE_OFFLOAD_CACHE`` if set, else ``~/.cache/moe-offload``."""
-    from ..cache import default_cache_dir
+    from ..common.cache import default_cache_dir
 
     return default_cache_dir()
 

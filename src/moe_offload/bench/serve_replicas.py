@@ -2,7 +2,7 @@
 
 For each replica count (``--replicas 1,2``) a private local Ray instance starts with one CPU per replica
 (``serve.replicas.start_replicas``; each replica's torch uses one intra-op thread), every replica loads the model,
-and the same concurrent streaming clients (the official ``openai`` client, ``serve.loadtest``) run once against the
+and the same concurrent streaming clients (the official ``openai`` client, ``bench.serve_load``) run once against the
 one endpoint. Tokens of every request are compared with the first configuration's (greedy; each replica batches
 the requests Ray routes to it, so the batch compositions differ between rows and timing: tokens equal up to the
 near ties of ``batching``). One table, the ratio of each count to the first in its last column.
@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import socket
 
-from .loadtest import _concurrent, _f, _summary
+from .serve_load import _concurrent, _f, _summary
 
 
 def _free_port() -> int:
@@ -30,8 +30,8 @@ def run_replicas_bench(cfg, counts: list[int], prompts: list[str], max_tokens: i
     Raises:
         MoeOffloadError: Ray Serve or the ``openai`` client is missing, or replicas fail to start.
     """
-    from ..report import format_table
-    from .replicas import start_replicas, stop_replicas
+    from ..generation.report import format_table
+    from ..serve.replicas import start_replicas, stop_replicas
 
     rows, ref = [], None
     for n in counts:

@@ -3,7 +3,7 @@ token against FullLoad eager, then compiled with CUDA graph capture, and ``bench
 ``--dry-run`` runs the same on the CPU, smaller, compiled with ``aot_eager`` (no CUDA graphs there).
 
 Status of the GPU path (what this check is for): the cache decisions are fixed-shape tensor ops and capture as
-they are; the two custom ops (``runtime.graph_engine``) read the pairs' slot ids and the copy count on the host,
+they are; the two custom ops (``runtime.graph.engine``) read the pairs' slot ids and the copy count on the host,
 which a CUDA graph cannot capture — the rows with ``cuda graphs`` are expected to report that until a
 device-side copy kernel (mapped host memory) and a fixed-shape grouped GEMM replace the ops' bodies on CUDA.
 """
@@ -22,8 +22,8 @@ GRAPH_ROWS = (("lru", 1.0), ("lru", 0.45), ("lfu", 0.45), ("seqmoe-cacheonly", 0
 
 
 def _tokens(lm, prompts, new_tokens, decoder=None):
-    from .generate import run
-    from .runtime.graph_decode import run_graph
+    from ..generation.generate import run
+    from ..runtime.graph.decode import run_graph
 
     if decoder is None:
         return [o.token_ids for o in run(lm, prompts, new_tokens)[0]]
@@ -33,10 +33,10 @@ def _tokens(lm, prompts, new_tokens, decoder=None):
 def graph_lines(root: Path, device: str, dry_run: bool, prompts: list[str]) -> list[str]:
     """Markdown lines: one row per (policy, residency, mode) with tokens equal to FullLoad eager's or not, then the
     ``bench graph`` table. A row that crashes is reported as FAIL with its error."""
-    from .models.loader import load_full
-    from .models.tiny import make_tiny
-    from .runtime.graph_cache import GRAPH_PREDICTOR_POLICIES
-    from .runtime.graph_decode import GraphDecoder, load_graph
+    from ..models.loader import load_full
+    from ..models.tiny import make_tiny
+    from ..runtime.graph.cache import GRAPH_PREDICTOR_POLICIES
+    from ..runtime.graph.decode import GraphDecoder, load_graph
 
     ckpt = make_tiny("qwen3_moe", root / "graph-qwen3")
     new = 6 if dry_run else 16
@@ -70,8 +70,8 @@ def graph_lines(root: Path, device: str, dry_run: bool, prompts: list[str]) -> l
 
 def _random_predictor(ckpt: Path, out: Path, device: str) -> str:
     """An untrained two-range predictor set for the checkpoint (seed 0), saved to ``out``; returns its path."""
-    from .predictor.model import PredictorHeader, PredictorSet, PredictorSpec, default_ranges
-    from .runtime.graph_decode import load_graph
+    from ..predictor.model import PredictorHeader, PredictorSet, PredictorSpec, default_ranges
+    from ..runtime.graph.decode import load_graph
 
     lm = load_graph(ckpt, policy="lru", device=device)
     h = PredictorHeader(model_id=lm.model_id, model_type=lm.model.config.model_type, num_moe_layers=lm.num_moe_layers,
@@ -84,8 +84,8 @@ def _random_predictor(ckpt: Path, out: Path, device: str) -> str:
 
 
 def _bench(root: Path, device: str, dry_run: bool, prompts: list[str]) -> str:
-    from .bench_formats import SPEED_GEOMETRY, _random_checkpoint
-    from .bench_graph import bench_graph
+    from .formats import SPEED_GEOMETRY, _random_checkpoint
+    from .graph import bench_graph
 
     sizes = dict(SPEED_GEOMETRY, num_experts=64) if not dry_run else dict(SPEED_GEOMETRY, num_hidden_layers=2,
                                                                            num_experts=16)

@@ -33,7 +33,7 @@ def bench_replay_speed(seconds: float = 5.0, residency: float = 0.25, policy: st
         replay), ``target_accesses_per_s`` (200k) and ``meets_target`` (replay-with-needs rate >= target).
     """
     from ..trace.synthetic import synthetic_trace
-    from .simulator import layer_needs, replay
+    from ..sim.simulator import layer_needs, replay
 
     slots = max(1, int(round(residency * num_moe_layers * num_experts)))
     geo = dict(num_moe_layers=num_moe_layers, num_experts=num_experts, top_k=top_k, skew=skew, reuse=reuse,

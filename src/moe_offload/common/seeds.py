@@ -9,7 +9,7 @@ mt19937 with a 32-bit seed; a negative seed is first wrapped modulo 2**64), so `
 
 from __future__ import annotations
 
-from .errors import MoeOffloadError
+from ..errors import MoeOffloadError
 
 SEED_MIN = 0
 SEED_MAX = 2**32 - 1

@@ -26,8 +26,8 @@ AR_POLICIES = ("lru", "lfu", "seqmoe-cacheonly", "seqmoe", "seqmoe-infinity")
 
 
 def _checkpoints(root: Path) -> dict[str, Path]:
-    from .models.tiny import make_tiny
-    from .models.tiny_quantized import reshard, write_fp8, write_mxfp4
+    from ..models.tiny import make_tiny
+    from ..models.tiny_quantized import reshard, write_fp8, write_mxfp4
 
     q3 = make_tiny("qwen3_moe", root / "qwen3")
     return {
@@ -44,7 +44,7 @@ def _checkpoints(root: Path) -> dict[str, Path]:
 
 def _predictor(ckpt: Path, root: Path, device: str) -> Path:
     """Train a small predictor on a trace of ``ckpt`` through the CLI (trace collect + predictor train)."""
-    from .cli import main
+    from ..cli import main
 
     out = root / f"pred-{ckpt.name}"
     if not out.exists():
@@ -59,10 +59,10 @@ def _predictor(ckpt: Path, root: Path, device: str) -> Path:
 
 
 def _generate(lm, new_tokens: int, diffusion: bool) -> list[list[int]]:
-    from .generate import encode_prompt, generate_ids
+    from ..generation.generate import encode_prompt, generate_ids
 
     if diffusion:
-        from .models.diffusion import diffusion_generate_ids
+        from ..generation.diffusion import diffusion_generate_ids
 
         return [diffusion_generate_ids(lm, encode_prompt(lm.tokenizer, p), new_tokens, block_length=8, steps=4,
                                        request=i).token_ids for i, p in enumerate(PROMPTS)]
@@ -71,9 +71,9 @@ def _generate(lm, new_tokens: int, diffusion: bool) -> list[list[int]]:
 
 def lossless_rows(root: Path, device: str, new_tokens: int) -> list[str]:
     """One markdown row per (checkpoint, policy, host store): tokens vs FullLoad, misses, seconds."""
-    from .models.loader import load_full, load_offloaded
-    from .predictor.model import load_predictor
-    from .predictor.runtime import attach_predictor
+    from ..models.loader import load_full, load_offloaded
+    from ..predictor.model import load_predictor
+    from ..predictor.runtime import attach_predictor
 
     rows = []
     for name, d in _checkpoints(root).items():
@@ -108,8 +108,8 @@ def lossless_rows(root: Path, device: str, new_tokens: int) -> list[str]:
 
 def speed_lines(root: Path, device: str, dry_run: bool) -> list[str]:
     """``bench decode`` (FullLoad, residency 1.0 / 0.45 / 0.25, LRU) on a medium random Qwen3-MoE."""
-    from .bench_decode import bench_decode
-    from .bench_formats import SPEED_GEOMETRY, _random_checkpoint
+    from .decode import bench_decode
+    from .formats import SPEED_GEOMETRY, _random_checkpoint
 
     sizes = dict(SPEED_GEOMETRY, num_experts=64) if not dry_run else dict(SPEED_GEOMETRY, num_hidden_layers=2,
                                                                            num_experts=16)
@@ -119,7 +119,7 @@ def speed_lines(root: Path, device: str, dry_run: bool) -> list[str]:
 
 
 def link_lines(device: str, dry_run: bool) -> list[str]:
-    from .sim.profiles import measure_link
+    from ..sim.profiles import measure_link
 
     res = measure_link(device=device, size_mb=8 if dry_run else 256)
     return [f"host->device link ({res.get('link')}): {res['link_gbps']:.2f} GB/s on {res.get('device_name')}"]

@@ -32,10 +32,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .generate import run
-from .models.loader import load_full
-from .runtime.graph_cache import GRAPH_PREDICTOR_POLICIES
-from .runtime.graph_decode import GraphDecoder, load_graph, run_graph
+from ..generation.generate import run
+from ..models.loader import load_full
+from ..runtime.graph.cache import GRAPH_PREDICTOR_POLICIES
+from ..runtime.graph.decode import GraphDecoder, load_graph, run_graph
 
 #: steps over which the management (the plan of every layer) is timed
 MGMT_STEPS = 50
@@ -74,7 +74,7 @@ def management_step(engine, top_k: int, backend: str):
     shapes are fixed, so its cost does not depend on the routing. With prefetching (a ``FetchingGraphCache``)
     each layer also lands (no copy finished), reserves (no request) and releases, as in the step. Call it to time
     the management."""
-    from .runtime.graph_fetch_cache import FetchingGraphCache
+    from ..runtime.graph.fetch_cache import FetchingGraphCache
 
     cache = copy.deepcopy(engine.cache)
     g = torch.Generator().manual_seed(0)
@@ -115,7 +115,7 @@ def bench_graph(path, prompts: list[str], residencies: list[float], *, policy: s
     """Compiled FullLoad vs graph mode at each residency and policy (greedy), in ``rounds`` interleaved rounds.
 
     ``policy``: one or several comma-separated graph-mode policies (``seqmoe-cacheonly`` and ``seqmoe`` run
-    ``predictor`` inside the step; ``seqmoe`` also prefetches through the CPU worker, ``runtime.graph_prefetch``).
+    ``predictor`` inside the step; ``seqmoe`` also prefetches through the CPU worker, ``runtime.graph.prefetch``).
 
     Returns a markdown table: configuration, residency, decode tok/s, ratio to compiled FullLoad, hit rate, whether
     the tokens equal FullLoad eager's; then the graph-mode step breakdown (ms per step and share).

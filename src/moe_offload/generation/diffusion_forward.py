@@ -1,5 +1,5 @@
 """One diffusion step's forward pass, with or without the block-prefix KV cache (issue 19; the loop is
-``models.diffusion``).
+``generation.diffusion``).
 
 Block-causal attention (``diffusion.block_causal_mask``: a query sees its own block and every earlier block, never
 a later one) makes the keys and values of a block depend only on the tokens of that block and of earlier blocks.

@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import MoeOffloadError
-from ..predictor.features import psi
-from ..predictor.model import PredictorSet, restore_state, snapshot_state
-from ..predictor.runtime import ROLLOUT, PredictorRunner
+from ...errors import MoeOffloadError
+from ...predictor.features import psi
+from ...predictor.model import PredictorSet, restore_state, snapshot_state
+from ...predictor.runtime import ROLLOUT, PredictorRunner
 
 
 class GraphPredictor:
@@ -38,7 +38,7 @@ class GraphPredictor:
         probs: per predictor, float32 ``[1 + rollout, n, e]``: its latest forecast (row j: step i + j).
         layers: per predictor, ``(l, l')``, the MoE layers it forecasts.
         fresh: the predictor whose forecast the current MoE layer published, or -1 (the engine hands it to a
-            prefetch worker, ``runtime.graph_prefetch``, and resets it).
+            prefetch worker, ``runtime.graph.prefetch``, and resets it).
     Raises:
         MoeOffloadError: the cache's policy is not probabilistic Belady, or the set does not match the cache.
     """

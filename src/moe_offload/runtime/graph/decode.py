@@ -1,11 +1,11 @@
 """Graph mode's decode: the whole decode forward compiled once with ``torch.compile(fullgraph=True)`` over a static
 KV cache, the experts' cache decisions and copies included (SeqMoE §8.2; DESIGN.md §11 "Graph mode"); prefill
 stays eager, as in the paper. On a GPU the same step can be compiled with CUDA graphs (``cuda_graphs=True``,
-``mode="reduce-overhead"``); the experts' custom ops do not capture yet (``gpu_check_graph`` says why), so the
+``mode="reduce-overhead"``); the experts' custom ops do not capture yet (``bench.gpu_check_graph`` says why), so the
 default compiles without them.
 
-``load_graph`` builds an offloaded model whose engine is a ``runtime.graph_engine.GraphEngine``;
-``GraphDecoder.generate_ids`` is ``generate.generate_ids`` for graph mode (FullLoad models too, for the
+``load_graph`` builds an offloaded model whose engine is a ``runtime.graph.engine.GraphEngine``;
+``GraphDecoder.generate_ids`` is ``generation.generate.generate_ids`` for graph mode (FullLoad models too, for the
 reference). The static cache's length is rounded up to ``CACHE_BUCKET`` positions and kept across requests, so
 requests of similar length reuse one compiled step (a longer one compiles a new one once).
 """
@@ -16,9 +16,9 @@ import time
 
 import torch
 
-from ..errors import MoeOffloadError
-from .graph_cache import GRAPH_PREFETCH_POLICIES, GraphCache, check_graph_policy
-from .graph_engine import GraphEngine
+from ...errors import MoeOffloadError
+from .cache import GRAPH_PREFETCH_POLICIES, GraphCache, check_graph_policy
+from .engine import GraphEngine
 
 #: static KV cache lengths are multiples of this many positions
 CACHE_BUCKET = 256
@@ -37,24 +37,24 @@ def load_graph(model_dir, *, policy: str = "lru", residency: float | None = None
     """``models.loader.load_offloaded`` with a ``GraphEngine`` (graph mode) instead of the Python slot table.
 
     Args:
-        policy: ``lru``, ``lfu``, ``seqmoe-cacheonly`` (probabilistic Belady; ``runtime.graph_cache``) or
+        policy: ``lru``, ``lfu``, ``seqmoe-cacheonly`` (probabilistic Belady; ``runtime.graph.cache``) or
             ``seqmoe`` (probabilistic Belady plus JSD prefetching by a CPU worker through the control region:
-            ``runtime.graph_fetch_cache``, ``runtime.graph_prefetch``).
+            ``runtime.graph.fetch_cache``, ``runtime.graph.prefetch``).
         residency, slots, device, dtype, progress: as ``load_offloaded``.
         predictor: a trained predictor directory (``seqmoe-cacheonly``, ``seqmoe``: required): run inside the
-            step (``runtime.graph_predictor``, rollout every step).
+            step (``runtime.graph.predictor``, rollout every step).
         link_epl: with ``seqmoe``: the JSD scheduler's transfer budget B_avg, experts per layer time (as
             ``load_offloaded``).
     Returns:
         A ``LoadedModel`` whose ``engine`` is a ``GraphEngine``.
     Raises:
         MoeOffloadError: as ``load_offloaded``; a policy graph mode does not support, or fewer slots than one
-        layer's experts (``graph_cache.check_graph_policy``); a predictor with another policy than
+        layer's experts (``runtime.graph.cache.check_graph_policy``); a predictor with another policy than
         ``seqmoe-cacheonly``/``seqmoe`` or one that does not fit the model; ``seqmoe`` without a predictor, with
-        fewer slots than one layer's experts plus one, or on CUDA (``graph_prefetch.GraphPrefetcher``).
+        fewer slots than one layer's experts plus one, or on CUDA (``runtime.graph.prefetch.GraphPrefetcher``).
     """
-    from ..models.capability import experts_modules
-    from ..models.loader import load_offloaded
+    from ...models.capability import experts_modules
+    from ...models.loader import load_offloaded
 
     kind = check_graph_policy(policy, 1 << 30, 1)  # the policy first, before loading anything
     scheduler = GRAPH_PREFETCH_POLICIES.get(policy)
@@ -73,7 +73,7 @@ def load_graph(model_dir, *, policy: str = "lru", residency: float | None = None
         raise MoeOffloadError(f"--graph --policy {policy} needs at least {lm.num_experts + 1} slots (one MoE layer's "
                               f"{lm.num_experts} experts + 1 to prefetch into), got {old.pool.num_slots}")
     if scheduler:
-        from .graph_fetch_cache import FetchingGraphCache
+        from .fetch_cache import FetchingGraphCache
 
         cache = FetchingGraphCache(old.pool.num_slots, lm.num_experts, lm.num_moe_layers, kind, device=old.pool.device)
     else:
@@ -82,8 +82,8 @@ def load_graph(model_dir, *, policy: str = "lru", residency: float | None = None
     engine.attach([m for _, m in experts_modules(lm.model)])
     lm.engine = engine
     if predictor:
-        from ..predictor.model import load_predictor
-        from .graph_predictor import GraphPredictor
+        from ...predictor.model import load_predictor
+        from .predictor import GraphPredictor
 
         try:
             engine.predictor = GraphPredictor(load_predictor(predictor, model_id=lm.model_id, device=lm.device), cache)
@@ -91,8 +91,8 @@ def load_graph(model_dir, *, policy: str = "lru", residency: float | None = None
             lm.close()
             raise
     if scheduler:
-        from ..core.prefetch import make_scheduler
-        from .graph_prefetch import GraphPrefetcher
+        from ...core.prefetch import make_scheduler
+        from .prefetch import GraphPrefetcher
 
         try:
             engine.prefetcher = GraphPrefetcher(engine, make_scheduler(scheduler, num_moe_layers=lm.num_moe_layers,
@@ -121,7 +121,7 @@ class GraphDecoder:
         if backend not in BACKENDS:
             raise MoeOffloadError(f"unknown graph backend {backend!r}; choose one of: {', '.join(BACKENDS)}")
         if lm.engine is not None and not isinstance(lm.engine, GraphEngine):
-            raise MoeOffloadError("graph mode needs a model loaded with runtime.graph_decode.load_graph")
+            raise MoeOffloadError("graph mode needs a model loaded with runtime.graph.decode.load_graph")
         self.lm, self.backend = lm, backend
         self.cache = None
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, DECODER_GRAPHS)
@@ -166,14 +166,14 @@ class GraphDecoder:
     @torch.no_grad()
     def generate_ids(self, prompt_ids: list[int], max_new_tokens: int, *, temperature: float = 0.0,
                      top_p: float = 1.0, top_k: int = 0, seed: int | None = None, request: int = 0):
-        """``generate.generate_ids`` in graph mode: eager prefill into a static KV cache, then compiled decode
-        steps; stops at an EOS id or the model's position limit (``generate.token_budget``); the same sampler
-        (``moe_offload.sampling``, outside the compiled step). Returns ``(new_ids, ttft_s, decode_s)``.
+        """``generation.generate.generate_ids`` in graph mode: eager prefill into a static KV cache, then compiled decode
+        steps; stops at an EOS id or the model's position limit (``generation.generate.token_budget``); the same sampler
+        (``moe_offload.generation.sampling``, outside the compiled step). Returns ``(new_ids, ttft_s, decode_s)``.
 
         Raises:
             MoeOffloadError: the prompt leaves no room for a new token within the model's position limit."""
-        from ..generate import _eos_ids, _pick, _sync, token_budget
-        from ..seeds import make_generator
+        from ...generation.generate import _eos_ids, _pick, _sync, token_budget
+        from ...common.seeds import make_generator
 
         lm, engine = self.lm, self.lm.engine
         max_new_tokens = token_budget(lm, len(prompt_ids), max_new_tokens)
@@ -202,8 +202,8 @@ class GraphDecoder:
 def run_graph(lm, prompts: list[str], max_new_tokens: int, *, decoder: GraphDecoder | None = None,
               temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
               progress: bool = False):
-    """``generate.run`` in graph mode: ``(outputs, RunStats)``; ``decoder`` reuses a compiled step."""
-    from ..generate import run_requests
+    """``generation.generate.run`` in graph mode: ``(outputs, RunStats)``; ``decoder`` reuses a compiled step."""
+    from ...generation.generate import run_requests
 
     dec = decoder or GraphDecoder(lm)
 

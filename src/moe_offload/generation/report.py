@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from .generate import RunStats
-from .models.loader import LoadedModel
+from ..models.loader import LoadedModel
 
 #: what each runtime policy does, for the report's mode line
 POLICY_WORDS = {
@@ -143,7 +143,7 @@ def _cache_line(c: dict) -> str:
 
 def stats_table(d: dict) -> str:
     """A short two-column text table of ``stats_dict`` output. A diffusion run (``d["diffusion"]``, from
-    ``models.diffusion.diffusion_summary``) reports its own throughput (tokens/s, steps/s, blocks) instead of the
+    ``generation.diffusion.diffusion_summary``) reports its own throughput (tokens/s, steps/s, blocks) instead of the
     autoregressive decode rate."""
     diff = d.get("diffusion")
     rows = [

@@ -7,7 +7,7 @@ import argparse
 import math
 from pathlib import Path
 
-from .errors import MoeOffloadError
+from ..errors import MoeOffloadError
 from .seeds import seed_problem
 
 DEFAULT_PROMPTS = 3
@@ -75,7 +75,7 @@ def int_in(lo: int, hi: int):
 
 
 def seed(s: str) -> int:
-    """argparse type: a seed (``moe_offload.seeds``: an integer in [0, 2**32 - 1]); the message is the server's."""
+    """argparse type: a seed (``moe_offload.common.seeds``: an integer in [0, 2**32 - 1]); the message is the server's."""
     try:
         v = int(s)
     except ValueError:
@@ -216,7 +216,7 @@ def add_predictor_lag_arg(p: argparse.ArgumentParser) -> None:
 
 def add_diffusion_args(p) -> None:
     """The block-diffusion loop's options (diffusion models such as LLaDA2; validated by
-    ``models.diffusion.loop_params``): ``--block-length``, ``--steps``, ``--threshold``, ``--no-prefix-cache``."""
+    ``generation.diffusion.loop_params``): ``--block-length``, ``--steps``, ``--threshold``, ``--no-prefix-cache``."""
     p.add_argument("--block-length", type=int, help="diffusion models (LLaDA2): positions per block (default 32)")
     p.add_argument("--steps", type=int, help="diffusion models: diffusion steps per block, at most --block-length "
                    "(default: --block-length)")
@@ -240,11 +240,11 @@ def load_prompts(args) -> list[str]:
         if not prompts:
             raise MoeOffloadError(f"prompts file {args.prompts} holds no prompt")
     if args.sharegpt:
-        from .testbed.sharegpt import human_turns
+        from ..testbed.sharegpt import human_turns
 
         prompts += human_turns(args.sharegpt, offset=args.sharegpt_offset)
     if not prompts:
-        from .testbed.sharegpt import human_turns
+        from ..testbed.sharegpt import human_turns
 
         prompts = [t for t in human_turns(50) if len(t) <= 300][:DEFAULT_PROMPTS]
     return prompts

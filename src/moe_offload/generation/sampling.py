@@ -6,7 +6,7 @@ both servers, and the block-diffusion loop, with one set of rules at every edge 
 - ``top_k``: keep the ``top_k`` most probable tokens (0, negative or >= V: all of them; 1: greedy);
 - ``top_p``: keep the smallest set of most probable tokens whose probability reaches ``top_p``; the most probable
   token is always kept, so ``top_p`` 0 (or tiny) samples only it and >= 1 keeps all;
-- then draw from the kept probabilities with a ``torch.Generator`` (``moe_offload.seeds``).
+- then draw from the kept probabilities with a ``torch.Generator`` (``moe_offload.common.seeds``).
 
 ``top_k`` applies before ``top_p`` (on the renormalised top-k probabilities), as in transformers and vLLM.
 

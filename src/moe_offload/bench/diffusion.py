@@ -8,8 +8,8 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from .models.loader import load_full, load_offloaded
-from .runtime.emulated_clock import check_skip_device, now, skipping_waits
+from ..models.loader import load_full, load_offloaded
+from ..runtime.emulated_clock import check_skip_device, now, skipping_waits
 
 #: the diffusion loops ``bench diffusion`` can run: with the block-prefix KV cache, and recomputing the prefix
 LOOPS = ("prefix-cache", "recompute")
@@ -35,9 +35,9 @@ def diffusion_regime(trace, fullload_s: float, expert_bytes: int, hardware: str 
     Raises:
         MoeOffloadError: unknown profiles or a profile lacking a TIDE key; ``fullload_s <= 0``.
     """
-    from .core.costs import TideCosts
-    from .errors import MoeOffloadError
-    from .sim.diffusion_sim import fullload_seconds, profile_costs_on_trace
+    from ..core.costs import TideCosts
+    from ..errors import MoeOffloadError
+    from ..sim.diffusion_sim import fullload_seconds, profile_costs_on_trace
 
     if not fullload_s > 0:
         raise MoeOffloadError(f"FullLoad seconds must be > 0, got {fullload_s}")
@@ -78,7 +78,7 @@ def _measure(lm, prompts, max_new_tokens, kw, repeats, progress, recorder=None, 
     """Warm-up request, then ``repeats`` timed runs, each from a cold engine with a fresh planner from
     ``planner()`` (``RefreshEngine.restart``: as the simulator replays); returns ``(outputs, stats, results, tok/s
     of each run)``."""
-    from .models.diffusion import run_diffusion
+    from ..generation.diffusion import run_diffusion
 
     run_diffusion(lm, prompts[:1], min(8, max_new_tokens), **kw)  # warm-up; not counted
     rates, tokens = [], []
@@ -108,11 +108,11 @@ def _replayed(name: str, st, sim) -> bool | None:
 def _bench_loop(path, prompts, budgets, intervals, loop, kw, opts) -> tuple[list[Row], str, float]:
     """Every row of one loop (``loop`` in ``LOOPS``); returns ``(rows, footer, tokens per forward)``. The runtime's
     planners get the regime's cost model, as the simulator's do (not the one ``load_offloaded`` calibrates)."""
-    from .core.refresh import make_refresh_planner
-    from .errors import MoeOffloadError
-    from .models.diffusion import is_diffusion
-    from .sim.diffusion_sim import budget_experts, replay_diffusion
-    from .trace.diffusion import DiffusionTraceRecorder
+    from ..core.refresh import make_refresh_planner
+    from ..errors import MoeOffloadError
+    from ..generation.diffusion import is_diffusion
+    from ..sim.diffusion_sim import budget_experts, replay_diffusion
+    from ..trace.diffusion import DiffusionTraceRecorder
 
     kw = dict(kw, prefix_cache=loop == "prefix-cache")
     run = dict(max_new_tokens=opts["max_new_tokens"], kw=kw, repeats=opts["repeats"], progress=opts["progress"])
@@ -212,9 +212,9 @@ def bench_diffusion(path: Path, prompts: list[str], budgets: list[float], interv
         MoeOffloadError: a model that is not a diffusion model, bad budgets/intervals/loops/diffusion parameters, or
             as ``load_offloaded``; ``skip_waits`` on a device that is not the CPU.
     """
-    from .errors import MoeOffloadError
-    from .models.diffusion import check_params
-    from .models.loader import resolve_device
+    from ..errors import MoeOffloadError
+    from ..generation.diffusion import check_params
+    from ..models.loader import resolve_device
 
     steps = block_length if steps is None else steps
     check_params(max_new_tokens, block_length, steps, threshold)

@@ -2,12 +2,12 @@
 
 For every residency R (outer loop) and max batch B (inner loop) the server is loaded afresh (its own memory plan:
 the KV cache of B sequences, the slot pool of R) and the same concurrent streaming clients (the official ``openai``
-client, ``serve.loadtest``) run against it: a pass with the CPU device-tier tracker on (its peak is the memory
+client, ``bench.serve_load``) run against it: a pass with the CPU device-tier tracker on (its peak is the memory
 column; skipped with ``track_memory=False``; on CUDA memory is always measured) and the timed pass (engine
 counters reset before it: hit rate and bytes loaded per generated token are the timed pass's own). One table, one
 row per configuration, then the throughput ratio of each batched configuration to batch 1 at its residency.
 
-Tokens: the batch-1 server runs each request through ``generate.generate_ids`` alone, so its tokens are the
+Tokens: the batch-1 server runs each request through ``generation.generate.generate_ids`` alone, so its tokens are the
 reference; every other row is compared with the batch-1 row of the same residency, and the batch-1 rows of all
 residencies with each other (greedy; the batched rows may differ only by near ties, ``batching``).
 """
@@ -20,15 +20,15 @@ import json
 import urllib.request
 
 from ..errors import MoeOffloadError
-from .loadtest import _concurrent, _f, _summary
-from .worker import percentile
+from .serve_load import _concurrent, _f, _summary
+from ..serve.worker import percentile
 
 
 def _one(cfg, prompts: list[str], max_tokens: int, track_memory: bool, log) -> dict:
     """Load the server for ``cfg`` (a ``ServeConfig``) and run the passes; returns the timed pass's summary with
     ``ids`` (token ids per request), ``tpot`` (mean per-token latency after the first, seconds) and the server's
     ``/v1/stats`` after it."""
-    from .server import ServerThread, load_for_serving
+    from ..serve.server import ServerThread, load_for_serving
 
     cfg.track_memory = True  # the tracker is switched on only for its own pass
     state = load_for_serving(cfg, log=log)
@@ -106,7 +106,7 @@ def _ratio(r: float, b: int, row: dict, one: dict) -> str:
 
 
 def _report(rows, residencies, batches, prompts, max_tokens, command) -> str:
-    from ..report import format_table
+    from ..generation.report import format_table
 
     ref_r = residencies[0]
     table, ratios = [], []

@@ -12,13 +12,13 @@ from typing import Callable
 
 import torch
 
-from .models.gen_limits import eos_token_ids, new_token_budget
-from .models.loader import LoadedModel
-from .runtime.emulated_clock import now
-from .runtime.engine import EngineStats
+from ..models.gen_limits import eos_token_ids, new_token_budget
+from ..models.loader import LoadedModel
+from ..runtime.emulated_clock import now
+from ..runtime.engine import EngineStats
 from .sampling import GREEDY_TEMPERATURE  # noqa: F401 (re-exported: the servers and tests read it here)
 from .sampling import pick as _pick
-from .seeds import make_generator
+from ..common.seeds import make_generator
 
 
 @dataclass
@@ -121,9 +121,9 @@ def generate_ids(lm: LoadedModel, prompt_ids: list[int], max_new_tokens: int, *,
     request number ``request``); after it, ``on_step(step)`` is called (e.g. by a trace recorder).
     ``on_token(token_id)`` is called with every new token as soon as it is chosen (e.g. to stream it); when it
     returns True, generation stops after that token (a stop sequence matched, the client went away).
-    ``temperature`` / ``top_p`` / ``top_k``: the shared sampler's settings (``moe_offload.sampling``: a temperature
+    ``temperature`` / ``top_p`` / ``top_k``: the shared sampler's settings (``moe_offload.generation.sampling``: a temperature
     below ``GREEDY_TEMPERATURE``, 0 included, is greedy; ``top_p`` keeps at least the most probable token; ``top_k``
-    0: off, 1: greedy). ``seed``: see ``moe_offload.seeds`` (an integer in [0, 2**32 - 1]; None: unseeded).
+    0: off, 1: greedy). ``seed``: see ``moe_offload.common.seeds`` (an integer in [0, 2**32 - 1]; None: unseeded).
 
     Returns:
         ``(new_ids, ttft_s, decode_s)``: generated ids, seconds from start to the first token (prefill), seconds

@@ -27,7 +27,7 @@ Scope (each refused with a one-line error by ``check_graph_policy``): the polici
 log-space float key per access and ``prefill-hot`` a top-N over prefill counts at the first decode step; both are
 expressible but not built); and at least ``E`` slots, so that every layer fits in one round (``plan_layer``'s
 rounds when a layer needs more distinct experts than there are slots are data-dependent).
-Prefetching (``seqmoe``) adds the Fetch and Compute states: ``runtime.graph_fetch_cache.FetchingGraphCache``.
+Prefetching (``seqmoe``) adds the Fetch and Compute states: ``runtime.graph.fetch_cache.FetchingGraphCache``.
 
 Ties: LRU and probabilistic-Belady stamps are distinct among resident experts, and so are LFU stamps when every
 resident expert was accessed (always true without prefetching), so the id tie-breaks of the policies never
@@ -40,14 +40,14 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import MoeOffloadError
+from ...errors import MoeOffloadError
 
 #: graph-mode eviction policies and the runtime policy names that select them
 GRAPH_POLICIES = {"lru": "lru", "lfu": "lfu", "seqmoe-cacheonly": "prob-belady", "seqmoe": "prob-belady",
                   "prob-belady": "prob-belady"}
 #: graph-mode policies driven by a predictor's forecasts (``--predictor`` required)
 GRAPH_PREDICTOR_POLICIES = ("seqmoe-cacheonly", "seqmoe")
-#: graph-mode policies that prefetch (``runtime.graph_fetch_cache``, ``runtime.graph_prefetch``): JSD scheduling
+#: graph-mode policies that prefetch (``runtime.graph.fetch_cache``, ``runtime.graph.prefetch``): JSD scheduling
 GRAPH_PREFETCH_POLICIES = {"seqmoe": "jsd"}
 _INT_MAX = torch.iinfo(torch.int64).max
 #: LFU key = count * 2**LFU_SHIFT + stamp (stamps stay below 2**40: ~1e12 accesses)

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import MoeOffloadError
+from ..errors import MoeOffloadError
 
 SPEED_GEOMETRY = dict(hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
                       head_dim=64, intermediate_size=1024, moe_intermediate_size=512, num_experts_per_tok=4,
@@ -44,7 +44,7 @@ def _random_checkpoint(arch: str, sizes: dict, out: Path, dtype: torch.dtype, sh
     transformers' ``save_pretrained`` (published key layout)."""
     from transformers import AutoModelForCausalLM
 
-    from .models.tiny import _tokenizer_and_config
+    from ..models.tiny import _tokenizer_and_config
 
     tok, config = _tokenizer_and_config(arch, sizes)
     torch.manual_seed(0)
@@ -58,7 +58,7 @@ def _random_checkpoint(arch: str, sizes: dict, out: Path, dtype: torch.dtype, sh
 
 def format_checkpoints(root: Path) -> dict[str, Path]:
     """``{row name: checkpoint dir}`` of the speed table, written under ``root``."""
-    from .models.tiny_quantized import write_fp8, write_mxfp4
+    from ..models.tiny_quantized import write_fp8, write_mxfp4
 
     q = _random_checkpoint("qwen3_moe", dict(SPEED_GEOMETRY, num_experts=SPEED_EXPERTS), root / "qwen3-bf16",
                            torch.bfloat16)
@@ -71,9 +71,9 @@ def format_checkpoints(root: Path) -> dict[str, Path]:
 def bench_format_speed(root: Path, prompts: list[str], residency: float, max_new_tokens: int,
                        progress: bool = False) -> list[str]:
     """Markdown lines of table 1 (module docstring)."""
-    from .bench_decode import _emulate_on_demand
-    from .generate import run
-    from .models.loader import load_full, load_offloaded
+    from .decode import _emulate_on_demand
+    from ..generation.generate import run
+    from ..models.loader import load_full, load_offloaded
 
     dirs = format_checkpoints(root)
     rows, link_bps = [], None
@@ -121,8 +121,8 @@ def _status_kb(field: str) -> int:
 
 def measure_load(model_dir: str, host_store: str, residency: float) -> dict:
     """In this process: load ``model_dir`` offloaded and generate 4 tokens; peak RSS / anonymous bytes (Linux)."""
-    from .generate import run
-    from .models.loader import load_offloaded
+    from ..generation.generate import run
+    from ..models.loader import load_offloaded
 
     base_rss, base_anon = _status_kb("VmRSS") * 1024, _status_kb("RssAnon") * 1024
     stop, peak = threading.Event(), [0]
@@ -149,7 +149,7 @@ def bench_host_memory(root: Path, residency: float) -> list[str]:
     ckpt = sum(f.stat().st_size for f in d.glob("*.safetensors"))
     res = []
     for mode in ("pinned", "mmap"):
-        p = subprocess.run([sys.executable, "-m", "moe_offload.bench_formats", str(d), mode, str(residency)],
+        p = subprocess.run([sys.executable, "-m", "moe_offload.bench.formats", str(d), mode, str(residency)],
                            capture_output=True, text=True)
         if p.returncode != 0:
             raise MoeOffloadError(f"memory measurement ({mode}) failed: {p.stderr.strip().splitlines()[-1:]}")

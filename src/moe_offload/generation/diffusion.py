@@ -5,7 +5,7 @@ The sequence is cut into **blocks** of ``block_length`` positions, aligned at po
 tokens**, and further blocks of mask tokens are appended one at a time until ``max_new_tokens`` positions after
 the prompt are covered. Attention is block-causal: a token sees every token of its own block and of all earlier
 blocks, never a later block (``block_causal_mask``). Each block is refined over at most ``steps`` **diffusion
-steps**; one step is one forward pass (``models.diffusion_forward.StepForward``: by default over the current block
+steps**; one step is one forward pass (``generation.diffusion_forward.StepForward``: by default over the current block
 only, against the **block-prefix KV cache** of the prompt's complete blocks and the committed blocks, which is
 exact under block-causal attention; with ``prefix_cache=False`` over the whole prefix, the reference loop), which
 yields, for every masked position of the current block, a token and its confidence (``sampling.choose``: the
@@ -35,16 +35,16 @@ import torch
 
 from ..errors import MoeOffloadError
 from ..runtime.emulated_clock import now
-from ..sampling import choose
+from .sampling import choose
 from .diffusion_forward import StepForward
 from .diffusion_result import BlockStats, DiffusionResult, diffusion_summary  # noqa: F401 (re-exported)
-from .loader import LoadedModel
+from ..models.loader import LoadedModel
 
 
 def is_diffusion(lm_or_config) -> bool:
     """Whether a ``LoadedModel`` or a transformers config is a block-diffusion LM (an ``Architecture`` flagged
     ``diffusion``, e.g. ``llada2_moe``)."""
-    from .registry import DIFFUSION
+    from ..models.registry import DIFFUSION
 
     arch = getattr(lm_or_config, "arch", None)
     if arch is not None:
@@ -151,13 +151,13 @@ def diffusion_generate_ids(lm: LoadedModel, prompt_ids: list[int], max_new_token
     Args:
         lm: a loaded diffusion model (``load_full`` or ``load_offloaded``); its forward must accept
             ``attention_mask [1, 1, Q, K]`` bool (True = may attend), ``position_ids`` and, with the prefix cache,
-            ``past_key_values`` (``models.diffusion_forward.StepForward``).
+            ``past_key_values`` (``generation.diffusion_forward.StepForward``).
         prompt_ids: prompt token ids (at least one).
         max_new_tokens: > 0.
         block_length: positions per block (LLaDA2: 32).
         steps: diffusion steps per block, in ``[1, block_length]``; default ``block_length`` (LLaDA2's default).
         threshold: commit every masked token whose confidence exceeds it, in (0, 1] (1.0: only the schedule).
-        temperature, top_p, top_k, seed: the shared sampler's settings (``moe_offload.sampling``): a temperature
+        temperature, top_p, top_k, seed: the shared sampler's settings (``moe_offload.generation.sampling``): a temperature
             below ``GREEDY_TEMPERATURE`` (default 0) or ``top_k`` 1 is greedy; else sampling with this generator
             seed, ``top_p`` keeping at least the most probable token, ``top_k`` 0 off.
         request: request number given to ``engine.begin_step``.
@@ -190,8 +190,8 @@ def diffusion_generate_ids(lm: LoadedModel, prompt_ids: list[int], max_new_token
     check_params(max_new_tokens, block_length, steps, threshold)
     if not prompt_ids:
         raise MoeOffloadError("the prompt encodes to no token")
-    from ..generate import _eos_ids, token_budget
-    from ..seeds import make_generator
+    from .generate import _eos_ids, token_budget
+    from ..common.seeds import make_generator
 
     max_new_tokens = token_budget(lm, len(prompt_ids), max_new_tokens, block_length)
     mask_id = _mask_token_id(lm)
@@ -242,7 +242,7 @@ class _BlockLoop:
 
     def run_block(self, start: int, end: int) -> BlockStats:
         """Refine block ``[start, end)`` until no mask token is left (at most ``len(schedule)`` steps)."""
-        from ..generate import _sync
+        from .generate import _sync
 
         block = self.x[0, start:end]  # a view: commits write into x
         stats = BlockStats(index=len(self.blocks), start=start, masks=int((block == self.mask_id).sum()))
@@ -303,7 +303,7 @@ def run_diffusion(lm: LoadedModel, prompts: list[str], max_new_tokens: int, *, b
     Raises:
         MoeOffloadError: see ``diffusion_generate_ids``; also a checkpoint without a tokenizer.
     """
-    from ..generate import run_requests
+    from .generate import run_requests
 
     steps = block_length if steps is None else steps
     check_params(max_new_tokens, block_length, steps, threshold)

@@ -7,10 +7,10 @@ import gc
 from dataclasses import dataclass
 from pathlib import Path
 
-from .generate import run
-from .models.loader import load_full, load_offloaded
-from .predictor.runtime import ROLLOUT_EVERY
-from .runtime.emulated_clock import check_skip_device, now, skipping_waits, wait_until
+from ..generation.generate import run
+from ..models.loader import load_full, load_offloaded
+from ..predictor.runtime import ROLLOUT_EVERY
+from ..runtime.emulated_clock import check_skip_device, now, skipping_waits, wait_until
 
 
 @dataclass
@@ -79,8 +79,8 @@ def bench_decode(path: Path, prompts: list[str], residencies: list[float], *, ma
             a device that is not the CPU; ``predictor_lag`` with ``xl`` or ``seqmoe-xl``; ``host_store`` disk with
             an emulated link or without a measured disk (``bench link --disk``).
     """
-    from .errors import MoeOffloadError
-    from .models.loader import PREDICTOR_POLICIES
+    from ..errors import MoeOffloadError
+    from ..models.loader import PREDICTOR_POLICIES
 
     policies = [p.strip() for p in policy.split(",") if p.strip()]
     if any(p in PREDICTOR_POLICIES for p in policies) and not predictor:
@@ -125,8 +125,8 @@ def bench_decode(path: Path, prompts: list[str], residencies: list[float], *, ma
            f"; in a process of its own, forecasts used {predictor_lag} MoE layers after their trigger layer")
     pred = f", predictor {predictor} (rollout every {rollout_every} steps{lag})" if predictor else ""
     if predictor and any(p.lower() == "seqmoe-xl" for p in policies):
-        from .predictor.model import load_predictor
-        from .predictor.xl_calibrate import describe_xl_weights
+        from ..predictor.model import load_predictor
+        from ..predictor.xl_calibrate import describe_xl_weights
 
         pred += f"; seqmoe-xl's cross-layer blend weights {describe_xl_weights(load_predictor(predictor))}"
     return "\n".join(_table(rows) + [f"\n{len(prompts)} prompts x {max_new_tokens} new tokens, model {path}" + pred
@@ -139,8 +139,8 @@ def _disk_entry(host_store: str, link_epl: float | None) -> dict | None:
     Raises:
         MoeOffloadError: an unknown store, disk with an emulated link, or a disk never measured.
     """
-    from .errors import MoeOffloadError
-    from .sim.disk_link import this_machine_disk
+    from ..errors import MoeOffloadError
+    from ..sim.disk_link import this_machine_disk
 
     if host_store not in ("pinned", "disk"):
         raise MoeOffloadError(f"bench decode --host-store is pinned or disk, not {host_store}")
@@ -159,7 +159,7 @@ def _disk_link_epl(disk: dict, expert_bytes: int, t_layer: float) -> tuple[float
     """``(experts per FullLoad layer time, the regime's words)`` of the measured disk for ``expert_bytes`` reads at
     queue depth 1 (FullLoad's expert bytes: a quantized checkpoint's stored experts are smaller, so its model is
     conservative)."""
-    from .sim.disk_link import disk_gbps
+    from ..sim.disk_link import disk_gbps
 
     gbps = disk_gbps(disk, expert_bytes, 1)
     epl = t_layer * gbps * 1e9 / expert_bytes
@@ -179,9 +179,9 @@ def _measure_policy(path, prompts, max_new_tokens, pol, r, device, dtype, progre
     """Load the offloaded model with policy ``pol`` at residency ``r`` (the predictor attached when it needs one,
     the link emulated when ``spe``), measure it, and return its row (``ratio`` left for the caller) and its
     time breakdown."""
-    from .models.loader import FORECAST_RUNTIME_POLICIES, PREDICTOR_POLICIES
-    from .predictor.cross_layer import attach_forecasts
-    from .predictor.model import load_predictor
+    from ..models.loader import FORECAST_RUNTIME_POLICIES, PREDICTOR_POLICIES
+    from ..predictor.cross_layer import attach_forecasts
+    from ..predictor.model import load_predictor
 
     lm = load_offloaded(path, device=device, dtype=dtype, residency=r, policy=pol, progress=False,
                         link_epl=link_epl or 2.0, seconds_per_expert=spe, host_store=host_store)
@@ -205,7 +205,7 @@ def _measure_policy(path, prompts, max_new_tokens, pol, r, device, dtype, progre
 
 
 class _Renumbered:
-    """A trace recorder seen through request numbers shifted by ``offset`` (each ``generate.run`` call numbers its
+    """A trace recorder seen through request numbers shifted by ``offset`` (each ``generation.generate.run`` call numbers its
     requests from 0)."""
 
     def __init__(self, rec, offset: int):
@@ -222,8 +222,8 @@ def _record_routing(path, prompts, max_new_tokens, device, dtype, xl: bool = Fal
     """The routing of every measured run — the warm-up request, then the prompts — recorded once on an unmeasured
     offloaded run at residency 1.0 (a lossless run routes identically at any residency and policy); with ``xl`` also
     the cross-layer forecasts (``trace collect --xl-forecasts``)."""
-    from .predictor.cross_layer import XL_DEPTH
-    from .trace.collect import TraceRecorder
+    from ..predictor.cross_layer import XL_DEPTH
+    from ..trace.collect import TraceRecorder
 
     lm = load_offloaded(path, device=device, dtype=dtype, residency=1.0, policy="lru", progress=False)
     try:
@@ -239,16 +239,16 @@ def _simulate_rows(rows: list[DecodeRow], trace, link_epl: float, predictor: str
                    lag: int | None = None) -> None:
     """Fill each row's ``simulated``: the replay of ``trace`` with the row's policy and slot count under the link
     model of ``sim.prefetch_sim`` at ``link_epl``, the predictor's forecasts replayed with the runtime's settings."""
-    from .models.loader import PREDICTOR_POLICIES
-    from .sim.forecasts import forecast_stream, xl_stream
-    from .sim.prefetch_sim import replay_policy
-    from .sim.simulator import layer_needs
+    from ..models.loader import PREDICTOR_POLICIES
+    from ..sim.forecasts import forecast_stream, xl_stream
+    from ..sim.prefetch_sim import replay_policy
+    from ..sim.simulator import layer_needs
 
     needs = layer_needs(trace)
     streams, pset = {}, None
     wanted = {r.requested for r in rows}
     if wanted & set(PREDICTOR_POLICIES):
-        from .predictor.model import load_predictor
+        from ..predictor.model import load_predictor
 
         pset = load_predictor(predictor, model_id=trace.header["model_id"])
         streams = dict.fromkeys(wanted & set(PREDICTOR_POLICIES) - {"seqmoe-xl"},
@@ -280,7 +280,7 @@ def _table(rows: list[DecodeRow]) -> list[str]:
 def breakdown_table(rows: list[tuple[str, float, dict]]) -> list[str]:
     """Markdown lines: per (policy, residency) the decode step time split into the phases of
     ``runtime.breakdown`` (ms per step, share in parentheses), measured by the engine's lap timers."""
-    from .runtime.breakdown import PHASES
+    from ..runtime.breakdown import PHASES
 
     out = ["| policy | residency | ms per decode step | " + " | ".join(p.replace("_", " ") for p in PHASES) + " |",
            "|---|---|---|" + "---|" * len(PHASES)]

@@ -16,7 +16,7 @@ they would be pinned, mapped host memory):
   this equals its expected tag; a stale tag changes nothing).
 
 The step reads and writes the region only through copies taken before the compiled graph starts and inside the
-experts op of each MoE layer (``moe_offload::slot_experts_fetching``, ``runtime.graph_engine``), never by tensor
+experts op of each MoE layer (``moe_offload::slot_experts_fetching``, ``runtime.graph.engine``), never by tensor
 ops on the region in the graph: a compiled graph applies its mutations of input tensors when it ends, may read an
 input once for all layers, or read it again in several kernels while the worker changes it. So per MoE layer l:
 land the copies whose tags the region showed (layer 0: the copy ``begin_step`` took; later layers: the snapshot
@@ -47,10 +47,10 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from ..core.prefetch import PrefetchScheduler, position, submit_forecast
-from ..errors import MoeOffloadError
-from ..predictor.runtime import Forecast
-from .graph_fetch_cache import FetchingGraphCache
+from ...core.prefetch import PrefetchScheduler, position, submit_forecast
+from ...errors import MoeOffloadError
+from ...predictor.runtime import Forecast
+from .fetch_cache import FetchingGraphCache
 
 #: ``grant = tag << GRANT_SHIFT | expert``: one int64 store per reservation (experts < 2**24, tags < 2**39)
 GRANT_SHIFT = 24

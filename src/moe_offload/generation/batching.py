@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 import torch
 
 from .generate import _eos_ids, _pick, token_budget
-from .models.loader import LoadedModel
-from .runtime.batch_cache import BatchCache, unsupported_reason
-from .seeds import make_generator
+from ..models.loader import LoadedModel
+from ..runtime.batch_cache import BatchCache, unsupported_reason
+from ..common.seeds import make_generator
 
 
 @dataclass

@@ -7,12 +7,12 @@ import json
 import sys
 from pathlib import Path
 
-from .cliargs import (add_model_args, add_predictor_lag_arg, add_prompt_args, float_, int_in, load_prompts,
-                      parse_intervals, positive_int, split_floats)
-from .errors import MoeOffloadError
-from .models.resolve import resolve_model
-from .predictor.runtime import ROLLOUT_EVERY
-from .runtime.emulated_clock import WAIT_MODES
+from ..common.cliargs import (add_model_args, add_predictor_lag_arg, add_prompt_args, float_, int_in, load_prompts,
+                              parse_intervals, positive_int, split_floats)
+from ..errors import MoeOffloadError
+from ..models.resolve import resolve_model
+from ..predictor.runtime import ROLLOUT_EVERY
+from ..runtime.emulated_clock import WAIT_MODES
 
 # --link-regime: experts whose transfer one layer's FullLoad compute overlaps (SeqMoE §2.2)
 LINK_REGIMES = {"rtx4090": 1.39}
@@ -114,10 +114,10 @@ def add_waits_arg(p) -> None:
 
 
 def _link(args) -> int:
-    from .sim.profiles import measure_link, this_machine_path
+    from ..sim.profiles import measure_link, this_machine_path
 
     if args.disk:
-        from .sim.disk_link import disk_table, measure_disk, save_disk
+        from ..sim.disk_link import disk_table, measure_disk, save_disk
 
         entry = measure_disk(args.disk, file_mb=args.file_mb)
         print(f"direct reads on the filesystem of {entry['directory']}, GB/s (1e9 B/s), "
@@ -135,7 +135,7 @@ def _link(args) -> int:
 
 
 def _diffusion(args) -> int:
-    from .bench_diffusion import LOOPS, bench_diffusion
+    from .diffusion import LOOPS, bench_diffusion
 
     budgets = split_floats(args.budgets, "--budgets")
     intervals = parse_intervals(args.intervals)
@@ -160,7 +160,7 @@ def _residencies_prompts_model(args):
 
 
 def _decode(args) -> int:
-    from .bench_decode import bench_decode
+    from .decode import bench_decode
 
     residencies, prompts, path = _residencies_prompts_model(args)
     return _table(args, bench_decode(path, prompts, residencies, max_new_tokens=args.max_new_tokens,
@@ -172,9 +172,9 @@ def _decode(args) -> int:
 
 
 def _graph(args) -> int:
-    from .bench_graph import bench_graph
+    from .graph import bench_graph
 
-    from .runtime.graph_cache import GRAPH_PREDICTOR_POLICIES
+    from ..runtime.graph.cache import GRAPH_PREDICTOR_POLICIES
 
     needs = [p for p in GRAPH_PREDICTOR_POLICIES if p in (x.strip() for x in args.policy.split(","))]
     if needs and not args.predictor:
@@ -197,7 +197,7 @@ def run(args) -> int:
     if args.bench_cmd == "link":
         return _link(args)
     if args.bench_cmd == "replay":
-        from .sim.speed import bench_replay_speed
+        from .replay_speed import bench_replay_speed
 
         print(json.dumps(bench_replay_speed(seconds=args.seconds), indent=1))
         return 0
@@ -213,8 +213,8 @@ def run(args) -> int:
 def _formats(args) -> int:
     import tempfile
 
-    from .bench_formats import bench_formats
-    from .testbed.sharegpt import human_turns
+    from .formats import bench_formats
+    from ..testbed.sharegpt import human_turns
 
     if not (0 < args.residency <= 1):
         raise MoeOffloadError(f"--residency must be in (0, 1], got {args.residency}")

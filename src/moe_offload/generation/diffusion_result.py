@@ -1,4 +1,4 @@
-"""Results of the block-diffusion loop (``models.diffusion``): per block, per request, and totals over requests."""
+"""Results of the block-diffusion loop (``generation.diffusion``): per block, per request, and totals over requests."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """``moe-offload bench serve``: a bounded load test on the loopback interface.
 
-1. Reference: each prompt through ``generate``'s own loop (``generate.generate_ids``, or the block-diffusion loop),
+1. Reference: each prompt through ``generate``'s own loop (``generation.generate.generate_ids``, or the block-diffusion loop),
    one after another, greedy, in-process (no server running yet).
 2. With the CPU tracker on (``serve.memory.DeviceTierTracker``; skipped on CUDA, where memory is always measured):
    all clients at once, streaming, through the official ``openai`` client; tokens checked, device-tier peak kept.
@@ -18,8 +18,8 @@ import time
 import urllib.request
 
 from ..errors import MoeOffloadError
-from ..generate import encode_prompt, generate_ids
-from .worker import percentile
+from ..generation.generate import encode_prompt, generate_ids
+from ..serve.worker import percentile
 
 
 def prompts_for(n: int, max_chars: int) -> list[str]:
@@ -51,7 +51,7 @@ def _reference(state, prompts: list[str], max_tokens: int) -> tuple[list[list[in
         if state.diffusion is None:
             new, first, _ = generate_ids(lm, ids, max_tokens)
         else:
-            from ..models.diffusion import diffusion_generate_ids
+            from ..generation.diffusion import diffusion_generate_ids
 
             res = diffusion_generate_ids(lm, ids, max_tokens, **state.diffusion)
             new, first = res.token_ids, res.first_block_s
@@ -119,7 +119,7 @@ def run_load_test(state, prompts: list[str], max_tokens: int, track_memory: bool
     tracker = state.tracker
     state.worker.tracker = None
     passes = []
-    from .server import ServerThread
+    from ..serve.server import ServerThread
 
     with ServerThread(state) as srv:
         if track_memory and tracker is not None:
@@ -139,7 +139,7 @@ def _f(v, fmt="{:.2f}") -> str:
 
 
 def _report(state, prompts, max_tokens, refs, seq_wall, seq_ttft, seq_tokens, passes, stats, command) -> str:
-    from ..report import format_table
+    from ..generation.report import format_table
 
     rows = [["sequential `generate` (reference, no server)", 1, len(refs), 0, "reference",
              _f(percentile(seq_ttft, 0.5)), _f(percentile(seq_ttft, 0.95)), seq_tokens,

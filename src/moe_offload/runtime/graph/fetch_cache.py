@@ -1,7 +1,7 @@
 """Graph mode's device-side slot table with prefetching: the Fetch and Compute slot states, reservations bound to
 tags, landings by tag and the adoption of in-flight experts, in fixed-shape tensor ops (SeqMoE §7.2, §8.2-8.3).
 
-``FetchingGraphCache`` extends ``runtime.graph_cache.GraphCache`` with the rest of ``core.slots.SlotTable``'s state
+``FetchingGraphCache`` extends ``runtime.graph.cache.GraphCache`` with the rest of ``core.slots.SlotTable``'s state
 machine, making exactly its decisions (``tests/test_graph_fetch_cache.py`` replays random traces with prefetch
 requests and landings through both and compares every decision, tag and slot):
 
@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import MoeOffloadError
-from .graph_cache import GraphCache
+from ...errors import MoeOffloadError
+from .cache import GraphCache
 
 #: slot states (``core.slot_states.SlotState``) as the int64 codes of ``FetchingGraphCache.state``
 EMPTY, FETCH, COMPUTE, USED = 0, 1, 2, 3

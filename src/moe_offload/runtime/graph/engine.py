@@ -14,7 +14,7 @@ decode steps is accumulated per phase (``op_seconds``: ``stall`` for the copies,
 bookkeeping, ``expert_compute`` for the GEMMs; the waits for in-flight experts count as ``stall``). One op rather
 than two: each op call costs ~25 us of dispatch.
 
-With prefetching (``runtime.graph_prefetch``) step 1 also lands finished copies and reserves slots for the worker's
+With prefetching (``runtime.graph.prefetch``) step 1 also lands finished copies and reserves slots for the worker's
 requests (``FetchingGraphCache``), and step 2 is ``moe_offload::slot_experts_fetching``: the same op plus the
 control-region exchange and the waits by tag, returning the region's snapshot for the next layer.
 """
@@ -27,12 +27,12 @@ from typing import Optional
 
 import torch
 
-from ..errors import MoeOffloadError
-from .engine import EngineStats
-from .experts import IMPLEMENTATION_NAME, register, slot_pair_outputs
-from .graph_cache import GraphCache
-from .pool import SlotPool
-from .store import HostStore
+from ...errors import MoeOffloadError
+from ..engine import EngineStats
+from ..experts import IMPLEMENTATION_NAME, register, slot_pair_outputs
+from .cache import GraphCache
+from ..pool import SlotPool
+from ..store import HostStore
 
 _ENGINES: dict[int, "GraphEngine"] = {}
 #: seconds a layer waits for an in-flight expert before it reports the prefetch worker stuck
@@ -64,7 +64,7 @@ def slot_experts_fetching(handle: int, layer: int, hidden_states: torch.Tensor, 
                           grant_slots: torch.Tensor, grants: torch.Tensor,
                           taken: torch.Tensor, forecast: Optional[torch.Tensor],
                           predictor_index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``slot_experts`` with prefetching (``runtime.graph_prefetch``): first the control-region exchange
+    """``slot_experts`` with prefetching (``runtime.graph.prefetch``): first the control-region exchange
     (``GraphPrefetcher.exchange``: position, grants ``[R]`` int64 into slots ``grant_slots [R]``, taken request
     entries ``taken [R]`` bool, a forecast ``[1 + c, n, e]`` made at this layer or None), then the waits until the
     worker has finished the copy granted to slot ``wait_slots[j]`` (``[E]`` int64, every ``wait_valid[j]``:
@@ -91,8 +91,8 @@ class GraphEngine:
 
     Drop-in for ``OffloadEngine`` where ``generate`` and the reports use it (``attach``, ``begin_step``,
     ``end_step``, ``stats``, ``reset_stats``, ``close``, ``policy_name``, ``pool``, ``store``); no observers; a
-    ``predictor`` (``runtime.graph_predictor.GraphPredictor``) runs inside the step, and a ``prefetcher``
-    (``runtime.graph_prefetch.GraphPrefetcher``, with a ``FetchingGraphCache``) beside it.
+    ``predictor`` (``runtime.graph.predictor.GraphPredictor``) runs inside the step, and a ``prefetcher``
+    (``runtime.graph.prefetch.GraphPrefetcher``, with a ``FetchingGraphCache``) beside it.
 
     Args:
         store: the host store; pool: the device slot pool (its ``lookup`` is not used: ``cache.lookup`` is);
@@ -105,9 +105,9 @@ class GraphEngine:
         self._policy_name = policy_name
         self.modules: list[torch.nn.Module] = []
         self._views: dict[str, torch.Tensor] = {}  # field -> [S, *shape] compute view of the whole pool
-        self.prefetcher = None  # runtime.graph_prefetch.GraphPrefetcher: a CPU worker and the control region
+        self.prefetcher = None  # runtime.graph.prefetch.GraphPrefetcher: a CPU worker and the control region
         self.observers: list = []
-        self.predictor = None  # runtime.graph_predictor.GraphPredictor: forecasts inside the step
+        self.predictor = None  # runtime.graph.predictor.GraphPredictor: forecasts inside the step
         self.lookup_only = False  # set_lookup_only: no cache decisions in the step (the A/B baseline)
         self.preloaded = False  # preload_all: every expert in the slot of its global id
         dev = cache.lookup.device
@@ -215,7 +215,7 @@ class GraphEngine:
                                                   top_k_weights.reshape(-1), eids, slots, valid)
 
     def _forward_fetching(self, pf, moe_layer: int, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
-        """``forward`` with prefetching (``runtime.graph_prefetch``): land, forecast, plan (the layer's experts stay
+        """``forward`` with prefetching (``runtime.graph.prefetch``): land, forecast, plan (the layer's experts stay
         in Compute while the requests get their slots), reserve, release; the op does the rest."""
         requests = pf.land(moe_layer)
         forecast, index = None, -1
