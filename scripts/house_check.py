@@ -4,10 +4,11 @@
 Prints three counts for ``src/moe_offload`` (issue 38):
 
 - the top-level modules: ``.py`` files directly in the package, besides ``__init__.py`` and ``__main__.py``;
-- the import circles: strongly connected components (two or more modules, or one that imports itself) of the graph
-  "module A imports module B", where every ``import`` / ``from ... import`` statement counts wherever it stands (at
-  module level, inside a function or a class), except those under ``if TYPE_CHECKING:``, which never run; an
-  import of ``pkg.mod`` counts as an arrow to ``pkg.mod`` (``from pkg import mod`` too, when ``mod`` is a module);
+- the import circles: strongly connected components of two or more modules of the graph "module A imports module
+  B", where every ``import`` / ``from ... import`` statement counts wherever it stands (at module level, inside a
+  function or a class, under ``if TYPE_CHECKING:`` too); an import of ``pkg.mod`` counts as an arrow to
+  ``pkg.mod`` (``from pkg import mod`` too, when ``mod`` is a module), and a package's ``__init__`` importing its
+  own submodules is no arrow to itself;
 - the functions (and methods, nested ones included) longer than ``LONG`` lines, from ``def`` to their last line.
 
     python scripts/house_check.py [--root src/moe_offload]
@@ -45,22 +46,9 @@ def top_level_modules(root: Path) -> list[str]:
     return sorted(p.stem for p in root.glob("*.py") if p.name not in ("__init__.py", "__main__.py"))
 
 
-def _is_type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
-
-
 def _imports(tree: ast.AST):
-    """The import statements of ``tree``, wherever they stand, less those under ``if TYPE_CHECKING:``."""
-    stack = [tree]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, ast.If) and _is_type_checking(node.test):
-            stack.extend(node.orelse)
-            continue
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            yield node
-        stack.extend(ast.iter_child_nodes(node))
+    """The import statements of ``tree``, wherever they stand."""
+    return (node for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom)))
 
 
 def import_graph(names: dict[str, Path]) -> dict[str, set[str]]:
@@ -82,13 +70,13 @@ def import_graph(names: dict[str, Path]) -> dict[str, set[str]]:
                 mod = node.module or ""
             targets.add(mod)
             targets.update(f"{mod}.{alias.name}" for alias in node.names if f"{mod}.{alias.name}" in names)
-        graph[name] = {t for t in targets if t in names and t != name} | ({name} & targets)
+        graph[name] = {t for t in targets if t in names and t != name}
     return graph
 
 
 def circles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """The strongly connected components of ``graph`` that are circles (two or more modules, or a module importing
-    itself), each sorted, by Tarjan's algorithm (iterative)."""
+    """The strongly connected components of ``graph`` of two or more modules (the import circles), each sorted, by
+    Tarjan's algorithm (iterative)."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     on_stack: set[str] = set()
@@ -127,7 +115,7 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
                     component.append(member)
                     if member == node:
                         break
-                if len(component) > 1 or node in graph[node]:
+                if len(component) > 1:
                     found.append(sorted(component))
     return sorted(found)
 
