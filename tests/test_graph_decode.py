@@ -75,7 +75,7 @@ def test_graph_predictor_same_decisions_as_python_runtime(tiny_dirs, one_thread,
     """Probabilistic Belady driven by the predictor inside the step (eager, then compiled): the same hits and misses
     as the Python runtime's ForecastFeed at rollout every step, and FullLoad's tokens."""
     from moe_offload.models.loader import load_offloaded
-    from moe_offload.predictor.runtime import attach_predictor
+    from moe_offload.predictor.attach import attach_predictor
     from moe_offload.runtime.graph.predictor import GraphPredictor
 
     path = tiny_dirs["qwen3_moe"]

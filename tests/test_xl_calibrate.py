@@ -11,8 +11,8 @@ from moe_offload.cli import main
 from moe_offload.errors import MoeOffloadError
 from moe_offload.predictor.features import trace_sequences
 from moe_offload.predictor.model import PredictorHeader, PredictorSet, PredictorSpec, load_predictor
-from moe_offload.predictor.xl_calibrate import (XL_GRID, XL_WEIGHTS_NAME, calibrate_xl_weights, describe_xl_weights,
-                                                read_xl_weights, write_xl_weights)
+from moe_offload.predictor.xl_calibrate import XL_GRID, calibrate_xl_weights
+from moe_offload.predictor.xl_weights import XL_WEIGHTS_NAME, describe_xl_weights, read_xl_weights, write_xl_weights
 from moe_offload.trace.xl_accuracy import with_xl_accuracy
 from test_predictor import planted_trace
 

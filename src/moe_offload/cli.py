@@ -267,7 +267,7 @@ def _cmd_generate(args) -> int:
             info["predictor"] |= {"lag_layers": args.predictor_lag, "ms_receiving_per_decode_step":
                                   1e3 * runner.receive_s / max(1, ps.decode_steps)}
         if args.policy == "seqmoe-xl":
-            from .predictor.xl_calibrate import describe_xl_weights
+            from .predictor.xl_weights import describe_xl_weights
 
             info["predictor"]["xl_blend_weights"] = describe_xl_weights(runner.pset)
     info["notes"] = offload_notes(info)

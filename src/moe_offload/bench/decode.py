@@ -126,7 +126,7 @@ def bench_decode(path: Path, prompts: list[str], residencies: list[float], *, ma
     pred = f", predictor {predictor} (rollout every {rollout_every} steps{lag})" if predictor else ""
     if predictor and any(p.lower() == "seqmoe-xl" for p in policies):
         from ..predictor.model import load_predictor
-        from ..predictor.xl_calibrate import describe_xl_weights
+        from ..predictor.xl_weights import describe_xl_weights
 
         pred += f"; seqmoe-xl's cross-layer blend weights {describe_xl_weights(load_predictor(predictor))}"
     return "\n".join(_table(rows) + [f"\n{len(prompts)} prompts x {max_new_tokens} new tokens, model {path}" + pred

@@ -73,7 +73,7 @@ def lossless_rows(root: Path, device: str, new_tokens: int) -> list[str]:
     """One markdown row per (checkpoint, policy, host store): tokens vs FullLoad, misses, seconds."""
     from ..models.loader import load_full, load_offloaded
     from ..predictor.model import load_predictor
-    from ..predictor.runtime import attach_predictor
+    from ..predictor.attach import attach_predictor
 
     rows = []
     for name, d in _checkpoints(root).items():

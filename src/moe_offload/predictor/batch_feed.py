@@ -20,7 +20,8 @@ import torch
 
 from .batch_forecast import combine
 from .model import PredictorSet
-from .runtime import ROLLOUT, ROLLOUT_EVERY, Forecast, PredictorRunner, connect_feed, forecast_consumers
+from .attach import connect_feed, forecast_consumers
+from .runtime import ROLLOUT, ROLLOUT_EVERY, Forecast, PredictorRunner
 
 
 class BatchForecastFeed:

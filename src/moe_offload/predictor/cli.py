@@ -49,7 +49,7 @@ def add_parser(sub, positive_int, nonneg_int, fl) -> None:
     e.add_argument("--xl-weights", metavar="W1,W2,...",
                    help="traces collected with --xl-forecasts: blend weights of the cross-layer forecast at layer "
                    "distance 1, 2, ... for the Seq-1+XL-j rows (default: the seqmoe-xl policy's: the "
-                   "predictor's calibrated ones, else predictor.blend.XL_WEIGHTS)")
+                   "predictor's calibrated ones, else predictor.xl_weights.XL_WEIGHTS)")
     e.add_argument("--json", action="store_true", help="one JSON object instead of tables")
     e.add_argument("--quiet", action="store_true", help="no progress bars")
     c = psub.add_parser("calibrate-xl", help="fit the seqmoe-xl blend weights of a predictor to its model's "
@@ -180,7 +180,7 @@ def cmd_eval(args) -> int:
     weights = None
     if args.xl_weights:
         from ..common.cliargs import split_floats
-        from .xl_calibrate import check_xl_weights
+        from .xl_weights import check_xl_weights
 
         weights = check_xl_weights(split_floats(args.xl_weights, "--xl-weights"))
     res = evaluate_predictor(pset, test, horizon=args.horizon, long_threshold=args.long_threshold, markov=markov,
@@ -192,7 +192,7 @@ def cmd_eval(args) -> int:
            "parameters": pset.num_parameters(), "parameter_bytes": pset.parameter_bytes(),
            "state_bytes": pset.state_bytes()}
     if any(t.xl_probs is not None for t in traces):
-        from .xl_calibrate import describe_xl_weights
+        from .xl_weights import describe_xl_weights
 
         out["xl_blend_weights"] = (", ".join(f"{w:g}" for w in weights) + " (--xl-weights)" if weights
                                    else describe_xl_weights(pset))
@@ -237,7 +237,8 @@ def cmd_calibrate_xl(args) -> int:
     from ..common.cliargs import split_floats
     from ..generation.report import format_table
     from .model import load_predictor
-    from .xl_calibrate import XL_WEIGHTS_NAME, calibrate_xl_weights, check_xl_weights, write_xl_weights
+    from .xl_calibrate import calibrate_xl_weights
+    from .xl_weights import XL_WEIGHTS_NAME, check_xl_weights, write_xl_weights
 
     grid = tuple(sorted(set(check_xl_weights(split_floats(args.grid, "--grid"), "--grid"))))
     if (Path(args.predictor) / XL_WEIGHTS_NAME).exists() and not args.replace:

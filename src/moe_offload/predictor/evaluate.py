@@ -98,7 +98,7 @@ def evaluate_predictor(pset: PredictorSet, seqs: list[Sequence], *, horizon: int
         control: the shuffled-control predictors (row omitted if None).
         shuffle_seed: seed of the test sequences' shuffling for the control.
         xl_weights: the blend weights of the ``Seq-1+XL-j`` rows (default: ``pset.xl_weights``, else
-            ``predictor.blend.XL_WEIGHTS``).
+            ``predictor.xl_weights.XL_WEIGHTS``).
         xl_grid: optional weights in ``[0, 1]``: Seq-1 blended with each XL-j at each of them too, in
             ``EvalResult.blend_grid`` (``predictor.xl_calibrate``).
 
@@ -107,7 +107,7 @@ def evaluate_predictor(pset: PredictorSet, seqs: list[Sequence], *, horizon: int
     """
     from tqdm.auto import tqdm
 
-    from .blend import XL_WEIGHTS
+    from .xl_weights import XL_WEIGHTS
 
     if xl_weights is None:
         xl_weights = getattr(pset, "xl_weights", None) or XL_WEIGHTS

@@ -232,7 +232,7 @@ def _attach(lm, pset, batch: int) -> None:
 
         attach_batch_predictor(lm.engine, pset)
     else:
-        from ..predictor.runtime import attach_predictor
+        from ..predictor.attach import attach_predictor
 
         attach_predictor(lm.engine, pset)
 

@@ -160,7 +160,7 @@ def run(args) -> int:
                 build_policy(p, tr, 1, needs=[])
     forecasts |= _xl_streams(traces, policies, pset, args.rollout_every)
     if pset is not None and "seqmoe-xl" in {p.lower() for p in policies}:
-        from ..predictor.xl_calibrate import describe_xl_weights
+        from ..predictor.xl_weights import describe_xl_weights
 
         print(f"seqmoe-xl's cross-layer blend weights: {describe_xl_weights(pset)}")
     rows = _replays(traces, policies, residencies, mp, hw, tm, epl, forecasts, popularity,
