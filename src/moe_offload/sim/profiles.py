@@ -332,44 +332,76 @@ def measure_link(device=None, size_mb: int = 256, repeats: int = 5) -> dict:
         raise MoeOffloadError(f"measure_link needs size_mb >= 1 and repeats >= 1, got {size_mb}, {repeats}")
     dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     nbytes = int(size_mb) << 20
-    samples = []
     if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise MoeOffloadError(f"device {dev} requested but CUDA is not available")
-        with torch.cuda.device(dev):
-            src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-            src.fill_(1)
-            dst = torch.empty(nbytes, dtype=torch.uint8, device=dev)
-            dst.copy_(src, non_blocking=True)  # warm-up
-            torch.cuda.synchronize(dev)
-            for _ in range(repeats):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                dst.copy_(src, non_blocking=True)
-                end.record()
-                end.synchronize()
-                samples.append(nbytes / (start.elapsed_time(end) / 1e3) / 1e9)
-        props = torch.cuda.get_device_properties(dev)
-        device_name, mem_gb = props.name, props.total_memory / 1e9
-        link, method = "host->device (pinned, CUDA copy engine)", "pinned host -> device copy_, CUDA events"
+        samples, device_name, mem_gb, link, method = _cuda_copy_rates(dev, nbytes, repeats)
     elif dev.type == "cpu":
-        src = torch.ones(nbytes, dtype=torch.uint8)
-        dst = torch.empty(nbytes, dtype=torch.uint8)
-        dst.copy_(src)  # warm-up (faults the pages in)
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            dst.copy_(src)
-            samples.append(nbytes / (time.perf_counter() - t0) / 1e9)
-        device_name = platform.processor() or platform.machine()
-        try:
-            mem_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
-        except (ValueError, OSError, AttributeError):
-            mem_gb = 0.0
-        link, method = "host memory copy (CPU device tier)", "host tensor -> host tensor copy_, perf_counter"
+        samples, device_name, mem_gb, link, method = _cpu_copy_rates(nbytes, repeats)
     else:
         raise MoeOffloadError(f"measure_link supports cpu and cuda devices, not {dev}")
     when = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-    compute = measure_compute(dev)
+    profile = _link_profile(dev, device_name, mem_gb, link, method, samples, size_mb, repeats, when,
+                            measure_compute(dev))
+    path = this_machine_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".partial")
+    tmp.write_text(json.dumps(profile, indent=2) + "\n")
+    tmp.replace(path)
+    return profile
+
+
+def _cuda_copy_rates(dev, nbytes: int, repeats: int) -> tuple[list[float], str, float, str, str]:
+    """``measure_link`` on CUDA: ``(GB/s of each timed copy, device name, device memory GB, link, method)``."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise MoeOffloadError(f"device {dev} requested but CUDA is not available")
+    samples = []
+    with torch.cuda.device(dev):
+        src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        src.fill_(1)
+        dst = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+        dst.copy_(src, non_blocking=True)  # warm-up
+        torch.cuda.synchronize(dev)
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src, non_blocking=True)
+            end.record()
+            end.synchronize()
+            samples.append(nbytes / (start.elapsed_time(end) / 1e3) / 1e9)
+    props = torch.cuda.get_device_properties(dev)
+    return (samples, props.name, props.total_memory / 1e9, "host->device (pinned, CUDA copy engine)",
+            "pinned host -> device copy_, CUDA events")
+
+
+def _cpu_copy_rates(nbytes: int, repeats: int) -> tuple[list[float], str, float, str, str]:
+    """``measure_link`` on the CPU: ``(GB/s of each timed copy, processor name, physical memory GB, link,
+    method)``."""
+    import torch
+
+    samples = []
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.empty(nbytes, dtype=torch.uint8)
+    dst.copy_(src)  # warm-up (faults the pages in)
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        samples.append(nbytes / (time.perf_counter() - t0) / 1e9)
+    device_name = platform.processor() or platform.machine()
+    try:
+        mem_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+    except (ValueError, OSError, AttributeError):
+        mem_gb = 0.0
+    return samples, device_name, mem_gb, "host memory copy (CPU device tier)", \
+        "host tensor -> host tensor copy_, perf_counter"
+
+
+def _link_profile(dev, device_name: str, mem_gb: float, link: str, method: str, samples: list[float], size_mb: int,
+                  repeats: int, when: str, compute: dict) -> dict:
+    """The ``this-machine`` hardware profile of ``measure_link``'s measurements (``compute``:
+    ``measure_compute``'s)."""
+    import torch
+
     profile = {
         "name": THIS_MACHINE,
         "description": f"measured on {platform.node()} ({device_name})",
@@ -391,9 +423,7 @@ def measure_link(device=None, size_mb: int = 256, repeats: int = 5) -> dict:
     for key, value in compute["values"].items():
         profile[key] = value
         profile["sources"][key] = f"measured by profiles.measure_compute at {when}: {compute['methods'][key]}"
-    path = this_machine_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".partial")
-    tmp.write_text(json.dumps(profile, indent=2) + "\n")
-    tmp.replace(path)
+    for key, value in compute["values"].items():
+        profile[key] = value
+        profile["sources"][key] = f"measured by profiles.measure_compute at {when}: {compute['methods'][key]}"
     return profile
