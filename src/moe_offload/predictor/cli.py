@@ -160,7 +160,6 @@ def cmd_eval(args) -> int:
     Raises:
         MoeOffloadError: unreadable predictor/traces, a predictor or control of another model, mismatched ranges.
     """
-    from ..generation.report import format_table
     from .baselines import MarkovPredictor
     from .evaluate import evaluate_predictor, popularity_counts, recall_table
     from .model import load_predictor
@@ -207,9 +206,20 @@ def cmd_eval(args) -> int:
     if args.json:
         print(json.dumps(out))
         return 0
+    _print_eval(args, pset, note, res, out, bool(train_idx), head, rows)
+    return 0
+
+
+def _print_eval(args, pset, note: str, res, out: dict, split: bool, head: list[str], rows: list[list[str]]) -> None:
+    """``predictor eval``'s text report: what was evaluated, the recall table (``head``, ``rows``), the predictor's
+    memory and, with ``--model``, its overhead (``out``: the JSON report's fields; ``split``: the Markov and Last
+    baselines were fitted on a training split)."""
+    from ..generation.report import format_table
+
+    h = pset.header
     print(f"Predictor {args.predictor} on {note}; top-{h.top_k} of {h.num_experts}, Seq-L1 = requests of >= "
           f"{args.long_threshold} positions ({res.long_requests} requests); Markov/Last fitted on "
-          f"{'the ' if train_idx else ''}{out['markov_fitted_on']}")
+          f"{'the ' if split else ''}{out['markov_fitted_on']}")
     if "xl_blend_weights" in out:
         print(f"Seq-1+XL-j: Seq-1 blended with XL-j at the weights {out['xl_blend_weights']}")
     for what in out.get("synthetic", ()):
@@ -222,7 +232,6 @@ def cmd_eval(args) -> int:
         print(format_table(["predictor mode", "ms / decode step", "decode step ms (without predictor)", "share"],
                            [[m["mode"], f"{m['predictor_ms_per_step']:.2f}", f"{m['decode_ms_per_step']:.2f}",
                              f"{100 * m['share']:.2f}%"] for m in ov["modes"]]))
-    return 0
 
 
 def cmd_calibrate_xl(args) -> int:
