@@ -81,6 +81,14 @@ def load_graph(model_dir, *, policy: str = "lru", residency: float | None = None
     engine = GraphEngine(old.store, old.pool, cache, lm.num_experts, policy)
     engine.attach([m for _, m in experts_modules(lm.model)])
     lm.engine = engine
+    _attach_forecasts(lm, engine, cache, predictor, scheduler, link_epl)
+    return lm
+
+
+def _attach_forecasts(lm, engine: GraphEngine, cache, predictor: str | None, scheduler: str | None,
+                      link_epl: float) -> None:
+    """``load_graph``'s predictor (run inside the step) and prefetcher (a CPU worker with ``scheduler``) for
+    ``engine``; closes ``lm`` before re-raising when either cannot be built."""
     if predictor:
         from ...predictor.model import load_predictor
         from .predictor import GraphPredictor
@@ -101,7 +109,6 @@ def load_graph(model_dir, *, policy: str = "lru", residency: float | None = None
         except MoeOffloadError:  # e.g. on CUDA: the control region is not built there
             lm.close()
             raise
-    return lm
 
 
 class GraphDecoder:
