@@ -157,15 +157,20 @@ def _bench_loop(path, prompts, budgets, intervals, loop, kw, opts) -> tuple[list
             del lm
             gc.collect()
     tpf = float(trace.tokens.mean())
-    footer = (f"{loop}: {trace.num_steps} diffusion steps, {tpf:.1f} tokens per forward on average, "
-              f"{float((trace.counts > 0).sum(-1).mean()):.1f} active experts per layer and step; emulated regime "
-              f"{opts['model_profile']} on {opts['hardware']} scaled x{scale:.3g} onto this machine's FullLoad "
-              f"({1e3 * ref_s / trace.num_steps:.1f} ms per step): swap {1e6 * costs.swap_s:.0f} us per expert, host "
-              f"fallback {1e6 * costs.fallback_expert_s:.0f} us per expert + {1e6 * costs.fallback_token_s:.1f} us "
-              f"per token-expert, non-expert {1e3 * costs.nonexpert_step_s:.2f} ms per step (modelled); host fallback "
-              f"{'beside' if costs.overlap_host else 'after'} the layer's device compute; emulated waits "
-              f"{'skipped on a virtual clock' if opts['skip_waits'] else 'slept'}.")
-    return rows, footer, tpf
+    return rows, _loop_footer(loop, trace, tpf, opts, scale, ref_s, costs), tpf
+
+
+def _loop_footer(loop: str, trace, tpf: float, opts: dict, scale: float, ref_s: float, costs) -> str:
+    """The line under one loop's rows: its trace (steps, tokens per forward, active experts) and the emulated
+    regime (``costs``, scaled ``scale`` times onto FullLoad's ``ref_s`` seconds)."""
+    return (f"{loop}: {trace.num_steps} diffusion steps, {tpf:.1f} tokens per forward on average, "
+            f"{float((trace.counts > 0).sum(-1).mean()):.1f} active experts per layer and step; emulated regime "
+            f"{opts['model_profile']} on {opts['hardware']} scaled x{scale:.3g} onto this machine's FullLoad "
+            f"({1e3 * ref_s / trace.num_steps:.1f} ms per step): swap {1e6 * costs.swap_s:.0f} us per expert, host "
+            f"fallback {1e6 * costs.fallback_expert_s:.0f} us per expert + {1e6 * costs.fallback_token_s:.1f} us "
+            f"per token-expert, non-expert {1e3 * costs.nonexpert_step_s:.2f} ms per step (modelled); host fallback "
+            f"{'beside' if costs.overlap_host else 'after'} the layer's device compute; emulated waits "
+            f"{'skipped on a virtual clock' if opts['skip_waits'] else 'slept'}.")
 
 
 def _spread(rates: list[float]) -> float:

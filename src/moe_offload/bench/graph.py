@@ -126,15 +126,7 @@ def bench_graph(path, prompts: list[str], residencies: list[float], *, policy: s
     full = load_full(path, device=device, dtype=dtype)
     ref = [o.token_ids for o in run(full, prompts, max_new_tokens)[0]]
     rows = [GraphRow("FullLoad compiled", None, GraphDecoder(full, backend=backend), full)]
-    for pol in [p.strip() for p in policy.split(",") if p.strip()]:
-        for r in residencies:
-            lm = load_graph(path, policy=pol, residency=r, device=device, dtype=dtype,
-                            predictor=predictor if pol in GRAPH_PREDICTOR_POLICIES else None)
-            row = GraphRow(f"graph {pol}", r, GraphDecoder(lm, backend=backend), lm)
-            rows.append(row)
-            if r == 1.0 and lm.engine.predictor is None:  # the A/B pair (module docstring)
-                lm.engine.preload_all()
-                rows.append(GraphRow(f"graph {pol} {LOOKUP_ONLY}", r, row.decoder, lm, lookup_only=True))
+    rows += _graph_rows(path, policy, residencies, backend, device, dtype, predictor)
     t_compile = {}
     for row in rows:  # compile (and warm up) every step first
         _set_mode(row)
@@ -170,6 +162,22 @@ def bench_graph(path, prompts: list[str], residencies: list[float], *, policy: s
                                if any(r.lm.engine is not None and r.lm.engine.predictor is not None for r in rows)
                                else ""),
                             ""] + lines)
+
+
+def _graph_rows(path, policy: str, residencies: list[float], backend: str, device, dtype, predictor) -> list[GraphRow]:
+    """``bench_graph``'s graph-mode rows, loaded: each policy at each residency, and at residency 1.0 without a
+    predictor also its lookup-only twin (the A/B pair, module docstring)."""
+    rows = []
+    for pol in [p.strip() for p in policy.split(",") if p.strip()]:
+        for r in residencies:
+            lm = load_graph(path, policy=pol, residency=r, device=device, dtype=dtype,
+                            predictor=predictor if pol in GRAPH_PREDICTOR_POLICIES else None)
+            row = GraphRow(f"graph {pol}", r, GraphDecoder(lm, backend=backend), lm)
+            rows.append(row)
+            if r == 1.0 and lm.engine.predictor is None:
+                lm.engine.preload_all()
+                rows.append(GraphRow(f"graph {pol} {LOOKUP_ONLY}", r, row.decoder, lm, lookup_only=True))
+    return rows
 
 
 def _measure_round(row: GraphRow, prompts, max_new_tokens: int, ref, rounds: int) -> None:

@@ -69,6 +69,25 @@ def _as_array(probs) -> np.ndarray:
     return np.asarray(probs, dtype=np.float64)
 
 
+def _confidences(probs, n: int, num_experts: int) -> np.ndarray:
+    """``generate_tasks``' ``probs`` as float ``[n, num_experts]`` (a batch ``[b, 1, n, e]``: its mean over b).
+
+    Raises:
+        MoeOffloadError: another shape, or non-finite values.
+    """
+    a = _as_array(probs)
+    if a.ndim == 4 and a.shape[1] == 1 and a.shape[0] >= 1:
+        a = a[:, 0].mean(axis=0)
+    elif a.ndim != 2:
+        raise MoeOffloadError(f"probs must be [n, e] or [b, 1, n, e], got shape {tuple(a.shape)} "
+                              "(for a Forecast pass probs[0])")
+    if a.shape != (n, num_experts):
+        raise MoeOffloadError(f"probs must cover {n} layers x {num_experts} experts, got shape {tuple(a.shape)}")
+    if not np.isfinite(a).all():
+        raise MoeOffloadError("probs contains non-finite values")
+    return a
+
+
 def generate_tasks(probs, layers: tuple[int, int], step_index: int, num_moe_layers: int, num_experts: int,
                    top_k: int, extra: int = 3, keep=None) -> list[PrefetchTask]:
     """Prefetch tasks from one one-step prediction (SeqMoE §6.1).
@@ -107,17 +126,7 @@ def generate_tasks(probs, layers: tuple[int, int], step_index: int, num_moe_laye
         raise MoeOffloadError(f"extra must be >= 0, got {extra}")
     if step_index < 1:
         raise MoeOffloadError(f"step_index is the decode step predicted (>= 1), got {step_index}")
-    a = _as_array(probs)
-    n = hi - lo
-    if a.ndim == 4 and a.shape[1] == 1 and a.shape[0] >= 1:
-        a = a[:, 0].mean(axis=0)
-    elif a.ndim != 2:
-        raise MoeOffloadError(f"probs must be [n, e] or [b, 1, n, e], got shape {tuple(a.shape)} "
-                              "(for a Forecast pass probs[0])")
-    if a.shape != (n, num_experts):
-        raise MoeOffloadError(f"probs must cover {n} layers x {num_experts} experts, got shape {tuple(a.shape)}")
-    if not np.isfinite(a).all():
-        raise MoeOffloadError("probs contains non-finite values")
+    a = _confidences(probs, hi - lo, num_experts)
     width = prefetch_width(num_experts, top_k, extra)
     top = np.argsort(-a, axis=1, kind="stable")[:, :width]              # [n, k'] expert indices, best first
     conf = np.take_along_axis(a, top, axis=1)
