@@ -16,10 +16,11 @@ from pathlib import Path
 
 from . import __version__
 from .common.cliargs import (OneLineErrorParser, add_diffusion_args, add_host_store_arg, add_memory_budget_arg,
-                             add_model_args, add_predictor_lag_arg, finite_float, float_, load_prompts, nonneg_int,
-                             positive_int, seed)
+                             add_model_args, add_predictor_lag_arg, finite_float, float_, nonneg_int, positive_int,
+                             seed)
 from .errors import MoeOffloadError
 from .models.resolve import BUILTIN_MODELS, resolve_model
+from .testbed.prompts import load_prompts
 
 __all__ = ["BUILTIN_MODELS", "build_parser", "load_prompts", "main", "resolve_model"]
 

@@ -7,12 +7,13 @@ import json
 import sys
 from pathlib import Path
 
-from ..common.cliargs import (add_model_args, add_predictor_lag_arg, add_prompt_args, float_, int_in, load_prompts,
-                              parse_intervals, positive_int, split_floats)
+from ..common.cliargs import (add_model_args, add_predictor_lag_arg, add_prompt_args, float_, int_in, parse_intervals,
+                              positive_int, split_floats)
 from ..errors import MoeOffloadError
 from ..models.resolve import resolve_model
 from ..predictor.runtime import ROLLOUT_EVERY
 from ..runtime.emulated_clock import WAIT_MODES
+from ..testbed.prompts import load_prompts
 
 # --link-regime: experts whose transfer one layer's FullLoad compute overlaps (SeqMoE §2.2)
 LINK_REGIMES = {"rtx4090": 1.39}

@@ -1,16 +1,15 @@
 """Command-line building blocks shared by every ``moe-offload`` command: the parser class (one-line errors, every
-option's default in ``--help``), argument types with their ranges, the model/prompt options and the prompts."""
+option's default in ``--help``), argument types with their ranges, the model and prompt options (the prompts
+themselves: ``testbed.prompts``)."""
 
 from __future__ import annotations
 
 import argparse
 import math
-from pathlib import Path
 
 from ..errors import MoeOffloadError
 from .seeds import seed_problem
 
-DEFAULT_PROMPTS = 3
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -145,7 +144,7 @@ MODEL_HELP = ("checkpoint directory (any MoE model type of the installed transfo
 
 
 def add_prompt_args(p: argparse.ArgumentParser) -> None:
-    """``--prompt``, ``--prompts``, ``--sharegpt``, ``--sharegpt-offset`` (read by ``load_prompts``)."""
+    """``--prompt``, ``--prompts``, ``--sharegpt``, ``--sharegpt-offset`` (read by ``testbed.prompts.load_prompts``)."""
     p.add_argument("--prompt", action="append", help="a prompt (repeatable; default: three short ShareGPT turns)")
     p.add_argument("--prompts", metavar="FILE", help="file with one prompt per line (default: none)")
     p.add_argument("--sharegpt", type=positive_int, metavar="N",
@@ -225,26 +224,3 @@ def add_diffusion_args(p) -> None:
     p.add_argument("--no-prefix-cache", action="store_true", help="diffusion models: recompute the whole prefix at "
                    "every diffusion step (the reference loop) instead of caching the committed blocks' keys and "
                    "values (same tokens, slower)")
-
-
-def load_prompts(args) -> list[str]:
-    """Prompts from ``--prompt``, ``--prompts FILE`` or ``--sharegpt N``; default: a few short ShareGPT turns."""
-    prompts: list[str] = list(args.prompt or [])
-    if args.prompts:
-        try:
-            lines = Path(args.prompts).read_text(encoding="utf-8").splitlines()
-        except (OSError, UnicodeDecodeError) as e:
-            raise MoeOffloadError(f"cannot read prompts file {args.prompts}: {e.__class__.__name__}: "
-                                  f"{getattr(e, 'strerror', None) or e}") from None
-        prompts += [ln for ln in lines if ln.strip()]
-        if not prompts:
-            raise MoeOffloadError(f"prompts file {args.prompts} holds no prompt")
-    if args.sharegpt:
-        from ..testbed.sharegpt import human_turns
-
-        prompts += human_turns(args.sharegpt, offset=args.sharegpt_offset)
-    if not prompts:
-        from ..testbed.sharegpt import human_turns
-
-        prompts = [t for t in human_turns(50) if len(t) <= 300][:DEFAULT_PROMPTS]
-    return prompts

@@ -6,10 +6,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..common.cliargs import (add_diffusion_args, add_host_store_arg, add_model_args, float_, load_prompts,
-                              positive_int, seed, split_floats)
+from ..common.cliargs import (add_diffusion_args, add_host_store_arg, add_model_args, float_, positive_int, seed,
+                              split_floats)
 from ..errors import MoeOffloadError
 from ..models.resolve import resolve_model
+from ..testbed.prompts import load_prompts
 
 
 def add_parser(sub) -> None:
