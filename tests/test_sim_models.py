@@ -68,7 +68,9 @@ def test_this_machine_measured(tmp_path, monkeypatch):
     monkeypatch.setenv("MOE_OFFLOAD_CACHE", str(tmp_path))
     with pytest.raises(MoeOffloadError, match="bench link"):
         profiles.load_hardware("this-machine")
-    out = profiles.measure_link(device="cpu", size_mb=4, repeats=2)
+    from moe_offload.bench.link import measure_link
+
+    out = measure_link(device="cpu", size_mb=4, repeats=2)
     assert (tmp_path / "hardware" / "this-machine.json").is_file()
     hw = profiles.load_hardware("this-machine")
     assert hw.name == "this-machine" and hw.link_gbps == out["link_gbps"] > 0

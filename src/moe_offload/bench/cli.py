@@ -115,7 +115,8 @@ def add_waits_arg(p) -> None:
 
 
 def _link(args) -> int:
-    from ..sim.profiles import measure_link, this_machine_path
+    from ..sim.profiles import this_machine_path
+    from .link import measure_link
 
     if args.disk:
         from ..sim.disk_link import disk_table, measure_disk, save_disk

@@ -119,7 +119,7 @@ def speed_lines(root: Path, device: str, dry_run: bool) -> list[str]:
 
 
 def link_lines(device: str, dry_run: bool) -> list[str]:
-    from ..sim.profiles import measure_link
+    from .link import measure_link
 
     res = measure_link(device=device, size_mb=8 if dry_run else 256)
     return [f"host->device link ({res.get('link')}): {res['link_gbps']:.2f} GB/s on {res.get('device_name')}"]
