@@ -52,29 +52,9 @@ def add_parsers(sub):
                     "reader threads and the disk link of bench decode --host-store disk (default: measure the host->device link)")
     bl.add_argument("--file-mb", type=int_in(64, 65536), default=512, help="with --disk: scratch file MiB "
                     "(default 512)")
-    bk = bsub.add_parser("disk", help="the disk regime side by side with llama.cpp: each engine in a memory cgroup "
-                         "holding its baseline plus a share of the expert bytes; one table, csv and plot")
-    bk.add_argument("--model", default="testbed-sparse-wide", help="checkpoint directory or built-in name (testbed "
-                    "family; default: testbed-sparse-wide)")
-    bk.add_argument("--out", required=True, help="new folder for results.md / .csv / .json and tok_s.png")
-    bk.add_argument("--llama-cpp", metavar="PATH", help="llama.cpp's llama-completion binary, or a llama.cpp folder "
-                    "holding it (build/bin); its convert_hf_to_gguf.py exports the GGUF when --gguf is not given "
-                    "(default: no llama.cpp rows)")
-    bk.add_argument("--gguf", help="the checkpoint as GGUF (default: exported into --out with `export gguf`)")
-    bk.add_argument("--gguf-type", default="bf16", choices=["f32", "bf16", "f16"],
-                    help="tensor type of an exported GGUF (default bf16)")
-    bk.add_argument("--policies", default="lru,lfu,auto,xl,seqmoe", help="our disk-store rows (default: "
-                    "lru,lfu,auto,xl,seqmoe; seqmoe* rows need --predictor)")
-    bk.add_argument("--predictor", help="a predictor trained on the model's routing (testbed-sparse traces serve "
-                    "testbed-sparse-wide: the same routers)")
-    bk.add_argument("--fractions", default="1.0,0.45,0.25,0.1", help="shares of the expert bytes in memory "
-                    "(default 1.0,0.45,0.25,0.1)")
-    bk.add_argument("--max-new-tokens", type=positive_int, default=128, help="per cell (default 128)")
-    bk.add_argument("--sharegpt-offset", type=int_in(0, 10**6), default=600, help="the prompt: this ShareGPT human "
-                    "turn (default 600: unseen by predictors trained on the first 500)")
-    bk.add_argument("--threads", type=positive_int, default=2, help="llama.cpp's threads (default 2)")
-    bk.add_argument("--reverse", action="store_true", help="run rows and limits in the opposite order")
-    bk.add_argument("--quiet", action="store_true", help="no progress lines")
+    from .disk import add_parser as add_disk_parser
+
+    add_disk_parser(bsub)
     bf = bsub.add_parser("diffusion", help="TIDE: diffusion tokens/s of FullLoad, reactive, tide-fixed-T<n> and tide "
                          "per budget under an emulated link and host-fallback regime, with and without the prefix "
                          "cache")
@@ -222,7 +202,7 @@ def run(args) -> int:
     if args.bench_cmd == "link":
         return _link(args)
     if args.bench_cmd == "disk":
-        from .bench_disk import main as bench_disk_main
+        from .disk import main as bench_disk_main
 
         return bench_disk_main(args)
     if args.bench_cmd == "replay":

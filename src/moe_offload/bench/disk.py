@@ -27,20 +27,18 @@ Units: bytes, seconds, GB/s = 1e9 bytes per second, MB = 1e6 bytes.
 from __future__ import annotations
 
 import json
-import os
-import re
-import subprocess
 import sys
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .errors import MoeOffloadError
+from ..errors import MoeOffloadError
+from .disk_measure import (expert_bytes_of_checkpoint, gguf_expert_ranges, measured, parse_llama_decode,
+                           resident_in_ranges)
+from .disk_report import markdown, write_results
 
 #: shares of the expert bytes in memory, each limit = baseline + share x expert bytes (1.0: all of them)
 DEFAULT_FRACTIONS = (1.0, 0.45, 0.25, 0.10)
 DEFAULT_POLICIES = ("lru", "lfu", "auto", "xl", "seqmoe")
-_EVAL = re.compile(r"eval time\s*=\s*([\d.]+) ms /\s*(\d+) (?:runs|tokens)")
 
 
 @dataclass
@@ -63,104 +61,6 @@ class Cell:
     wall_s: float | None = None
     slot_bytes: int | None = None
     token_ids: list = field(default_factory=list, repr=False)
-
-
-def expert_bytes_of_checkpoint(model_dir: Path) -> tuple[int, int]:
-    """``(bytes, experts)`` of the routed experts in ``model_dir``'s safetensors files (per-expert keys
-    ``...experts.<e>.<name>``: the testbed family's layout)."""
-    from safetensors import safe_open
-
-    total, experts = 0, set()
-    for path in sorted(model_dir.glob("*.safetensors")):
-        with safe_open(path, "pt") as f:
-            for key in f.keys():
-                if ".experts." in key:
-                    sl = f.get_slice(key)
-                    n = 1
-                    for d in sl.get_shape():
-                        n *= d
-                    total += n * _DTYPE_BYTES[sl.get_dtype()]
-                    experts.add(key.rsplit(".", 2)[0])
-    return total, len(experts)
-
-
-_DTYPE_BYTES = {"F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "U8": 1, "I8": 1, "F64": 8, "I64": 8, "I32": 4}
-
-
-def gguf_expert_ranges(gguf: Path) -> list[tuple[int, int]]:
-    """``[(offset, nbytes)]`` of the GGUF's routed-expert tensors (``*_exps``), from its header (``gguf`` package)."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(gguf)
-    return [(int(t.data_offset), int(t.n_bytes)) for t in reader.tensors if "_exps" in t.name]
-
-
-def resident_in_ranges(path: Path, ranges: list[tuple[int, int]]) -> int:
-    """Bytes of ``ranges`` of ``path`` in the page cache now (``runtime.page_cache.resident_pages``)."""
-    from .runtime.page_cache import PAGE, resident_pages
-
-    pages = resident_pages(path)
-    return sum(int(pages[off // PAGE:(off + n + PAGE - 1) // PAGE].sum()) * PAGE for off, n in ranges)
-
-
-def drop_files(paths: list[Path]) -> None:
-    """Evict ``paths`` from the page cache (``runtime.page_cache.drop``)."""
-    from .runtime.page_cache import drop
-
-    for p in paths:
-        drop(p)
-
-
-def run_limited(cmd: list[str], limit_bytes: int | None, timeout_s: float) -> dict:
-    """Run ``cmd`` in a child memory cgroup limited to ``limit_bytes`` (None: unlimited) and return ``{"rc",
-    "stdout", "stderr", "wall_s", "peak_bytes", "oom"}`` (``timeout_s``: killed after that many seconds).
-
-    Raises:
-        MoeOffloadError: no child memory cgroup can be made here (``ChildCgroup``).
-    """
-    from .runtime.host_memory import ChildCgroup
-
-    with ChildCgroup(limit_bytes if limit_bytes is not None else 1 << 62) as cg:
-        t0 = time.perf_counter()
-        with open(os.devnull, "rb") as stdin:
-            proc = subprocess.Popen(cg.argv(cmd), stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        try:
-            out, err = proc.communicate(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            out, err = proc.communicate()
-        wall = time.perf_counter() - t0
-        return {"rc": proc.returncode, "stdout": out.decode(errors="replace"), "stderr": err.decode(errors="replace"),
-                "wall_s": wall, "peak_bytes": cg.peak_bytes, "oom": cg.oom_kills > 0}
-
-
-def _children_inblock() -> int:
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_CHILDREN).ru_inblock * 512
-
-
-def measured(cmd: list[str], limit_bytes: int | None, timeout_s: float, drop: list[Path]) -> dict:
-    """``run_limited`` after dropping ``drop`` from the page cache, with ``read_bytes``: the storage bytes the
-    run's processes read (``RUSAGE_CHILDREN``'s ``ru_inblock`` before and after)."""
-    drop_files(drop)
-    before = _children_inblock()
-    r = run_limited(cmd, limit_bytes, timeout_s)
-    r["read_bytes"] = _children_inblock() - before
-    return r
-
-
-def parse_llama_decode(stderr: str) -> tuple[float, int] | None:
-    """``(decode tok/s, tokens)`` from llama.cpp's timing lines (the ``eval time`` line, not ``prompt eval``), or
-    None when absent."""
-    for line in stderr.splitlines():
-        if "prompt eval" in line:
-            continue
-        m = _EVAL.search(line)
-        if m and int(m.group(2)) > 0:
-            ms, n = float(m.group(1)), int(m.group(2))
-            return n / (ms / 1e3), n
-    return None
 
 
 @dataclass
@@ -300,7 +200,7 @@ def run_bench(bench: DiskBench, say=print) -> dict:
 def _finish(cells: list[Cell], full: Cell, one_expert: int) -> None:
     """Fill the derived columns: vs own unlimited, the physical limit (the disk's best measured GB/s at reads of
     ``one_expert`` bytes), tokens == FullLoad."""
-    from .sim.disk_link import disk_gbps, this_machine_disk
+    from ..sim.disk_link import disk_gbps, this_machine_disk
 
     disk = this_machine_disk()
     unl_llama = next((c.decode_tok_s for c in cells if c.row == "llama.cpp (mmap, unlimited)"), None)
@@ -314,90 +214,6 @@ def _finish(cells: list[Cell], full: Cell, one_expert: int) -> None:
             c.physical_limit_tok_s = min(full.decode_tok_s, gbps * 1e3 / c.mb_read_per_token)
         if not c.row.startswith("llama.cpp"):
             c.tokens_equal_full_load = c.token_ids == full.token_ids
-
-
-COLUMNS = ("row", "fraction", "limit_bytes", "status", "decode_tok_s", "vs_own_unlimited", "hit_rate",
-           "mb_read_per_token", "read_gbps", "physical_limit_tok_s", "tokens_equal_full_load", "peak_bytes", "wall_s")
-
-
-def _fmt(v, spec: str = ".2f") -> str:
-    if v is None:
-        return ""
-    if isinstance(v, bool):
-        return "yes" if v else "NO"
-    return format(v, spec) if isinstance(v, float) else str(v)
-
-
-def markdown(result: dict) -> str:
-    """The table of one ``run_bench`` result (module docstring: the columns)."""
-    head = ("| row | experts in memory | limit (GB) | decode tok/s | vs own unlimited | hit rate | MB read / token | "
-            "read GB/s | physical limit tok/s | tokens == FullLoad | status |")
-    lines = [head, "|" + "---|" * 11]
-    for c in result["cells"]:
-        lines.append("| " + " | ".join([
-            c["row"], "all" if c["fraction"] is None else f"{c['fraction']:.0%}",
-            "none" if c["limit_bytes"] is None else f"{c['limit_bytes'] / 1e9:.2f}",
-            _fmt(c["decode_tok_s"]), _fmt(c["vs_own_unlimited"], ".3f"), _fmt(c["hit_rate"], ".3f"),
-            _fmt(c["mb_read_per_token"], ".1f"), _fmt(c["read_gbps"], ".3f"), _fmt(c["physical_limit_tok_s"]),
-            _fmt(c["tokens_equal_full_load"]), c["status"]]) + " |")
-    b = result["baselines"]
-    lines.append("")
-    lines.append(f"Expert bytes {result['expert_bytes'] / 1e9:.3f} GB (GGUF: "
-                 f"{_fmt(result['gguf_expert_bytes'] and result['gguf_expert_bytes'] / 1e9, '.3f') or 'n/a'} GB); "
-                 f"baselines (limit = baseline + share x expert bytes): ours {b['ours'] / 1e9:.3f} GB, llama.cpp "
-                 f"{'n/a' if b['llama.cpp'] is None else format(b['llama.cpp'] / 1e9, '.3f')} GB; "
-                 f"{result['max_new_tokens']} new tokens per cell, greedy; order "
-                 f"{'reversed' if result['reverse'] else 'forward'}.")
-    return "\n".join(lines)
-
-
-def write_results(result: dict, out: Path) -> list[Path]:
-    """``results.md``, ``results.csv``, ``results.json`` and ``tok_s.png`` (decode tok/s against the share of expert
-    bytes in memory, one line per row) in the new folder ``out``.
-
-    Raises:
-        MoeOffloadError: ``out`` exists (nothing is overwritten).
-    """
-    import csv
-
-    if out.exists():
-        raise MoeOffloadError(f"{out} already exists; choose a new --out")
-    out.mkdir(parents=True)
-    (out / "results.md").write_text(markdown(result) + "\n")
-    (out / "results.json").write_text(json.dumps(result, indent=1) + "\n")
-    with open(out / "results.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
-        w.writeheader()
-        w.writerows(result["cells"])
-    _plot(result, out / "tok_s.png")
-    return [out / n for n in ("results.md", "results.csv", "results.json", "tok_s.png")]
-
-
-def _plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    rows: dict[str, list] = {}
-    for c in result["cells"]:
-        if c["fraction"] is not None and c["status"] == "ok":
-            rows.setdefault(c["row"], []).append((c["fraction"], c["decode_tok_s"]))
-    for row, pts in rows.items():
-        pts.sort()
-        ax.plot([p[0] * 100 for p in pts], [p[1] for p in pts], marker="o", label=row)
-    full = next((c for c in result["cells"] if c["fraction"] is None and c["row"].startswith("FullLoad")), None)
-    if full is not None and full["decode_tok_s"]:
-        ax.axhline(full["decode_tok_s"], color="grey", linestyle="--", label="FullLoad (ours, in memory)")
-    ax.set_xlabel("expert bytes in memory (% of all)")
-    ax.set_ylabel("decode tok/s")
-    ax.set_yscale("log")
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def _llama_paths(arg: str | None) -> tuple[Path | None, Path | None]:
@@ -421,10 +237,10 @@ def _llama_paths(arg: str | None) -> tuple[Path | None, Path | None]:
 
 def main(args) -> int:
     """``moe-offload bench disk``: resolve the inputs, run, write and print the table; exit 0."""
-    from .models.gguf_export import export_gguf
-    from .models.resolve import resolve_model
-    from .runtime.host_memory import child_cgroup_problem
-    from .testbed.sharegpt import human_turns
+    from ..models.gguf_export import export_gguf
+    from ..models.resolve import resolve_model
+    from ..runtime.host_memory import child_cgroup_problem
+    from ..testbed.sharegpt import human_turns
 
     out = Path(args.out)
     if out.exists():
@@ -460,3 +276,32 @@ def main(args) -> int:
     print(markdown(result))
     print(f"wrote {', '.join(str(f) for f in files)}")
     return 0
+
+
+def add_parser(bsub) -> None:
+    """Register ``moe-offload bench disk`` on ``bench``'s subparsers."""
+    from ..common.cliargs import int_in, positive_int
+
+    bk = bsub.add_parser("disk", help="the disk regime side by side with llama.cpp: each engine in a memory cgroup "
+                         "holding its baseline plus a share of the expert bytes; one table, csv and plot")
+    bk.add_argument("--model", default="testbed-sparse-wide", help="checkpoint directory or built-in name (testbed "
+                    "family; default: testbed-sparse-wide)")
+    bk.add_argument("--out", required=True, help="new folder for results.md / .csv / .json and tok_s.png")
+    bk.add_argument("--llama-cpp", metavar="PATH", help="llama.cpp's llama-completion binary, or a llama.cpp folder "
+                    "holding it (build/bin); its convert_hf_to_gguf.py exports the GGUF when --gguf is not given "
+                    "(default: no llama.cpp rows)")
+    bk.add_argument("--gguf", help="the checkpoint as GGUF (default: exported into --out with `export gguf`)")
+    bk.add_argument("--gguf-type", default="bf16", choices=["f32", "bf16", "f16"],
+                    help="tensor type of an exported GGUF (default bf16)")
+    bk.add_argument("--policies", default="lru,lfu,auto,xl,seqmoe", help="our disk-store rows (default: "
+                    "lru,lfu,auto,xl,seqmoe; seqmoe* rows need --predictor)")
+    bk.add_argument("--predictor", help="a predictor trained on the model's routing (testbed-sparse traces serve "
+                    "testbed-sparse-wide: the same routers)")
+    bk.add_argument("--fractions", default="1.0,0.45,0.25,0.1", help="shares of the expert bytes in memory "
+                    "(default 1.0,0.45,0.25,0.1)")
+    bk.add_argument("--max-new-tokens", type=positive_int, default=128, help="per cell (default 128)")
+    bk.add_argument("--sharegpt-offset", type=int_in(0, 10**6), default=600, help="the prompt: this ShareGPT human "
+                    "turn (default 600: unseen by predictors trained on the first 500)")
+    bk.add_argument("--threads", type=positive_int, default=2, help="llama.cpp's threads (default 2)")
+    bk.add_argument("--reverse", action="store_true", help="run rows and limits in the opposite order")
+    bk.add_argument("--quiet", action="store_true", help="no progress lines")
