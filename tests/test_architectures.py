@@ -14,7 +14,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from moe_offload.cli import main
-from moe_offload.generate import encode_prompt, generate_ids, run
+from moe_offload.generation.generate import encode_prompt, generate_ids, run
 from moe_offload.models.capability import inspect_model, text_config
 from moe_offload.models.loader import load_full, load_offloaded
 from moe_offload.models.supported import load_record

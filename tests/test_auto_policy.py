@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from moe_offload.generate import encode_prompt, generate_ids
+from moe_offload.generation.generate import encode_prompt, generate_ids
 from moe_offload.models.loader import load_full, load_offloaded
 from moe_offload.sim.auto_policy import DECODE_SAMPLE, choose_policy, token_needs
 

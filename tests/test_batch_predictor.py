@@ -5,8 +5,8 @@ single-sequence ``ForecastFeed`` exactly."""
 import pytest
 import torch
 
-from moe_offload.batching import generate_batch_ids
-from moe_offload.generate import generate_ids
+from moe_offload.generation.batching import generate_batch_ids
+from moe_offload.generation.generate import generate_ids
 from moe_offload.models.loader import load_offloaded
 from moe_offload.predictor.batch_feed import BatchForecastFeed, attach_batch_predictor
 from moe_offload.predictor.batch_forecast import union_probs

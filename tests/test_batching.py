@@ -1,4 +1,4 @@
-"""Continuous batching (``moe_offload.batching``, issue 18): each request's tokens equal what it gets alone.
+"""Continuous batching (``moe_offload.generation.batching``, issue 18): each request's tokens equal what it gets alone.
 
 Rule (greedy, float32, one intra-op thread): a batched sequence's tokens equal ``generate_ids`` alone; where they
 do not, the divergence must be a near tie that a last-bit change of a batched GEMM can flip: the batched logits'
@@ -10,8 +10,8 @@ arithmetic per token-expert pair does not depend on where the experts sit).
 import pytest
 import torch
 
-from moe_offload.batching import BatchDecoder, Sequence, batch_reason, generate_batch_ids, prefill_group
-from moe_offload.generate import generate_ids
+from moe_offload.generation.batching import BatchDecoder, Sequence, batch_reason, generate_batch_ids, prefill_group
+from moe_offload.generation.generate import generate_ids
 from moe_offload.models.loader import load_offloaded
 from moe_offload.runtime.batch_cache import BatchCache
 

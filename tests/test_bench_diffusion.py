@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 import torch
 
-from moe_offload.bench_diffusion import bench_diffusion, diffusion_regime
+from moe_offload.bench.diffusion import bench_diffusion, diffusion_regime
 from moe_offload.cli import main
 from moe_offload.core.costs import TideCosts
-from moe_offload.models.diffusion import run_diffusion
+from moe_offload.generation.diffusion import run_diffusion
 from moe_offload.models.loader import load_full, load_offloaded
 from moe_offload.sim.diffusion_sim import fullload_seconds
 from moe_offload.trace.diffusion import DiffusionTraceRecorder, load_diffusion_trace

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from moe_offload import bench_disk
+from moe_offload.bench import disk as bench_disk
 from moe_offload.errors import MoeOffloadError
 from moe_offload.runtime.host_memory import child_cgroup_problem
 

@@ -12,9 +12,9 @@ from safetensors.torch import load_file, save_file
 
 from moe_offload.cli import main
 from moe_offload.errors import MoeOffloadError
-from moe_offload.generate import encode_prompt, generate_ids
+from moe_offload.generation.generate import encode_prompt, generate_ids
 from moe_offload.models.capability import build_meta
-from moe_offload.models.accounting import ignored_by_transformers
+from moe_offload.models.checkpoint_keys import ignored_by_transformers
 from moe_offload.models.loader import load_full, load_offloaded
 from moe_offload.models.tiny import make_tiny, tiny_config
 

@@ -11,10 +11,10 @@ import pytest
 
 from moe_offload.cli import build_parser, main
 from moe_offload.errors import MoeOffloadError
-from moe_offload.generate import generate_ids
+from moe_offload.generation.generate import generate_ids
 from moe_offload.models.loader import load_offloaded
-from moe_offload.report import offload_notes
-from moe_offload.seeds import SEED_MAX, check_seed, seed_problem
+from moe_offload.generation.report import offload_notes
+from moe_offload.common.seeds import SEED_MAX, check_seed, seed_problem
 from moe_offload.trace.collect import TraceRecorder
 from moe_offload.trace.synthetic import synthetic_trace
 
@@ -27,7 +27,7 @@ def _one_line_error(capsys, argv, needle):
 
 
 def test_trace_info_step_counts_add_up(tiny_dirs, tmp_path, capsys):
-    from moe_offload.generate import run
+    from moe_offload.generation.generate import run
 
     lm = load_offloaded(tiny_dirs["qwen3_moe"], device="cpu", slots=10, progress=False)
     with TraceRecorder(lm) as rec:

@@ -119,7 +119,7 @@ def test_xl_eviction_runtime_equals_simulator(tiny_dirs, random_pset, blend, one
     runtime handed over equal the simulator's replay of the trace recorded with them (``xl_stream``) — bitwise for
     the cross-layer forecasts alone; blended, up to the float16 routing weights a trace stores, which the
     predictor's input is computed from — and so do the hits and misses; tokens equal FullLoad's."""
-    from moe_offload.generate import run
+    from moe_offload.generation.generate import run
     from moe_offload.models.loader import load_full, load_offloaded
     from moe_offload.predictor.runtime import PredictorRunner, ROLLOUT
     from moe_offload.sim.forecasts import xl_stream
@@ -156,7 +156,7 @@ def test_xl_prefetching_lossless_and_close_to_simulator(tiny_dirs, random_pset, 
     simulator's replay up to the landing times of the asynchronous copies (8% of all accesses: on the shared 2-core
     machine a starved copy worker lands some copies a layer later than the link model), and the cross-layer router
     calls are charged to the breakdown's predictor share."""
-    from moe_offload.generate import run
+    from moe_offload.generation.generate import run
     from moe_offload.models.loader import load_full, load_offloaded
     from moe_offload.predictor.cross_layer import attach_forecasts
     from moe_offload.sim.forecasts import xl_stream

@@ -1,4 +1,4 @@
-"""The block-diffusion loop (models/diffusion.py): schedule, block-causal mask, commit rule, EOS truncation, hooks,
+"""The block-diffusion loop (generation/diffusion.py): schedule, block-causal mask, commit rule, EOS truncation, hooks,
 parameter errors and the CLI. A scripted stand-in model makes the loop's decisions checkable by hand."""
 
 import json
@@ -11,8 +11,8 @@ import torch
 
 from moe_offload.cli import main
 from moe_offload.errors import MoeOffloadError
-from moe_offload.models.diffusion import (block_causal_mask, commit_positions, diffusion_generate_ids,
-                                          run_diffusion, transfer_schedule)
+from moe_offload.generation.diffusion import (block_causal_mask, commit_positions, diffusion_generate_ids,
+                                              run_diffusion, transfer_schedule)
 from moe_offload.models.loader import LoadedModel, load_offloaded
 from moe_offload.models.registry import architecture_for
 

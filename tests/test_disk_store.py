@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from moe_offload.errors import MoeOffloadError
-from moe_offload.generate import encode_prompt, generate_ids
+from moe_offload.generation.generate import encode_prompt, generate_ids
 from moe_offload.models.checkpoint import Checkpoint
-from moe_offload.models.diffusion import diffusion_generate_ids
+from moe_offload.generation.diffusion import diffusion_generate_ids
 from moe_offload.models.loader import load_full, load_offloaded
 from moe_offload.runtime import disk_store
 from moe_offload.runtime.disk_store import IO_ALIGN, plan_spans
@@ -72,7 +72,7 @@ def test_forecast_policies_tokens_equal_full_load(tiny_dirs, refs, random_pset, 
     """SeqMoE (JSD prefetching over the disk link, read on the transfer engine's worker thread), cross-layer and
     blended forecasts: prefetches race real reads and tokens stay FullLoad's."""
     from moe_offload.predictor.cross_layer import attach_cross_layer
-    from moe_offload.predictor.runtime import attach_predictor
+    from moe_offload.predictor.attach import attach_predictor
     from moe_offload.runtime.transfer import TransferEngine
 
     lm = load_offloaded(tiny_dirs["qwen3_moe"], device="cpu", residency=0.4, policy=policy, progress=False,

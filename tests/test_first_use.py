@@ -11,7 +11,7 @@ import pytest
 import torch
 from filelock import FileLock
 
-from moe_offload import cache, progress, threads
+from moe_offload.common import cache, progress, threads
 from moe_offload.models import tiny
 from moe_offload.testbed import build
 
@@ -91,7 +91,7 @@ def test_concurrent_first_uses_build_once_and_the_second_waits(tmp_path):
 _OTHER_PROCESS = """
 import sys, time
 from pathlib import Path
-from moe_offload import cache
+from moe_offload.common import cache
 root = Path(sys.argv[1])
 def build(tmp):
     (root / "started").write_text("1")

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from moe_offload.errors import MoeOffloadError
-from moe_offload.generate import encode_prompt, generate_ids
+from moe_offload.generation.generate import encode_prompt, generate_ids
 from moe_offload.models.loader import experts_modules, load_full, load_offloaded
 from moe_offload.models.tiny import make_tiny
 from moe_offload.models.tiny_quantized import write_fp8

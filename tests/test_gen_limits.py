@@ -13,10 +13,10 @@ import types
 import pytest
 import torch
 
-from moe_offload.batching import generate_batch_ids
+from moe_offload.generation.batching import generate_batch_ids
 from moe_offload.cli import main
 from moe_offload.errors import MoeOffloadError
-from moe_offload.generate import _eos_ids, encode_prompt, generate_ids
+from moe_offload.generation.generate import _eos_ids, encode_prompt, generate_ids
 from moe_offload.models.gen_limits import eos_token_ids, new_token_budget, position_limit
 from moe_offload.models.loader import load_full, load_offloaded
 
@@ -195,7 +195,7 @@ def test_position_limit_stops_diffusion(tmp_path):
     """Block diffusion uses whole blocks within the limit: 20 positions, blocks of 8 -> 16 positions."""
     from test_diffusion import fake_lm
 
-    from moe_offload.models.diffusion import diffusion_generate_ids
+    from moe_offload.generation.diffusion import diffusion_generate_ids
 
     lm = fake_lm(tmp_path)
     lm.max_positions = 20
@@ -207,7 +207,7 @@ def test_position_limit_stops_diffusion(tmp_path):
 
 def test_graph_decode_stops_at_eos_list_and_position_limit(eos_ckpt, limit_ckpt):
     """Graph mode (aot_eager, the eager kernels) shares the EOS ids and the position limit."""
-    from moe_offload.runtime.graph_decode import GraphDecoder, load_graph
+    from moe_offload.runtime.graph.decode import GraphDecoder, load_graph
 
     d, stop_id, refs = eos_ckpt
     lm = load_graph(d, policy="lru", residency=0.5, device="cpu")

@@ -1,4 +1,4 @@
-"""Sampling edges through ``generate`` (issue 34): the shared sampler (``moe_offload.sampling``) in the batch-1
+"""Sampling edges through ``generate`` (issue 34): the shared sampler (``moe_offload.generation.sampling``) in the batch-1
 autoregressive loop (``generate.generate_ids`` / ``run``), the block-diffusion loop (``diffusion_generate_ids`` /
 ``run_diffusion``) and ``moe-offload generate``: a temperature below ``GREEDY_TEMPERATURE`` is greedy, ``top_k`` 1 is
 greedy, ``top_k`` k draws only among the k most probable tokens, ``top_p`` 0 keeps only the most probable token; a
@@ -9,10 +9,10 @@ import json
 import pytest
 import torch
 
-import moe_offload.models.diffusion as diffusion
+import moe_offload.generation.diffusion as diffusion
 from moe_offload.cli import main
-from moe_offload.generate import GREEDY_TEMPERATURE, generate_ids, run
-from moe_offload.models.diffusion import diffusion_generate_ids, run_diffusion
+from moe_offload.generation.generate import GREEDY_TEMPERATURE, generate_ids, run
+from moe_offload.generation.diffusion import diffusion_generate_ids, run_diffusion
 from moe_offload.models.loader import load_full
 
 PROMPT = "Hello there, how are you today?"

@@ -13,7 +13,7 @@ import torch
 
 import moe_offload.runtime.experts as experts_mod
 from moe_offload.errors import MoeOffloadError
-from moe_offload.generate import encode_prompt, generate_ids
+from moe_offload.generation.generate import encode_prompt, generate_ids
 from moe_offload.models.loader import load_full, load_offloaded
 from moe_offload.runtime.store import ALIGN, ExpertLayout, HostStore
 from moe_offload.runtime.pool import SlotPool
@@ -239,7 +239,7 @@ def test_gpu_check_dry_run(tmp_path):
 
 def test_decode_time_breakdown_sums_to_the_decode_time(tiny_dirs):
     """The engine's lap timers split every decode second into one phase: they sum to the measured decode time."""
-    from moe_offload.generate import run
+    from moe_offload.generation.generate import run
     from moe_offload.runtime.breakdown import PHASES
 
     lm = load_offloaded(tiny_dirs["qwen3_moe"], device="cpu", residency=0.3, progress=False)

@@ -14,7 +14,7 @@ from moe_offload.core.policies import LFU, LRU
 from moe_offload.core.prob_belady import ProbabilisticBelady
 from moe_offload.core.slots import SlotTable
 from moe_offload.errors import MoeOffloadError
-from moe_offload.runtime.graph_cache import GraphCache, check_graph_policy
+from moe_offload.runtime.graph.cache import GraphCache, check_graph_policy
 
 POLICIES = {"lru": LRU, "lfu": LFU, "prob-belady": lambda: ProbabilisticBelady(8, horizon=4, lam=0.5)}
 

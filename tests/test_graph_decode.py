@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from moe_offload.errors import MoeOffloadError
-from moe_offload.generate import run
+from moe_offload.generation.generate import run
 from moe_offload.models.loader import load_full
-from moe_offload.runtime.graph_decode import GraphDecoder, load_graph, run_graph
+from moe_offload.runtime.graph.decode import GraphDecoder, load_graph, run_graph
 
 PROMPTS = ["hello there", "the sea and the wind"]
 
@@ -75,8 +75,8 @@ def test_graph_predictor_same_decisions_as_python_runtime(tiny_dirs, one_thread,
     """Probabilistic Belady driven by the predictor inside the step (eager, then compiled): the same hits and misses
     as the Python runtime's ForecastFeed at rollout every step, and FullLoad's tokens."""
     from moe_offload.models.loader import load_offloaded
-    from moe_offload.predictor.runtime import attach_predictor
-    from moe_offload.runtime.graph_predictor import GraphPredictor
+    from moe_offload.predictor.attach import attach_predictor
+    from moe_offload.runtime.graph.predictor import GraphPredictor
 
     path = tiny_dirs["qwen3_moe"]
     ref = [o.token_ids for o in run(load_full(path, device="cpu"), PROMPTS, 8)[0]]
@@ -125,7 +125,7 @@ def test_graph_lookup_only_equals_full_load(tiny_dirs, one_thread):
 def test_bench_graph_ab_rows(tiny_dirs, one_thread):
     """``bench graph`` with residency 1.0: the policy's lookup-only row next to it, tokens equal FullLoad's in every
     row, and the A/B management line for the policy."""
-    from moe_offload.bench_graph import LOOKUP_ONLY, bench_graph
+    from moe_offload.bench.graph import LOOKUP_ONLY, bench_graph
 
     table = bench_graph(tiny_dirs["mixtral"], PROMPTS[:1], [1.0, 0.5], policy="lru", max_new_tokens=4, rounds=2,
                         backend="aot_eager", device="cpu")
@@ -143,7 +143,7 @@ def test_graph_seqmoe_prefetching_equals_full_load(tiny_dirs, one_thread, random
     it was granted was copied (no Fetch slot left waiting once the run is over)."""
     import time
 
-    from moe_offload.runtime.graph_prefetch import GRANT_SHIFT
+    from moe_offload.runtime.graph.prefetch import GRANT_SHIFT
 
     path = tiny_dirs["qwen3_moe"]
     ref = [o.token_ids for o in run(load_full(path, device="cpu"), PROMPTS, 8)[0]]
@@ -179,8 +179,8 @@ def test_graph_seqmoe_waits_for_prefetch_copies(tiny_dirs, one_thread, random_ps
     worker writing between them, gave a grant and a reservation for different experts."""
     import threading
 
-    from moe_offload.runtime.graph_engine import GraphEngine
-    from moe_offload.runtime.graph_prefetch import GraphPrefetcher
+    from moe_offload.runtime.graph.engine import GraphEngine
+    from moe_offload.runtime.graph.prefetch import GraphPrefetcher
 
     path = tiny_dirs["qwen3_moe"]
     probe = load_graph(path, residency=0.6, policy="lru", device="cpu")

@@ -15,7 +15,7 @@ from moe_offload.core.policies import LRU
 from moe_offload.core.prob_belady import ProbabilisticBelady
 from moe_offload.core.slots import SlotState, SlotTable
 from moe_offload.errors import MoeOffloadError
-from moe_offload.runtime.graph_fetch_cache import COMPUTE, EMPTY, FETCH, USED, FetchingGraphCache
+from moe_offload.runtime.graph.fetch_cache import COMPUTE, EMPTY, FETCH, USED, FetchingGraphCache
 
 POLICIES = {"lru": LRU, "prob-belady": lambda: ProbabilisticBelady(6, horizon=4, lam=0.5)}
 CODES = {SlotState.EMPTY: EMPTY, SlotState.FETCH: FETCH, SlotState.COMPUTE: COMPUTE, SlotState.USED: USED}

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from moe_offload.errors import MoeOffloadError
-from moe_offload.generate import encode_prompt, generate_ids
-from moe_offload.models.diffusion import diffusion_generate_ids
+from moe_offload.generation.generate import encode_prompt, generate_ids
+from moe_offload.generation.diffusion import diffusion_generate_ids
 from moe_offload.models.loader import load_full, load_offloaded
 from moe_offload.runtime.host_cache import HostCache
 
@@ -78,7 +78,7 @@ def test_one_read_for_concurrent_requests(disk_lm):
 
 @pytest.mark.parametrize("policy", ["lru", "lfu", "seqmoe"])
 def test_three_tiers_tokens_equal_full_load(tiny_dirs, refs, random_pset, policy):
-    from moe_offload.predictor.runtime import attach_predictor
+    from moe_offload.predictor.attach import attach_predictor
 
     lm = load_offloaded(tiny_dirs["qwen3_moe"], device="cpu", residency=0.3, policy=policy, progress=False,
                         host_store="disk", host_cache_gb=20 * 24576 / 1e9)

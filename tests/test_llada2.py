@@ -7,8 +7,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from moe_offload.generate import encode_prompt
-from moe_offload.models.diffusion import block_causal_mask, diffusion_generate_ids
+from moe_offload.generation.generate import encode_prompt
+from moe_offload.generation.diffusion import block_causal_mask, diffusion_generate_ids
 from moe_offload.models.llada2_moe import LLaDA2MoeConfig, LLaDA2MoeGate, LLaDA2MoeModelLM
 from moe_offload.models.loader import experts_modules, load_full, load_offloaded
 

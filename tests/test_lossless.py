@@ -6,7 +6,7 @@ needs more distinct experts per layer than the minimum pool holds, so those laye
 import pytest
 import torch
 
-from moe_offload.generate import encode_prompt, generate_ids
+from moe_offload.generation.generate import encode_prompt, generate_ids
 from moe_offload.runtime.formats import ExpertRows
 from moe_offload.models.loader import experts_modules, load_full, load_offloaded
 from conftest import CORE_ARCHS

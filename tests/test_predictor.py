@@ -269,7 +269,7 @@ def test_runner_rolls_the_horizon_forward_between_rollouts():
 def test_runtime_runner_matches_trace_features_and_keeps_tokens(tiny_dirs, random_pset):
     """With a predictor attached the tokens are unchanged, and its prefill forecast equals the predictor applied
     (parallel mode) to the trace of the same run: the runtime feeds exactly the training features."""
-    from moe_offload.generate import run
+    from moe_offload.generation.generate import run
     from moe_offload.models.loader import load_offloaded
     from moe_offload.predictor.runtime import PredictorRunner
     from moe_offload.trace.collect import TraceRecorder
@@ -332,7 +332,7 @@ def test_cli_train_eval_generate_and_errors(tmp_path, capsys, tiny_dirs):
 def test_seqmoe_cacheonly_runtime_equals_simulator(tiny_dirs, random_pset):
     """Probabilistic Belady fed by a predictor: the runtime's hits/misses equal the simulator's replay of the
     trace recorded in the same run (forecasts recomputed from the trace by ``forecast_stream``)."""
-    from moe_offload.generate import run
+    from moe_offload.generation.generate import run
     from moe_offload.models.loader import load_offloaded
     from moe_offload.predictor.runtime import ForecastFeed, PredictorRunner
     from moe_offload.sim.forecasts import forecast_stream
@@ -377,7 +377,7 @@ def test_cli_forecast_policy_needs_predictor(tiny_dirs, tmp_path, capsys):
 def test_seqmoe_prefetching_is_lossless_on_every_architecture(tiny_dirs, policy, random_pset):
     """Forecasts -> JSD/MoE-Infinity tasks -> asynchronous prefetch copies over an emulated slow link: the tokens
     equal FullLoad's for every architecture, and prefetches happened (some landed, some were waited for)."""
-    from moe_offload.generate import run
+    from moe_offload.generation.generate import run
     from moe_offload.models.loader import load_full, load_offloaded
     from moe_offload.predictor.runtime import ForecastFeed, PredictorRunner
     from moe_offload.runtime.prefetcher import lookup_is_consistent
@@ -403,7 +403,7 @@ def test_seqmoe_async_runtime_close_to_simulator(tiny_dirs, residency, random_ps
     5% of all accesses of the simulator's replay of the trace recorded in the same run (same forecasts, same
     scheduler, policy and slot table objects; the simulator's link moves 2 experts per layer time, the runtime's
     copies take 0.1 ms each, so landing times differ only by timing noise), and the tokens stay FullLoad's."""
-    from moe_offload.generate import run
+    from moe_offload.generation.generate import run
     from moe_offload.models.loader import load_full, load_offloaded
     from moe_offload.predictor.runtime import ForecastFeed, PredictorRunner
     from moe_offload.sim.forecasts import forecast_stream

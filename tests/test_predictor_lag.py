@@ -98,9 +98,9 @@ def test_runtime_with_the_predictor_process_equals_the_simulator(tiny_dirs, rand
     """seqmoe-cacheonly with the predictor in its process, forecasts used 2 layers after their trigger: the runtime's
     hits / misses equal the simulator's replay of the trace recorded in the same run with the same lag (and differ
     from the replay without it); tokens are FullLoad's; closing the model stops the worker."""
-    from moe_offload.generate import run
+    from moe_offload.generation.generate import run
     from moe_offload.models.loader import load_offloaded
-    from moe_offload.predictor.runtime import attach_predictor
+    from moe_offload.predictor.attach import attach_predictor
     from moe_offload.sim.forecasts import forecast_stream
     from moe_offload.sim.simulator import replay
     from moe_offload.trace.collect import TraceRecorder

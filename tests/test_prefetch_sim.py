@@ -115,7 +115,7 @@ def test_bench_decode_replays_the_routing_of_its_own_runs(tiny_dirs, capsys):
     apart) and replays it for every row: for LRU the replay's counts over the measured requests are the runtime's
     own, exactly; with an emulated link every row shows the simulator's fraction of FullLoad beside the measured
     one."""
-    from moe_offload.bench_decode import _measure, _record_routing
+    from moe_offload.bench.decode import _measure, _record_routing
     from moe_offload.cli import main
     from moe_offload.models.loader import load_offloaded
 

@@ -8,13 +8,13 @@ import shutil
 import pytest
 import torch
 
-from moe_offload.bench_diffusion import bench_diffusion
+from moe_offload.bench.diffusion import bench_diffusion
 from moe_offload.cli import main
 from moe_offload.core.costs import TideCosts
 from moe_offload.core.refresh import make_refresh_planner
-from moe_offload.generate import encode_prompt
-from moe_offload.models.diffusion import block_causal_mask, diffusion_generate_ids, run_diffusion
-from moe_offload.models.diffusion_forward import StepForward
+from moe_offload.generation.generate import encode_prompt
+from moe_offload.generation.diffusion import block_causal_mask, diffusion_generate_ids, run_diffusion
+from moe_offload.generation.diffusion_forward import StepForward
 from moe_offload.models.loader import load_full, load_offloaded
 from moe_offload.sim.diffusion_sim import replay_diffusion
 from moe_offload.trace.diffusion import DiffusionTraceRecorder

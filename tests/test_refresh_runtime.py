@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from moe_offload.errors import MoeOffloadError
-from moe_offload.models.diffusion import run_diffusion
+from moe_offload.generation.diffusion import run_diffusion
 from moe_offload.runtime.formats import ExpertRows
 from moe_offload.models.loader import load_full, load_offloaded
 

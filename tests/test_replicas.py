@@ -15,7 +15,7 @@ pytest.importorskip("ray.serve")
 openai = pytest.importorskip("openai")
 
 from moe_offload.errors import MoeOffloadError  # noqa: E402
-from moe_offload.generate import generate_ids  # noqa: E402
+from moe_offload.generation.generate import generate_ids  # noqa: E402
 from moe_offload.models.loader import load_offloaded  # noqa: E402
 from moe_offload.serve.replicas import application, build, start_replicas, stop_replicas  # noqa: E402
 from moe_offload.serve.server import ServeConfig  # noqa: E402

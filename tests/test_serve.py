@@ -17,8 +17,8 @@ from safetensors import safe_open
 
 from moe_offload.cli import main
 from moe_offload.errors import MoeOffloadError
-from moe_offload.generate import encode_prompt, generate_ids
-from moe_offload.models.diffusion import diffusion_generate_ids
+from moe_offload.generation.generate import encode_prompt, generate_ids
+from moe_offload.generation.diffusion import diffusion_generate_ids
 from moe_offload.models.loader import load_offloaded
 from moe_offload.serve.memory import GB, slots_for_budget
 from moe_offload.serve.server import ServeConfig, ServerThread, load_for_serving

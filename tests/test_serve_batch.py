@@ -11,7 +11,7 @@ import openai
 import pytest
 import torch
 
-from moe_offload.generate import generate_ids
+from moe_offload.generation.generate import generate_ids
 from moe_offload.models.loader import load_offloaded
 from moe_offload.serve.batch_memory import DEFAULT_MAX_BATCH, choose_max_batch
 from moe_offload.serve.memory import non_expert_bytes
@@ -142,7 +142,7 @@ def test_bench_compare_bad_options_are_one_line_errors(tiny_dirs, capsys, argv, 
 def test_bench_compare_table(tiny_dirs):
     """One run, one table: batch 1 and batch 4 at two residencies; every configuration's tokens equal the batch-1
     server's (``generate_ids`` alone), 0 errors, and the batched / batch-1 ratio line for each residency."""
-    from moe_offload.serve.bench_compare import run_compare
+    from moe_offload.bench.serve_compare import run_compare
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -11,9 +11,9 @@ import urllib.request
 import pytest
 import torch
 
-from moe_offload.batching import BatchDecoder, Sequence
+from moe_offload.generation.batching import BatchDecoder, Sequence
 from moe_offload.cli import main
-from moe_offload.generate import GREEDY_TEMPERATURE, encode_prompt, generate_ids
+from moe_offload.generation.generate import GREEDY_TEMPERATURE, encode_prompt, generate_ids
 from moe_offload.models.loader import load_offloaded
 from moe_offload.serve.app import create_app
 from moe_offload.serve.server import ServeConfig, ServerThread, load_for_serving
@@ -398,7 +398,7 @@ def test_diffusion_server_sampling_edges(tiny_dirs):
     """The diffusion loop samples with the shared sampler too, and the request edge hands it the settings as sent:
     a tiny temperature and ``top_k`` 1 are greedy, ``top_p`` 0 keeps the most probable token (confidence 1, so each
     block commits at once: greedy at one step per block), ``top_k`` is served; 200s, never 500s."""
-    from moe_offload.models.diffusion import diffusion_generate_ids
+    from moe_offload.generation.diffusion import diffusion_generate_ids
 
     d = tiny_dirs["llada2_moe"]
     state = load_for_serving(ServeConfig(d, model_name="tiny", block_length=8, steps=4, max_context=64,

@@ -68,7 +68,9 @@ def test_this_machine_measured(tmp_path, monkeypatch):
     monkeypatch.setenv("MOE_OFFLOAD_CACHE", str(tmp_path))
     with pytest.raises(MoeOffloadError, match="bench link"):
         profiles.load_hardware("this-machine")
-    out = profiles.measure_link(device="cpu", size_mb=4, repeats=2)
+    from moe_offload.bench.link import measure_link
+
+    out = measure_link(device="cpu", size_mb=4, repeats=2)
     assert (tmp_path / "hardware" / "this-machine.json").is_file()
     hw = profiles.load_hardware("this-machine")
     assert hw.name == "this-machine" and hw.link_gbps == out["link_gbps"] > 0
@@ -239,7 +241,7 @@ def test_write_report_not_synthetic_and_refuses_non_empty(tmp_path):
 
 
 def test_bench_replay_speed_runs():
-    from moe_offload.sim.speed import bench_replay_speed
+    from moe_offload.bench.replay_speed import bench_replay_speed
 
     r = bench_replay_speed(seconds=0.2, num_moe_layers=8, num_experts=32, top_k=4)
     assert r["accesses"] > 0 and r["accesses_per_s"] > 0 and r["replay_s"] > 0

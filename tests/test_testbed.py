@@ -150,7 +150,7 @@ def test_default_tau_close_to_dense_and_topk_scaling(source, tmp_path):
 @NEEDS_WEIGHTS
 def test_build_without_evaluation_then_evaluate(source, tmp_path, capsys, monkeypatch):
     """A first-use build skips the evaluation (perplexity null); evaluate_testbed adds it later, with progress."""
-    from moe_offload import progress
+    from moe_offload.common import progress
 
     monkeypatch.setattr(progress, "_slowdown", 10.0)  # every phase long enough for a bar
     out = build.build_testbed(tmp_path / "tb", top_k=32, calib_tokens=512, progress=True, num_layers=NUM_LAYERS,

@@ -6,7 +6,7 @@ import pytest
 from moe_offload.core.policies import LRU, Belady
 from moe_offload.core.slots import SlotTable
 from moe_offload.errors import MoeOffloadError
-from moe_offload.generate import run
+from moe_offload.generation.generate import run
 from moe_offload.models.loader import load_offloaded
 from moe_offload.sim.simulator import replay
 from moe_offload.trace.collect import TraceRecorder

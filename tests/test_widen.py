@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 
 from moe_offload.errors import MoeOffloadError
-from moe_offload.generate import encode_prompt, generate_ids
+from moe_offload.generation.generate import encode_prompt, generate_ids
 from moe_offload.models.loader import load_full, load_offloaded
 from moe_offload.testbed.widen import widen_checkpoint, widen_expert
 

@@ -11,8 +11,8 @@ from moe_offload.cli import main
 from moe_offload.errors import MoeOffloadError
 from moe_offload.predictor.features import trace_sequences
 from moe_offload.predictor.model import PredictorHeader, PredictorSet, PredictorSpec, load_predictor
-from moe_offload.predictor.xl_calibrate import (XL_GRID, XL_WEIGHTS_NAME, calibrate_xl_weights, describe_xl_weights,
-                                                read_xl_weights, write_xl_weights)
+from moe_offload.predictor.xl_calibrate import XL_GRID, calibrate_xl_weights
+from moe_offload.predictor.xl_weights import XL_WEIGHTS_NAME, describe_xl_weights, read_xl_weights, write_xl_weights
 from moe_offload.trace.xl_accuracy import with_xl_accuracy
 from test_predictor import planted_trace
 
@@ -109,7 +109,7 @@ def test_weights_file_and_its_refusals(trace, pset, tmp_path, capsys):
 def test_calibrated_weights_reach_the_simulator_and_the_runtime_feed(tiny_dirs, random_pset):
     """``PredictorSet.xl_weights`` is what ``xl_stream`` (simulate, bench decode's simulated column) and
     ``attach_cross_layer`` (the runtime's ``seqmoe-xl``) blend with."""
-    from moe_offload.generate import run
+    from moe_offload.generation.generate import run
     from moe_offload.models.loader import load_offloaded
     from moe_offload.predictor.cross_layer import attach_cross_layer
     from moe_offload.sim.forecasts import xl_stream

@@ -3,7 +3,7 @@
 Every user error is one line on stderr and exit status 2 (no traceback); nothing is written except into the
 cache directory or an ``--out`` the user named, and an existing non-empty ``--out`` is never overwritten. Each
 command's options and runner live with its subsystem (``testbed/cli.py``, ``trace/cli.py``, ``sim/cli.py``,
-``sim/diffusion_cli.py``, ``predictor/cli.py``, ``serve/cli.py``, ``cli_bench.py``); ``generate`` is here.
+``sim/diffusion_cli.py``, ``predictor/cli.py``, ``serve/cli.py``, ``bench/cli.py``); ``generate`` is here.
 """
 
 from __future__ import annotations
@@ -15,10 +15,12 @@ import sys
 from pathlib import Path
 
 from . import __version__
-from .cliargs import (OneLineErrorParser, add_diffusion_args, add_host_store_arg, add_memory_budget_arg, add_model_args,
-                      add_predictor_lag_arg, finite_float, float_, load_prompts, nonneg_int, positive_int, seed)
+from .common.cliargs import (OneLineErrorParser, add_diffusion_args, add_host_store_arg, add_memory_budget_arg,
+                             add_model_args, add_predictor_lag_arg, finite_float, float_, nonneg_int, positive_int,
+                             seed)
 from .errors import MoeOffloadError
 from .models.resolve import BUILTIN_MODELS, resolve_model
+from .testbed.prompts import load_prompts
 
 __all__ = ["BUILTIN_MODELS", "build_parser", "load_prompts", "main", "resolve_model"]
 
@@ -80,7 +82,7 @@ def _add_generate_parser(sub) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``moe-offload`` argument parser with every subcommand."""
-    from .cli_bench import add_parsers as add_bench_parsers
+    from .bench.cli import add_parsers as add_bench_parsers
     from .predictor.cli import add_parser as add_predictor_parser
     from .serve.cli import add_parsers as add_serve_parsers
     from .sim.cli import add_parser as add_simulate_parser
@@ -162,7 +164,7 @@ def _print_outputs(args, path, outputs, info) -> bool:
     """Print ``generate``'s result: one JSON object (``--json``; returns True: nothing else to print) or the
     texts and the stats table (returns False). Lines for outputs stopped at the position limit join
     ``info["notes"]`` (printed by the caller, or in the JSON's stats)."""
-    from .report import stats_table
+    from .generation.report import stats_table
 
     info["notes"] = _limit_notes(outputs, args.max_new_tokens) + info.get("notes", [])
     if args.json:
@@ -178,10 +180,10 @@ def _print_outputs(args, path, outputs, info) -> bool:
 
 
 def _generate_graph(args, path, prompts, diffusion) -> int:
-    """``generate --graph``: graph mode (``runtime.graph_decode``); the same report as ``generate``."""
+    """``generate --graph``: graph mode (``runtime.graph.decode``); the same report as ``generate``."""
     from .models.loader import load_full
-    from .report import offload_notes, stats_dict
-    from .runtime.graph_decode import GraphDecoder, load_graph, run_graph
+    from .generation.report import offload_notes, stats_dict
+    from .runtime.graph.decode import GraphDecoder, load_graph, run_graph
 
     if args.memory_budget is not None:
         raise MoeOffloadError("--graph sizes its pool from --residency or --slots, not --memory-budget")
@@ -208,7 +210,7 @@ def _generate_graph(args, path, prompts, diffusion) -> int:
     info = stats_dict(lm, stats)
     info["graph"] = {"backend": args.graph_backend}
     pf = getattr(lm.engine, "prefetcher", None)
-    if pf is not None:  # graph mode's CPU prefetch worker (runtime.graph_prefetch)
+    if pf is not None:  # graph mode's CPU prefetch worker (runtime.graph.prefetch)
         info["graph"]["prefetch"] = pf.counts()
     info["notes"] = offload_notes(info) + ["graph mode: the first request's decode time includes compiling the "
                                            "decode step (see `bench graph` for steady-state speed)"]
@@ -225,9 +227,9 @@ def _generate_graph(args, path, prompts, diffusion) -> int:
 
 
 def _cmd_generate(args) -> int:
-    from .generate import run
+    from .generation.generate import run
     from .models.loader import PREDICTOR_POLICIES
-    from .report import offload_notes, stats_dict
+    from .generation.report import offload_notes, stats_dict
 
     if args.temperature < 0 or not (0 <= args.top_p <= 1):
         raise MoeOffloadError(f"--temperature must be >= 0 and --top-p in [0, 1], got {args.temperature} and "
@@ -247,7 +249,7 @@ def _cmd_generate(args) -> int:
     lm = _load(args, path)
     runner = _attach_predictor(args, lm)
     if diffusion is not None:  # block diffusion (LLaDA2): blocks of mask tokens refined over diffusion steps
-        from .models.diffusion import diffusion_summary, run_diffusion
+        from .generation.diffusion import diffusion_summary, run_diffusion
 
         outputs, stats, results = run_diffusion(lm, prompts, args.max_new_tokens, temperature=args.temperature,
                                                 top_p=args.top_p, top_k=args.top_k, seed=args.seed,
@@ -268,7 +270,7 @@ def _cmd_generate(args) -> int:
             info["predictor"] |= {"lag_layers": args.predictor_lag, "ms_receiving_per_decode_step":
                                   1e3 * runner.receive_s / max(1, ps.decode_steps)}
         if args.policy == "seqmoe-xl":
-            from .predictor.xl_calibrate import describe_xl_weights
+            from .predictor.xl_weights import describe_xl_weights
 
             info["predictor"]["xl_blend_weights"] = describe_xl_weights(runner.pset)
     info["notes"] = offload_notes(info)
@@ -292,9 +294,9 @@ def _diffusion_params(args, path: Path) -> dict | None:
 
     Raises:
         MoeOffloadError: --block-length/--steps/--threshold given for an autoregressive model, --predictor for a
-            diffusion model, or a bad value (``models.diffusion.check_params``).
+            diffusion model, or a bad value (``generation.diffusion.check_params``).
     """
-    from .models.diffusion import loop_params
+    from .generation.diffusion import loop_params
     from .models.loader import read_config
 
     _, _, arch = read_config(path)
@@ -325,7 +327,7 @@ def _dispatch(args) -> int:
     elif args.cmd == "export":
         from .models.gguf_export import run
     else:
-        from .cli_bench import run
+        from .bench.cli import run
     return run(args)
 
 

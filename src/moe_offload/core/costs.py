@@ -183,15 +183,7 @@ class TideCosts:
 
         hw = load_hardware(hardware) if isinstance(hardware, str) else hardware
         m = load_model_profile(model) if isinstance(model, str) else model
-
-        def get(obj, key, kind):
-            v = getattr(obj, key, None)
-            if v is None:
-                v = obj.extra.get(key)
-            if v is None:
-                raise MoeOffloadError(f"{kind} profile {obj.name!r} lacks {key!r}, needed by the TIDE cost model")
-            return float(v)
-
+        get = _profile_number
         bw = get(hw, "device_mem_bw_gbps", "hardware") * 1e9 * get(hw, "device_mem_efficiency", "hardware")
         rate = get(hw, "device_bf16_tflops", "hardware") * 1e12 * get(hw, "device_compute_efficiency", "hardware")
         f_tok = get(m, "flops_per_token_expert", "model")
@@ -209,15 +201,33 @@ class TideCosts:
             fallback_token_s=f_tok / (get(hw, "host_bf16_gflops", "hardware") * 1e9),
             nonexpert_step_s=nonexp,
             num_moe_layers=m.num_moe_layers, num_experts=m.num_experts, top_k=m.top_k, overlap_host=overlap_host,
-            provenance={
-                "swap_s": f"{m.name}.expert_bytes / {hw.name}.link_gbps",
-                "device_expert_s": f"{m.name}.expert_bytes / ({hw.name}.device_mem_bw_gbps x device_mem_efficiency)",
-                "device_token_s": f"{m.name}.flops_per_token_expert / ({hw.name}.device_bf16_tflops x "
-                                  "device_compute_efficiency)",
-                "fallback_expert_s": f"{m.name}.expert_bytes / {hw.name}.host_stream_gbps + host_call_overhead_us",
-                "fallback_token_s": f"{m.name}.flops_per_token_expert / {hw.name}.host_bf16_gflops",
-                "nonexpert_step_s": f"roofline of {tokens:g} tokens over {m.name}.nonexpert_params on {hw.name} + "
-                                    "num_layers x layer_overhead_us",
-                "note": "modelled from profiles; efficiencies and host rates are assumptions (profiles' unsourced)",
-            })
+            provenance=_profile_provenance(hw.name, m.name, tokens))
         return out.with_overrides(**overrides) if overrides else out
+
+
+def _profile_number(obj, key: str, kind: str) -> float:
+    """Profile ``obj``'s ``key`` (an attribute, else an entry of its ``extra``) as a float.
+
+    Raises:
+        MoeOffloadError: the ``kind`` ("hardware" or "model") profile lacks it (the message names it).
+    """
+    v = getattr(obj, key, None)
+    if v is None:
+        v = obj.extra.get(key)
+    if v is None:
+        raise MoeOffloadError(f"{kind} profile {obj.name!r} lacks {key!r}, needed by the TIDE cost model")
+    return float(v)
+
+
+def _profile_provenance(hw: str, m: str, tokens: float) -> dict[str, str]:
+    """``TideCosts.provenance`` of ``TideCosts.from_profiles`` for hardware profile ``hw`` and model profile ``m``."""
+    return {
+        "swap_s": f"{m}.expert_bytes / {hw}.link_gbps",
+        "device_expert_s": f"{m}.expert_bytes / ({hw}.device_mem_bw_gbps x device_mem_efficiency)",
+        "device_token_s": f"{m}.flops_per_token_expert / ({hw}.device_bf16_tflops x device_compute_efficiency)",
+        "fallback_expert_s": f"{m}.expert_bytes / {hw}.host_stream_gbps + host_call_overhead_us",
+        "fallback_token_s": f"{m}.flops_per_token_expert / {hw}.host_bf16_gflops",
+        "nonexpert_step_s": f"roofline of {tokens:g} tokens over {m}.nonexpert_params on {hw} + "
+                            "num_layers x layer_overhead_us",
+        "note": "modelled from profiles; efficiencies and host rates are assumptions (profiles' unsourced)",
+    }

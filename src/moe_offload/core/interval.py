@@ -146,58 +146,20 @@ class IntervalOptimiser:
             raise MoeOffloadError("expected_miss_s must be a non-empty 1-D array")
         c = self.costs
         resident = resident if isinstance(resident, (set, frozenset)) else set(int(e) for e in resident)
-        sel = select_top(score, budget).tolist()
-        selset = set(sel)
-        new = [e for e in sel if e not in resident]  # rank order: most used first
-        # keep residents outside the selection while there is room (never demote more than promoted)
-        drop = sorted(resident - selset, key=lambda e: (score[e], e))
-        n_evict = max(0, len(resident) + len(new) - budget)
-        evict = drop[:n_evict]
-        target = sorted((resident - set(evict)) | set(new))
+        new, evict, target = _refresh_sets(score, resident, budget)
         rc = np.floor(np.asarray(score)) if ref_counts is None else np.asarray(ref_counts)
         n = len(new)
-        landed_at = queue_s + c.swap_s * np.arange(1, n + 1)
-        unavail = np.maximum(0, np.ceil(landed_at / step_s - layer_pos)).astype(np.int64)  # steps without it
-        land_cost = np.array([rc[e] * c.fallback_token_s + (c.fallback_expert_s if rc[e] > 0 else 0.0)
-                              for e in new]) if n else np.zeros(0)
-
-        def m(d):
-            return M[min(d, len(M) - 1)]
-
-        tv = None if turnover is None else np.asarray(turnover, dtype=np.float64)
-
-        def n_of(tau):
-            return float(n) if tv is None or len(tv) == 0 else float(tv[min(tau, len(tv) - 1)])
-
+        landing = _landing(new, rc, c, queue_s, step_s, layer_pos)
+        m, n_of = _clamped(M), _swap_count(n, turnover)
         tmax = self.tau_max
         if horizon is not None:
             tmax = max(1, min(tmax, int(math.ceil(horizon))))
         cands: dict = {}
         parts: dict = {}
         if "async" in self.modes:
-            cands["async"], parts["async"] = {}, {}
-            cum = 0.0
-            for tau in range(1, tmax + 1):
-                cum += m(tau)
-                hide = tau * step_s
-                nt = n_of(tau)
-                exposed = max(0.0, queue_s + nt * c.swap_s - hide) - max(0.0, queue_s - hide)
-                landing = float((np.minimum(unavail, tau) * land_cost).sum()) if n else 0.0
-                total = exposed + landing + cum
-                cands["async"][tau] = total / tau
-                parts["async"][tau] = {"swap_s": nt * c.swap_s, "hidden_s": nt * c.swap_s - exposed,
-                                       "exposed_s": exposed, "landing_s": landing, "miss_s": cum,
-                                       "per_step_s": total / tau}
+            cands["async"], parts["async"] = _async_costs(tmax, m, n_of, step_s, queue_s, c.swap_s, landing)
         if "sync" in self.modes:
-            cands["sync"], parts["sync"] = {}, {}
-            cum = 0.0
-            for tau in range(1, tmax + 1):
-                cum += m(tau - 1)
-                nt = n_of(tau)
-                total = nt * c.swap_s + cum
-                cands["sync"][tau] = total / tau
-                parts["sync"][tau] = {"swap_s": nt * c.swap_s, "hidden_s": 0.0, "exposed_s": nt * c.swap_s,
-                                      "landing_s": 0.0, "miss_s": cum, "per_step_s": total / tau}
+            cands["sync"], parts["sync"] = _sync_costs(tmax, m, n_of, c.swap_s)
         mode, best = min(((md, t) for md in cands for t in cands[md]),
                          key=lambda x: (cands[x[0]][x[1]], x[1], x[0] != "async"))
         keep_s = None if age is None else float(m(age + 1))
@@ -207,3 +169,88 @@ class IntervalOptimiser:
                                   breakdown=bd)
         return IntervalChoice(mode=mode, tau=best, target=target, load=new, evict=evict,
                               per_step_s=cands[mode][best], breakdown=bd)
+
+
+def _clamped(M: np.ndarray):
+    """``m(d)``: ``M[d]``, and ``M``'s last value for a ``d`` beyond it."""
+    def m(d):
+        return M[min(d, len(M) - 1)]
+
+    return m
+
+
+def _swap_count(n: int, turnover):
+    """``n_of(tau)``: the swaps an interval of ``tau`` steps is charged: ``turnover[tau]`` (its last value beyond
+    it) when ``turnover`` is given and not empty, else this boundary's ``n``."""
+    tv = None if turnover is None else np.asarray(turnover, dtype=np.float64)
+
+    def n_of(tau):
+        return float(n) if tv is None or len(tv) == 0 else float(tv[min(tau, len(tv) - 1)])
+
+    return n_of
+
+
+def _refresh_sets(score: np.ndarray, resident: set, budget: int) -> tuple[list[int], list[int], list[int]]:
+    """``(load, evict, target)`` of a refresh to the top-``budget`` experts by ``score``: the selected experts not
+    resident (rank order: most used first), the residents outside the selection that must leave to make room
+    (lowest score first; residents are kept while there is room: never demote more than promoted), and the
+    resulting set (sorted)."""
+    sel = select_top(score, budget).tolist()
+    selset = set(sel)
+    new = [e for e in sel if e not in resident]
+    drop = sorted(resident - selset, key=lambda e: (score[e], e))
+    n_evict = max(0, len(resident) + len(new) - budget)
+    evict = drop[:n_evict]
+    target = sorted((resident - set(evict)) | set(new))
+    return new, evict, target
+
+
+def _landing(new: list[int], rc: np.ndarray, c: TideCosts, queue_s: float, step_s: float, layer_pos: float):
+    """``landing(tau)``: the host-fallback seconds an asynchronous refresh loading ``new`` (in that order, behind
+    ``queue_s`` seconds of queued copies) costs over its first ``tau`` steps, while each expert is not landed yet
+    (``rc``: token counts per expert at the reference step)."""
+    n = len(new)
+    landed_at = queue_s + c.swap_s * np.arange(1, n + 1)
+    unavail = np.maximum(0, np.ceil(landed_at / step_s - layer_pos)).astype(np.int64)  # steps without it
+    land_cost = np.array([rc[e] * c.fallback_token_s + (c.fallback_expert_s if rc[e] > 0 else 0.0)
+                          for e in new]) if n else np.zeros(0)
+
+    def landing(tau):
+        return float((np.minimum(unavail, tau) * land_cost).sum()) if n else 0.0
+
+    return landing
+
+
+def _async_costs(tmax: int, m, n_of, step_s: float, queue_s: float, swap_s: float, landing_of) -> tuple[dict, dict]:
+    """Per interval ``tau`` in ``1..tmax`` of an asynchronous refresh (copies overlap the steps): the expected
+    seconds per step and its parts (``IntervalChoice.breakdown``), with ``m(d)`` the expected miss seconds at
+    distance ``d``, ``n_of(tau)`` the swaps charged and ``landing_of(tau)`` the host-fallback seconds of the experts
+    not landed yet."""
+    cands, parts = {}, {}
+    cum = 0.0
+    for tau in range(1, tmax + 1):
+        cum += m(tau)
+        hide = tau * step_s
+        nt = n_of(tau)
+        exposed = max(0.0, queue_s + nt * swap_s - hide) - max(0.0, queue_s - hide)
+        landing = landing_of(tau)
+        total = exposed + landing + cum
+        cands[tau] = total / tau
+        parts[tau] = {"swap_s": nt * swap_s, "hidden_s": nt * swap_s - exposed, "exposed_s": exposed,
+                      "landing_s": landing, "miss_s": cum, "per_step_s": total / tau}
+    return cands, parts
+
+
+def _sync_costs(tmax: int, m, n_of, swap_s: float) -> tuple[dict, dict]:
+    """``_async_costs`` for a synchronous refresh (the step waits for every copy; the set serves from the same
+    step on)."""
+    cands, parts = {}, {}
+    cum = 0.0
+    for tau in range(1, tmax + 1):
+        cum += m(tau - 1)
+        nt = n_of(tau)
+        total = nt * swap_s + cum
+        cands[tau] = total / tau
+        parts[tau] = {"swap_s": nt * swap_s, "hidden_s": 0.0, "exposed_s": nt * swap_s, "landing_s": 0.0,
+                      "miss_s": cum, "per_step_s": total / tau}
+    return cands, parts

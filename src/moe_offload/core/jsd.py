@@ -28,7 +28,8 @@ import bisect
 import heapq
 from collections.abc import Iterable
 
-from .prefetch import Capacity, PrefetchScheduler, PrefetchTask
+from .prefetch_queue import Capacity, PrefetchScheduler
+from .prefetch_tasks import PrefetchTask
 
 
 def max_confidence_feasible(tasks: Iterable[PrefetchTask], capacity: Capacity) -> list[PrefetchTask]:

@@ -1,5 +1,7 @@
-"""Joint prefetch scheduling (SeqMoE §6.2, Algorithm 1), plus two baseline orderings; the tasks themselves
-(§6.1: ``PrefetchTask``, ``generate_tasks``, ``submit_forecast``) live in ``core.prefetch_tasks`` and are re-exported.
+"""Joint prefetch scheduling (SeqMoE §6.2, Algorithm 1), plus two baseline orderings, built by name
+(``make_scheduler``); the tasks themselves (§6.1: ``PrefetchTask``, ``generate_tasks``) live in
+``core.prefetch_tasks``, the queue every scheduler shares (``PrefetchScheduler``, ``submit_forecast``) in
+``core.prefetch_queue``, SeqMoE's scheduler in ``core.jsd``; all are re-exported here.
 
 Pure decision logic: tasks name experts by global id (``eid = moe_layer * num_experts + expert``), never tensors,
 so the runtime prefetcher and the trace simulator drive the very same objects.
@@ -26,225 +28,15 @@ finish before the layer that needs them). They differ only in which pending task
 
 from __future__ import annotations
 
-import math
-from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable
-
 from ..errors import MoeOffloadError
+from .jsd import JSDScheduler
+from .prefetch_queue import Capacity, PrefetchScheduler, submit_forecast
 from .prefetch_tasks import (LINK_CHUNKS, PrefetchTask, generate_tasks, link_time_after_chunk, position,
-                             prefetch_width, submit_forecast, tasks_from_forecast)
+                             prefetch_width, tasks_from_forecast)
 
-__all__ = ["LINK_CHUNKS", "Capacity", "MoEInfinityScheduler", "PrefetchScheduler", "PrefetchTask", "ProMoEScheduler",
-           "SCHEDULERS", "generate_tasks", "link_time_after_chunk", "make_scheduler", "position", "prefetch_width",
-           "submit_forecast", "tasks_from_forecast"]
-
-Capacity = Callable[[int], float]
-
-class PrefetchScheduler(ABC):
-    """Prefetch task queue plus the transfer-budget bookkeeping of Algorithm 1; subclasses choose the task.
-
-    Args:
-        b_avg: average transfer budget per layer, in experts per layer time (profiled during warm-up, SeqMoE §6.2).
-        alpha: EMA weight in ``(0, 1]`` of a new bandwidth sample (the paper gives no value).
-        auto_ema: when True, every position update feeds the EMA with the number of tasks selected per layer
-            since the previous update, provided the prefetcher never found the queue empty in between (an idle
-            prefetcher's count says nothing about bandwidth). Turn off to feed ``observe_bandwidth`` with measured
-            values instead.
-    Raises:
-        MoeOffloadError: negative or non-finite ``b_avg``, or ``alpha`` outside ``(0, 1]``.
-
-    Queue semantics: a task is identified by ``(eid, ddl)``; resubmitting it replaces its confidence (a newer
-    forecast). Tasks of the same expert with different deadlines are distinct.
-    """
-
-    name = "base"
-
-    def __init__(self, b_avg: float = 1.0, alpha: float = 0.2, auto_ema: bool = True):
-        self._check_bandwidth(b_avg)
-        if not 0.0 < alpha <= 1.0:
-            raise MoeOffloadError(f"alpha must be in (0, 1], got {alpha}")
-        self.alpha = float(alpha)
-        self.auto_ema = auto_ema
-        self._b_avg = float(b_avg)
-        self._b_cur = float(b_avg)
-        # (eid, ddl) -> entry (conf, -ddl, -rank, seq, task): seq numbers submissions (a resubmission gets a new
-        # one), rank numbers first insertions (a resubmitted task keeps its rank, as a dict keeps its key's place).
-        # The entry's first three fields are the task's strict order of preference (higher = better) in JSD's
-        # feasibility greedy (``core.jsd``).
-        self._queue: dict[tuple[int, int], tuple] = {}
-        self._by_ddl: dict[int, dict[tuple[int, int], tuple]] = {}   # the same entries grouped by deadline
-        self._seq = 0
-        self._rank = 0
-        self._version = 0   # bumped by every change of the queue
-        self._pos: int | None = None
-        self._issued = 0
-        self._idle = False
-
-    @staticmethod
-    def _check_bandwidth(b: float) -> None:
-        if not (math.isfinite(b) and b >= 0):
-            raise MoeOffloadError(f"transfer budget must be a finite number >= 0 experts per layer, got {b}")
-
-    @property
-    def b_avg(self) -> float:
-        """Average transfer budget per layer (experts per layer time)."""
-        return self._b_avg
-
-    @property
-    def b_cur(self) -> float:
-        """Remaining transfer budget of the current layer (experts; negative once over-committed)."""
-        return self._b_cur
-
-    @property
-    def pos(self) -> int | None:
-        """The last position seen by ``select``/``advance`` (None before the first)."""
-        return self._pos
-
-    def __len__(self) -> int:
-        return len(self._queue)
-
-    def pending(self) -> list[PrefetchTask]:
-        """The queued tasks by ascending deadline, then decreasing confidence, then submission order."""
-        return [e[4] for e in sorted(self._queue.values(), key=lambda e: (-e[1], -e[0], e[3]))]
-
-    def set_bandwidth(self, b_avg: float) -> None:
-        """Set ``B_avg`` (experts per layer time), e.g. from a warm-up profile; also resets ``B_cur`` to it.
-
-        Raises:
-            MoeOffloadError: negative or non-finite value.
-        """
-        self._check_bandwidth(b_avg)
-        self._b_avg = float(b_avg)
-        self._b_cur = float(b_avg)
-
-    def observe_bandwidth(self, experts_per_layer: float) -> float:
-        """EMA update with one bandwidth sample: ``B_avg <- (1 - alpha) * B_avg + alpha * sample``; returns B_avg.
-
-        Raises:
-            MoeOffloadError: negative or non-finite sample.
-        """
-        self._check_bandwidth(experts_per_layer)
-        self._b_avg = (1.0 - self.alpha) * self._b_avg + self.alpha * float(experts_per_layer)
-        return self._b_avg
-
-    def submit(self, tasks: Iterable[PrefetchTask]) -> None:
-        """Add tasks to the queue (a task with the same ``(eid, ddl)`` as a queued one replaces it)."""
-        for t in tasks:
-            key = (t.eid, t.ddl)
-            old = self._queue.get(key)
-            if old is None:
-                rank = self._rank
-                self._rank += 1
-            else:
-                rank = -old[2]
-            self._queue[key] = self._by_ddl.setdefault(t.ddl, {})[key] = (t.conf, -t.ddl, -rank, self._seq, t)
-            self._seq += 1
-            self._version += 1
-
-    def drop(self, eids: Iterable[int]) -> int:
-        """Remove every queued task of the given experts (e.g. they became resident); returns how many."""
-        gone = set(eids)
-        keys = [k for k in self._queue if k[0] in gone]
-        for k in keys:
-            self._remove(k)
-        return len(keys)
-
-    def drop_deadlines(self, ddls: Iterable[int]) -> int:
-        """Remove every queued task whose deadline is one of ``ddls``; returns how many."""
-        n = 0
-        for d in ddls:
-            group = self._by_ddl.pop(int(d), None)
-            if group:
-                for key in group:
-                    del self._queue[key]
-                n += len(group)
-                self._version += 1
-        return n
-
-    def _remove(self, key: tuple[int, int]) -> None:
-        del self._queue[key]
-        group = self._by_ddl[key[1]]
-        del group[key]
-        if not group:
-            del self._by_ddl[key[1]]
-        self._version += 1
-
-    def advance(self, pos: int) -> None:
-        """Algorithm 1 lines 1-4: on a new position update ``B_avg`` (EMA) and reset ``B_cur <- B_avg``; then
-        discard tasks with ``ddl <= pos + 1``.
-
-        The paper writes line 2 as ``B_avg <- B_avg + alpha * B_cur``. Since ``B_cur`` is the budget left after the
-        layer's selections, an EMA towards the observed rate (``B_avg - B_cur`` tasks in the layer) is
-        ``B_avg <- B_avg - alpha * B_cur``, which is what this does (generalised to jumps of several layers, and
-        skipped when the prefetcher went idle; see ``auto_ema``). Expiry runs on every call, not only on updates,
-        so tasks submitted after the update are filtered too.
-        """
-        pos = int(pos)
-        if pos != self._pos:
-            if self._pos is not None and pos > self._pos and self.auto_ema and not self._idle:
-                self.observe_bandwidth(self._issued / (pos - self._pos))
-            self._pos = pos
-            self._b_cur = self._b_avg
-            self._issued = 0
-            self._idle = False
-        for d in [d for d in self._by_ddl if d <= pos + 1]:
-            for key in self._by_ddl.pop(d):
-                del self._queue[key]
-            self._version += 1
-
-    def capacity(self, ddl: int) -> float:
-        """``C(ddl) = max(1, B_cur) + B_avg * (ddl - pos - 1)``: transfers that can complete before ``ddl`` at the
-        current position (SeqMoE §6.2).
-
-        Raises:
-            MoeOffloadError: called before any position was seen.
-        """
-        if self._pos is None:
-            raise MoeOffloadError("capacity needs a current position: call select or advance first")
-        return max(1.0, self._b_cur) + self._b_avg * (ddl - self._pos - 1)
-
-    def select(self, pos: int, b_cur: float | None = None, capacity: Capacity | None = None) -> PrefetchTask | None:
-        """The next task to transfer at position ``pos``, removed from the queue, or None when nothing is pending.
-
-        Runs ``advance(pos)``; then, if ``b_cur`` is given, it replaces the current layer's remaining budget (the
-        ``B_cur`` input of Algorithm 1); the chosen task costs one unit of ``B_cur`` (line 12).
-
-        Args:
-            pos: current position (MoE layers, see the module docstring).
-            b_cur: optional remaining budget of the current layer (experts).
-            capacity: optional ``capacity(ddl)`` replacing ``C(ddl)`` (used by JSD only; e.g. an exact per-layer
-                budget profile).
-        Raises:
-            MoeOffloadError: ``b_cur`` not finite.
-        """
-        self.advance(pos)
-        if b_cur is not None:
-            if not math.isfinite(b_cur):
-                raise MoeOffloadError(f"b_cur must be finite, got {b_cur}")
-            self._b_cur = float(b_cur)
-        task = self._choose(self._pos, capacity) if self._queue else None
-        if task is None:
-            self._idle = True
-            return None
-        self._remove((task.eid, task.ddl))
-        self._b_cur -= 1.0
-        self._issued += 1
-        return task
-
-    @abstractmethod
-    def _choose(self, pos: int, capacity: Capacity | None) -> PrefetchTask | None:
-        """Pick one of the queued tasks (none expired; ``self._queue``'s entries) at ``pos``; ``capacity`` is the
-        caller's replacement of ``C(ddl)`` or None."""
-
-    def reset(self) -> None:
-        """Empty the queue and forget the position (``B_avg`` is kept: it describes the hardware)."""
-        self._queue.clear()
-        self._by_ddl.clear()
-        self._version += 1
-        self._pos = None
-        self._b_cur = self._b_avg
-        self._issued = 0
-        self._idle = False
+__all__ = ["LINK_CHUNKS", "Capacity", "JSDScheduler", "MoEInfinityScheduler", "PrefetchScheduler", "PrefetchTask",
+           "ProMoEScheduler", "SCHEDULERS", "generate_tasks", "link_time_after_chunk", "make_scheduler", "position",
+           "prefetch_width", "submit_forecast", "tasks_from_forecast"]
 
 
 class MoEInfinityScheduler(PrefetchScheduler):
@@ -296,8 +88,6 @@ def make_scheduler(name: str, *, num_moe_layers: int, b_avg: float = 1.0, alpha:
     Raises:
         MoeOffloadError: unknown name or bad arguments.
     """
-    from .jsd import JSDScheduler
-
     key = name.lower()
     if key == "jsd":
         return JSDScheduler(b_avg, alpha, auto_ema)

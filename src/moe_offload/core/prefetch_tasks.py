@@ -1,21 +1,16 @@
 """Prefetch tasks (SeqMoE §6.1): positions and deadlines, ``generate_tasks`` from a one-step prediction (the top-(k+3)
-experts per layer with their confidences), and ``submit_forecast``, the one place the runtime's prefetcher and the
-simulator queue a forecast's tasks in a scheduler (``core.prefetch``, ``core.jsd``). Conventions (positions,
-deadlines, units) in ``core.prefetch``'s docstring.
+experts per layer with their confidences) and ``tasks_from_forecast`` from a predictor's forecast; a scheduler
+(``core.prefetch_queue``) queues them. Conventions (positions, deadlines, units) in ``core.prefetch``'s docstring.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import numpy as np
 
 from ..errors import MoeOffloadError
-
-if TYPE_CHECKING:
-    from .prefetch import PrefetchScheduler
 
 
 #: a prefetch copy moves in this many chunks, and yields the link to on-demand copies at a chunk boundary (SeqMoE
@@ -74,6 +69,25 @@ def _as_array(probs) -> np.ndarray:
     return np.asarray(probs, dtype=np.float64)
 
 
+def _confidences(probs, n: int, num_experts: int) -> np.ndarray:
+    """``generate_tasks``' ``probs`` as float ``[n, num_experts]`` (a batch ``[b, 1, n, e]``: its mean over b).
+
+    Raises:
+        MoeOffloadError: another shape, or non-finite values.
+    """
+    a = _as_array(probs)
+    if a.ndim == 4 and a.shape[1] == 1 and a.shape[0] >= 1:
+        a = a[:, 0].mean(axis=0)
+    elif a.ndim != 2:
+        raise MoeOffloadError(f"probs must be [n, e] or [b, 1, n, e], got shape {tuple(a.shape)} "
+                              "(for a Forecast pass probs[0])")
+    if a.shape != (n, num_experts):
+        raise MoeOffloadError(f"probs must cover {n} layers x {num_experts} experts, got shape {tuple(a.shape)}")
+    if not np.isfinite(a).all():
+        raise MoeOffloadError("probs contains non-finite values")
+    return a
+
+
 def generate_tasks(probs, layers: tuple[int, int], step_index: int, num_moe_layers: int, num_experts: int,
                    top_k: int, extra: int = 3, keep=None) -> list[PrefetchTask]:
     """Prefetch tasks from one one-step prediction (SeqMoE §6.1).
@@ -112,17 +126,7 @@ def generate_tasks(probs, layers: tuple[int, int], step_index: int, num_moe_laye
         raise MoeOffloadError(f"extra must be >= 0, got {extra}")
     if step_index < 1:
         raise MoeOffloadError(f"step_index is the decode step predicted (>= 1), got {step_index}")
-    a = _as_array(probs)
-    n = hi - lo
-    if a.ndim == 4 and a.shape[1] == 1 and a.shape[0] >= 1:
-        a = a[:, 0].mean(axis=0)
-    elif a.ndim != 2:
-        raise MoeOffloadError(f"probs must be [n, e] or [b, 1, n, e], got shape {tuple(a.shape)} "
-                              "(for a Forecast pass probs[0])")
-    if a.shape != (n, num_experts):
-        raise MoeOffloadError(f"probs must cover {n} layers x {num_experts} experts, got shape {tuple(a.shape)}")
-    if not np.isfinite(a).all():
-        raise MoeOffloadError("probs contains non-finite values")
+    a = _confidences(probs, hi - lo, num_experts)
     width = prefetch_width(num_experts, top_k, extra)
     top = np.argsort(-a, axis=1, kind="stable")[:, :width]              # [n, k'] expert indices, best first
     conf = np.take_along_axis(a, top, axis=1)
@@ -154,29 +158,3 @@ def tasks_from_forecast(forecast, num_moe_layers: int, num_experts: int, top_k: 
         keep = (lambda eid: slot_of[eid] < 0 and eid not in fetching)  # noqa: E731
     return generate_tasks(forecast.probs[0], forecast.layers, forecast.step + 1, num_moe_layers, num_experts, top_k,
                           extra, keep)
-
-
-def submit_forecast(scheduler: "PrefetchScheduler", forecast, num_moe_layers: int, num_experts: int, top_k: int,
-                    table=None) -> None:
-    """Queue a forecast's tasks (``tasks_from_forecast``) — the one place the runtime's prefetcher and the simulator
-    turn a forecast into queued tasks.
-
-    A cross-layer forecast (``forecast.cross_layer``, ``predictor.cross_layer``: made inside the step it forecasts,
-    from this token's hidden state) first drops every queued task of its layers' deadlines in that step: it is newer
-    than the SeqMoE forecast or the earlier layer's cross-layer forecast that queued them, and its top-(k+3) replace
-    theirs (deadlines ``position(step, p, L)``, so JSD schedules these near tasks and SeqMoE's far ones together).
-
-    Its first layer's tasks are not made: that layer runs at the position right after the one the forecast was made
-    at, and every selection from there on discards tasks due by ``pos + 1`` (``PrefetchScheduler.advance``), so they
-    could never be chosen.
-
-    Raises:
-        MoeOffloadError: as ``generate_tasks``.
-    """
-    if getattr(forecast, "cross_layer", False):
-        lo, hi = forecast.layers
-        scheduler.drop_deadlines(position(forecast.step + 1, p, num_moe_layers) for p in range(lo, hi))
-        if hi - lo < 2:
-            return
-        forecast = replace(forecast, layers=(lo + 1, hi), probs=forecast.probs[:, 1:])
-    scheduler.submit(tasks_from_forecast(forecast, num_moe_layers, num_experts, top_k, table=table))

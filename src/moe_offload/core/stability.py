@@ -28,7 +28,7 @@ class StabilityEstimator:
 
     Tokens per step: the intervals the optimiser prices cover steps after a block's first (``TidePlanner`` decides
     at steps >= 1), and a block's first step may route more tokens than the others — with the block-prefix KV cache
-    (``models.diffusion_forward``) it also computes the block committed just before (the prompt's complete blocks in
+    (``generation.diffusion_forward``) it also computes the block committed just before (the prompt's complete blocks in
     a request's first step). So ``token_experts_per_step`` and ``active_per_step`` are means over the later steps
     of the blocks (``observe(..., first=True)`` marks a block's first step), over all steps until a later one is
     seen; the miss fractions are measured at every step.

@@ -1,5 +1,5 @@
-"""Architectures (``registry``), checkpoint loading (``loader``), tiny test checkpoints (``tiny``) and the
-block-diffusion loop (``diffusion``).
+"""Architectures (``registry``), checkpoint loading (``loader``) and tiny test checkpoints (``tiny``); the
+block-diffusion loop is ``generation.diffusion``.
 
 Importing this package registers LLaDA2-MoE (``llada2_moe``, not in transformers) with transformers' Auto classes
 and checkpoint conversion mapping, so every entry point that loads a checkpoint can read one.

@@ -18,6 +18,7 @@ from ..errors import MoeOffloadError
 from ..runtime.formats import FP8, MXFP4, PLAIN, ExpertFormat, check_fp8_grid
 from ..runtime.store import FILE_BACKED
 from .checkpoint import FLOAT8, Checkpoint, Quantization
+from .checkpoint_keys import UnusedKeys, conversions, rename_key, unknown_key
 
 
 @dataclass(frozen=True)
@@ -72,34 +73,13 @@ def _companion(key: str, quant: Quantization) -> tuple[str, str]:
     return key, "weight"
 
 
-def _conversions(model: torch.nn.Module):
-    """``(renamings, converters, {source pattern: converter})`` of transformers' conversion mapping for ``model``."""
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightConverter, WeightRenaming
-
-    conversions = get_model_conversion_mapping(model)
-    renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
-    converters = [c for c in conversions if isinstance(c, WeightConverter)]
-    return renamings, converters, {pat: c for c in converters for pat in c.source_patterns}
-
-
-def _rename(key: str, model, renamings, converters, meta_sd) -> tuple[str, str | None]:
-    """transformers' key renaming (``rename_source_key``), with its loader's fallback to the key itself."""
-    from transformers.core_model_loading import rename_source_key
-
-    target, pattern = rename_source_key(key, renamings, converters, model.base_model_prefix, meta_sd)
-    if target not in meta_sd and key in meta_sd:
-        target, pattern = rename_source_key(key, [], [], model.base_model_prefix, meta_sd)
-    return target, pattern
-
-
 def map_checkpoint(model: torch.nn.Module, mods: list, ckpt: Checkpoint, quant: Quantization,
                    expert_names: set[str]) -> CheckpointMap:
     """Map every checkpoint key onto ``model`` (built on the meta device; ``mods`` its experts modules in MoE-layer
     order, ``expert_names`` the names of their routed-expert parameters). Every tensor is accounted for: a weight of
     the model, a routed expert's piece, a quantization companion of one, a key transformers' loader ignores
-    (``accounting.ignored_by_transformers``) or a multimodal tower's weight the text-generation class leaves out
-    (``accounting.UnusedKeys``); anything else is an error.
+    (``checkpoint_keys.ignored_by_transformers``) or a multimodal tower's weight the text-generation class leaves out
+    (``checkpoint_keys.UnusedKeys``); anything else is an error.
 
     Raises:
         MoeOffloadError: one line naming the tensor: a key that is no weight of the model, an expert id or a fused
@@ -107,16 +87,14 @@ def map_checkpoint(model: torch.nn.Module, mods: list, ckpt: Checkpoint, quant: 
             an expert index that cannot be found, or quantized experts whose conversion is more than merge
             (+ concatenate).
     """
-    renamings, converters, by_pattern = _conversions(model)
+    renamings, converters, by_pattern = conversions(model)
     meta_sd = model.state_dict()
     layer_of = {name: i for i, (name, _) in enumerate(mods)}
     cmap = CheckpointMap(fp8_block=quant.block_size if quant.method == "fp8" else None)
-    from .accounting import UnusedKeys, unknown_key
-
     unused = UnusedKeys(model, ckpt)
     for key in ckpt.keys():
         base, role = _companion(key, quant)
-        target, pattern = _rename(base, model, renamings, converters, meta_sd)
+        target, pattern = rename_key(base, model, renamings, converters, meta_sd)
         mod_name, _, pname = target.rpartition(".")
         if mod_name not in layer_of:
             if target not in meta_sd:

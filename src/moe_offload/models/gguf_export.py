@@ -146,7 +146,7 @@ def check_tokens(model_dir: Path, gguf: Path, llama_bin: Path, prompts: list[str
     """
     import torch
 
-    from ..generate import encode_prompt, generate_ids
+    from ..generation.generate import encode_prompt, generate_ids
     from .loader import load_full
 
     torch.set_num_threads(1)

@@ -15,7 +15,7 @@ architecture from the published config keys and checkpoint key layout, built fro
   registered below, fuses them on load and splits them on save).
 
 Attention is non-causal (a diffusion LM): without a mask every token sees every token; the block-diffusion loop
-(``models.diffusion``) passes an explicit block-causal mask. Rotary embedding is applied to the first
+(``generation.diffusion``) passes an explicit block-causal mask. Rotary embedding is applied to the first
 ``partial_rotary_factor * head_dim`` channels of every head (rotate-half convention).
 
 Importing this module registers ``model_type = "llada2_moe"`` with ``AutoConfig``, ``AutoModelForCausalLM`` and
@@ -326,7 +326,7 @@ def prepare_attention_mask(attention_mask: torch.Tensor | None, batch: int, q_le
     Accepted: ``None`` (full bidirectional attention; returned as None); a 2-D ``[B, K]`` key-padding mask (1/True =
     a real token; transformers' ``generate`` passes one) — except that a 2-D mask with ``Q > 1`` rows for a batch of
     one is read as ``[Q, K]``; a boolean or 0/1 integer ``[Q, K]``, ``[B, Q, K]`` or ``[B, 1, Q, K]`` mask (True =
-    may attend; e.g. ``models.diffusion.block_causal_mask``); or an additive float mask of those shapes (0 = attend,
+    may attend; e.g. ``generation.diffusion.block_causal_mask``); or an additive float mask of those shapes (0 = attend,
     large negative = masked), used as given. A padding mask of all ones becomes None.
 
     Raises:
@@ -378,7 +378,7 @@ class LLaDA2MoeModel(LLaDA2MoePreTrainedModel):
         ``attention_mask``: see ``prepare_attention_mask`` (None = bidirectional over the cache and the input).
         ``position_ids [B, S]`` default to ``past + arange(S)``. With ``use_cache`` a ``DynamicCache`` keeps the
         keys/values (autoregressive use); the block-diffusion loop passes its own block-prefix cache
-        (``models.diffusion_forward.BlockPrefixCache``: ``update`` / ``get_seq_length``), or none with
+        (``generation.diffusion_forward.BlockPrefixCache``: ``update`` / ``get_seq_length``), or none with
         ``--no-prefix-cache``.
         """
         if (input_ids is None) == (inputs_embeds is None):
@@ -408,7 +408,7 @@ class LLaDA2MoeModelLM(LLaDA2MoePreTrainedModel, GenerationMixin):
 
     ``forward(input_ids [B, S], attention_mask=None, position_ids=None, cache=None, use_cache=None)`` returns
     ``logits [B, S, V]`` for *every* position (a masked-diffusion LM predicts each position's own token, not the
-    next one) and the cache. Block-diffusion generation: ``moe_offload.models.diffusion``.
+    next one) and the cache. Block-diffusion generation: ``moe_offload.generation.diffusion``.
     """
 
     _tied_weights_keys = {"lm_head.weight": "model.word_embeddings.weight"}

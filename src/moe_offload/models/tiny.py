@@ -266,10 +266,10 @@ def ensure_llada2_medium(progress: bool = True) -> Path:
     Raises:
         MoeOffloadError: the ShareGPT data set is not installed.
     """
-    from ..cache import build_once, default_cache_dir
-    from ..progress import Phases, fmt_duration, say, slowdown
+    from ..common.cache import build_once, default_cache_dir
+    from ..common.progress import Phases, fmt_duration, say, slowdown
     from ..testbed.sharegpt import human_turns
-    from ..threads import build_threads
+    from ..common.threads import build_threads
 
     def announce():
         say("first use of llada2-medium: building a random LLaDA2-MoE with LLaDA2.0-mini's routing geometry (routers "

@@ -159,10 +159,10 @@ def verify(model_type: str, workdir: str | Path, *, family: str = "", keep: bool
 
 def _check_tiny(model_type: str, path: Path, res: TypeResult) -> None:
     """Build the tiny checkpoint, compare offloaded with FullLoad tokens, record a trace; fills ``res``."""
-    from ..generate import encode_prompt, generate_ids, run
+    from ..generation.generate import encode_prompt, generate_ids, run
     from ..trace.collect import TraceRecorder
     from .checkpoint import read_config
-    from .diffusion import is_diffusion
+    from ..generation.diffusion import is_diffusion
     from .loader import load_full, load_offloaded
     from .tiny import make_tiny
 
@@ -211,8 +211,8 @@ def describe(config, res: TypeResult) -> None:
 
 def _check_diffusion(path: Path, res: TypeResult) -> None:
     """Diffusion models: the block-diffusion loop offloaded equals FullLoad's."""
-    from ..generate import encode_prompt
-    from .diffusion import diffusion_generate_ids
+    from ..generation.generate import encode_prompt
+    from ..generation.diffusion import diffusion_generate_ids
     from .loader import load_full, load_offloaded
 
     full = load_full(path, device="cpu")

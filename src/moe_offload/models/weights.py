@@ -18,7 +18,8 @@ import torch
 from ..errors import MoeOffloadError
 from ..runtime.formats import check_fp8_grid
 from .checkpoint import FLOAT8, Checkpoint
-from .expert_map import CheckpointMap, _conversions
+from .checkpoint_keys import conversions
+from .expert_map import CheckpointMap
 
 
 def _read(ckpt: Checkpoint, key: str, scale_key: str | None, dtype: torch.dtype,
@@ -58,7 +59,7 @@ def _mappings(model, cmap: CheckpointMap, ckpt: Checkpoint, state: dict) -> dict
     """``{first target: transformers WeightRenaming / WeightConverter}`` holding deferred reads of its keys."""
     from transformers.core_model_loading import WeightRenaming
 
-    _, _, by_pattern = _conversions(model)
+    _, _, by_pattern = conversions(model)
     out = {}
     for target, sources in cmap.non_expert.items():
         if target not in state:
@@ -80,7 +81,7 @@ def missing_weights(model: torch.nn.Module, cmap: CheckpointMap, layer_of: dict)
     """The model's persistent non-expert weights (parameters and persistent buffers, on the meta device or not) that
     no checkpoint key becomes (``cmap.non_expert``, a one-to-many converter's siblings included), tied ones aside;
     ``layer_of``: ``{experts module name: MoE layer}`` (their parameters are the host store's)."""
-    _, _, by_pattern = _conversions(model)
+    _, _, by_pattern = conversions(model)
     persistent = set(model.state_dict())
     state = {**dict(model.named_buffers()), **dict(model.named_parameters())}
     covered = {t for target, src in cmap.non_expert.items() if target in state

@@ -6,5 +6,8 @@
 - ``train``: ranking + KL loss, teacher forcing then scheduled sampling (§5.4).
 - ``baselines``: first-order Markov cross-step predictor (Patterns-MoE, §2.2) and an oracle reading the trace.
 - ``evaluate``: recall of the top-(k+3) predictions (§9.1/§9.4) and overhead.
-- ``runtime``: ``PredictorRunner``, which runs a ``PredictorSet`` at its trigger layers during generation.
+- ``runtime``: ``PredictorRunner``, which runs a ``PredictorSet`` at its trigger layers during generation;
+  ``attach``: attaching it to an engine (a forecast feed, or the predictors in their own process, ``lagged``).
+- ``blend``, ``xl_weights``, ``xl_calibrate``: blending cross-layer forecasts (``cross_layer``) into SeqMoE's, the
+  blend weights and their calibration.
 """

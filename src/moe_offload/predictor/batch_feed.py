@@ -1,7 +1,7 @@
 """SeqMoE predictors in a decode batch (issue 18): one predictor state per sequence, one demand per expert.
 
 The SeqMoE predictor is a per-sequence recurrent model: its state follows one sequence's routing. In a continuous
-batch (``batching.BatchDecoder``) every forward pass mixes several sequences' tokens, so ``BatchForecastFeed``
+batch (``generation.batching.BatchDecoder``) every forward pass mixes several sequences' tokens, so ``BatchForecastFeed``
 keeps one ``predictor.runtime.PredictorRunner`` per sequence and, at every MoE layer, hands each runner the rows of
 its own sequence (``top_k_index [T, k]`` split by the pass's row spans: a prefill pass's rows are its prompts'
 positions, padding excluded; a decode step's, one token per sequence). When the runners produce forecasts (at their
@@ -20,7 +20,8 @@ import torch
 
 from .batch_forecast import combine
 from .model import PredictorSet
-from .runtime import ROLLOUT, ROLLOUT_EVERY, Forecast, PredictorRunner, connect_feed, forecast_consumers
+from .attach import connect_feed, forecast_consumers
+from .runtime import ROLLOUT, ROLLOUT_EVERY, Forecast, PredictorRunner
 
 
 class BatchForecastFeed:

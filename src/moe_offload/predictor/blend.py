@@ -25,10 +25,7 @@ import numpy as np
 import torch
 
 from .runtime import Forecast
-
-#: w_j, the cross-layer forecast's blend weight at layer distance j = 1, 2, 3, ... (the last one for larger
-#: distances); measured on training prompts (docs/benchmarks.md, "Cross-layer forecasts (issue 21)")
-XL_WEIGHTS = (0.3, 0.25, 0.2)
+from .xl_weights import XL_WEIGHTS
 
 
 _COLUMNS: dict[tuple, np.ndarray] = {}

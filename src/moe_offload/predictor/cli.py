@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from ..cliargs import seed
+from ..common.cliargs import seed
 from ..errors import MoeOffloadError
 from .xl_calibrate import XL_GRID
 
@@ -49,7 +49,7 @@ def add_parser(sub, positive_int, nonneg_int, fl) -> None:
     e.add_argument("--xl-weights", metavar="W1,W2,...",
                    help="traces collected with --xl-forecasts: blend weights of the cross-layer forecast at layer "
                    "distance 1, 2, ... for the Seq-1+XL-j rows (default: the seqmoe-xl policy's: the "
-                   "predictor's calibrated ones, else predictor.blend.XL_WEIGHTS)")
+                   "predictor's calibrated ones, else predictor.xl_weights.XL_WEIGHTS)")
     e.add_argument("--json", action="store_true", help="one JSON object instead of tables")
     e.add_argument("--quiet", action="store_true", help="no progress bars")
     c = psub.add_parser("calibrate-xl", help="fit the seqmoe-xl blend weights of a predictor to its model's "
@@ -160,7 +160,6 @@ def cmd_eval(args) -> int:
     Raises:
         MoeOffloadError: unreadable predictor/traces, a predictor or control of another model, mismatched ranges.
     """
-    from ..report import format_table
     from .baselines import MarkovPredictor
     from .evaluate import evaluate_predictor, popularity_counts, recall_table
     from .model import load_predictor
@@ -179,8 +178,8 @@ def cmd_eval(args) -> int:
     pop = popularity_counts(fit_on, h.num_moe_layers, h.num_experts)
     weights = None
     if args.xl_weights:
-        from ..cliargs import split_floats
-        from .xl_calibrate import check_xl_weights
+        from ..common.cliargs import split_floats
+        from .xl_weights import check_xl_weights
 
         weights = check_xl_weights(split_floats(args.xl_weights, "--xl-weights"))
     res = evaluate_predictor(pset, test, horizon=args.horizon, long_threshold=args.long_threshold, markov=markov,
@@ -192,7 +191,7 @@ def cmd_eval(args) -> int:
            "parameters": pset.num_parameters(), "parameter_bytes": pset.parameter_bytes(),
            "state_bytes": pset.state_bytes()}
     if any(t.xl_probs is not None for t in traces):
-        from .xl_calibrate import describe_xl_weights
+        from .xl_weights import describe_xl_weights
 
         out["xl_blend_weights"] = (", ".join(f"{w:g}" for w in weights) + " (--xl-weights)" if weights
                                    else describe_xl_weights(pset))
@@ -207,9 +206,20 @@ def cmd_eval(args) -> int:
     if args.json:
         print(json.dumps(out))
         return 0
+    _print_eval(args, pset, note, res, out, bool(train_idx), head, rows)
+    return 0
+
+
+def _print_eval(args, pset, note: str, res, out: dict, split: bool, head: list[str], rows: list[list[str]]) -> None:
+    """``predictor eval``'s text report: what was evaluated, the recall table (``head``, ``rows``), the predictor's
+    memory and, with ``--model``, its overhead (``out``: the JSON report's fields; ``split``: the Markov and Last
+    baselines were fitted on a training split)."""
+    from ..generation.report import format_table
+
+    h = pset.header
     print(f"Predictor {args.predictor} on {note}; top-{h.top_k} of {h.num_experts}, Seq-L1 = requests of >= "
           f"{args.long_threshold} positions ({res.long_requests} requests); Markov/Last fitted on "
-          f"{'the ' if train_idx else ''}{out['markov_fitted_on']}")
+          f"{'the ' if split else ''}{out['markov_fitted_on']}")
     if "xl_blend_weights" in out:
         print(f"Seq-1+XL-j: Seq-1 blended with XL-j at the weights {out['xl_blend_weights']}")
     for what in out.get("synthetic", ()):
@@ -222,7 +232,6 @@ def cmd_eval(args) -> int:
         print(format_table(["predictor mode", "ms / decode step", "decode step ms (without predictor)", "share"],
                            [[m["mode"], f"{m['predictor_ms_per_step']:.2f}", f"{m['decode_ms_per_step']:.2f}",
                              f"{100 * m['share']:.2f}%"] for m in ov["modes"]]))
-    return 0
 
 
 def cmd_calibrate_xl(args) -> int:
@@ -234,10 +243,11 @@ def cmd_calibrate_xl(args) -> int:
         MoeOffloadError: unreadable predictor or traces, traces without cross-layer forecasts, a bad grid, an
             existing ``xl_weights.json`` without ``--replace``.
     """
-    from ..cliargs import split_floats
-    from ..report import format_table
+    from ..common.cliargs import split_floats
+    from ..generation.report import format_table
     from .model import load_predictor
-    from .xl_calibrate import XL_WEIGHTS_NAME, calibrate_xl_weights, check_xl_weights, write_xl_weights
+    from .xl_calibrate import calibrate_xl_weights
+    from .xl_weights import XL_WEIGHTS_NAME, check_xl_weights, write_xl_weights
 
     grid = tuple(sorted(set(check_xl_weights(split_floats(args.grid, "--grid"), "--grid"))))
     if (Path(args.predictor) / XL_WEIGHTS_NAME).exists() and not args.replace:

@@ -257,15 +257,16 @@ class CrossLayerFeed:
     Args:
         source: ``probs(layer) -> float32 [n, E] | None`` for the current pass (a ``CrossLayerForecaster`` in the
             runtime, ``sim.forecasts.TraceXL`` in the simulator).
-        consumers: objects with ``observe(forecast)`` (``predictor.runtime.forecast_consumers``), in this order.
+        consumers: objects with ``observe(forecast)`` (``predictor.attach.forecast_consumers``), in this order.
         runner: a ``PredictorRunner`` (``seqmoe-xl``: its own forecasts go to the consumers as ``ForecastFeed``
             hands them, and the cross-layer ones are blended with them), or None (``xl``).
         weights: the blend weight of the cross-layer forecast per layer distance (None: the runner's predictor's
-            calibrated ones, ``PredictorSet.xl_weights``, else ``predictor.blend.XL_WEIGHTS``).
+            calibrated ones, ``PredictorSet.xl_weights``, else ``predictor.xl_weights.XL_WEIGHTS``).
     """
 
     def __init__(self, source, consumers: list, runner=None, weights=None):
-        from .blend import XL_WEIGHTS, HostForecasts
+        from .blend import HostForecasts
+        from .xl_weights import XL_WEIGHTS
 
         self.source, self.consumers, self.runner = source, list(consumers), runner
         if weights is None:  # the predictor's calibrated weights (``predictor.xl_calibrate``), else the default
@@ -312,7 +313,8 @@ def attach_cross_layer(lm, pset=None, depth: int = XL_DEPTH, rollout_every: int 
         MoeOffloadError: as ``CrossLayerForecaster``, or the engine has nothing that takes forecasts.
     """
     from ..models.capability import experts_modules
-    from .runtime import ROLLOUT, ROLLOUT_EVERY, PredictorRunner, connect_feed, forecast_consumers
+    from .attach import connect_feed, forecast_consumers
+    from .runtime import ROLLOUT, ROLLOUT_EVERY, PredictorRunner
 
     engine = lm.engine
     consumers = forecast_consumers(engine)
@@ -333,7 +335,7 @@ def attach_cross_layer(lm, pset=None, depth: int = XL_DEPTH, rollout_every: int 
 def attach_forecasts(lm, policy: str, pset=None, rollout: int = 0, rollout_every: int | None = None,
                      xl_depth: int = XL_DEPTH, lag: int | None = None):
     """What ``generate`` and ``bench decode`` attach for a runtime ``policy``: cross-layer forecasts for ``xl`` and
-    ``seqmoe-xl`` (``attach_cross_layer``), else ``pset`` through ``predictor.runtime.attach_predictor`` (None when
+    ``seqmoe-xl`` (``attach_cross_layer``), else ``pset`` through ``predictor.attach.attach_predictor`` (None when
     there is no ``pset``). Returns the ``PredictorRunner`` (None for ``xl``; with ``lag`` the ``LaggedFeed``).
 
     ``lag`` (MoE layers; None: inline): the predictor in a process of its own, each forecast used ``lag`` layers
@@ -342,7 +344,8 @@ def attach_forecasts(lm, policy: str, pset=None, rollout: int = 0, rollout_every
     Raises:
         MoeOffloadError: as ``attach_cross_layer`` / ``attach_predictor``; ``lag`` with ``xl`` / ``seqmoe-xl``.
     """
-    from .runtime import ROLLOUT_EVERY, attach_predictor
+    from .attach import attach_predictor
+    from .runtime import ROLLOUT_EVERY
 
     if policy in ("xl", "seqmoe-xl"):
         if lag is not None:

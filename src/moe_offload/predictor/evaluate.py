@@ -98,7 +98,7 @@ def evaluate_predictor(pset: PredictorSet, seqs: list[Sequence], *, horizon: int
         control: the shuffled-control predictors (row omitted if None).
         shuffle_seed: seed of the test sequences' shuffling for the control.
         xl_weights: the blend weights of the ``Seq-1+XL-j`` rows (default: ``pset.xl_weights``, else
-            ``predictor.blend.XL_WEIGHTS``).
+            ``predictor.xl_weights.XL_WEIGHTS``).
         xl_grid: optional weights in ``[0, 1]``: Seq-1 blended with each XL-j at each of them too, in
             ``EvalResult.blend_grid`` (``predictor.xl_calibrate``).
 
@@ -107,7 +107,7 @@ def evaluate_predictor(pset: PredictorSet, seqs: list[Sequence], *, horizon: int
     """
     from tqdm.auto import tqdm
 
-    from .blend import XL_WEIGHTS
+    from .xl_weights import XL_WEIGHTS
 
     if xl_weights is None:
         xl_weights = getattr(pset, "xl_weights", None) or XL_WEIGHTS
@@ -123,46 +123,64 @@ def evaluate_predictor(pset: PredictorSet, seqs: list[Sequence], *, horizon: int
         is_long = T >= long_threshold
         res.long_requests += int(is_long)
         for p in pset.predictors:
-            lo, hi = p.spec.layers
-            x = seq.features((lo, hi), E)
-            ids = seq.ids[:, lo:hi]
-            # every position, parallel mode: logits[t] forecasts t + 1
-            full, _ = p(x.unsqueeze(0))
-            res.row("Seq-1 (all positions)").add(full[0, :-1], ids[1:], k)
-            if control is not None:
-                cp = control.predictors[[c.spec.layers for c in control.predictors].index((lo, hi))]
-                sh = seq.shuffled(shuffle_seed + s_i)
-                cl, _ = cp(sh.features((lo, hi), E).unsqueeze(0))
-                res.row("Shuffled control (all positions)").add(cl[0, :-1], sh.ids[1:, lo:hi], k)
-            if P < 1 or P >= T:
-                continue
-            # runtime modes: prefill over the prompt, then one step per decode position
-            nxt, state = p.prefill(x[:P])
-            for t in range(P, T):
-                res.row("Seq-1").add(nxt.unsqueeze(0), ids[t:t + 1], k)
-                if seq.xl is not None:
-                    _blend_rows(res, seq, t, (lo, hi), nxt, xl_weights, xl_grid)
-                if is_long:
-                    res.row("Seq-L1").add(nxt.unsqueeze(0), ids[t:t + 1], k)
-                if horizon > 1 and t + horizon - 1 < T:
-                    roll = p.rollout(nxt, state, horizon - 1)
-                    res.row(f"Seq-{horizon}").add(roll[-1:], ids[t + horizon - 1:t + horizon], k)
-                if t + 1 < T:
-                    nxt = p.step(x[t], state)
-        dec = slice(max(P, 1), T)
+            _predictor_rows(res, p, seq, s_i, control, shuffle_seed, is_long, xl_weights, xl_grid)
         if seq.xl is not None and P >= 1:
             _xl_rows(res, seq)
-        if markov is not None and dec.start < T:
-            res.row("Markov").add(markov.predict(seq.ids[dec.start - 1:T - 1], seq.weights[dec.start - 1:T - 1]),
-                                  seq.ids[dec], k)
-        if popularity is not None and dec.start < T:
-            pop = 1e-3 * popularity / popularity.sum(-1, keepdim=True).clamp_min(1)
-            for lag, name in ((1, "Last"), (horizon, f"Last-{horizon}")):
-                first = max(dec.start, lag, P - 1 + lag)   # the same rows as Seq-1 resp. Seq-h
-                if lag == 1 or (horizon > 1 and first < T):
-                    prev = torch.zeros(T - first, h.num_moe_layers, E).scatter_(-1, seq.ids[first - lag:T - lag], 1.0)
-                    res.row(name).add(prev + pop, seq.ids[first:T], k)
+        _baseline_rows(res, seq, markov, popularity, h.num_moe_layers)
     return res
+
+
+def _predictor_rows(res: EvalResult, p, seq: Sequence, s_i: int, control: PredictorSet | None, shuffle_seed: int,
+                    is_long: bool, xl_weights, xl_grid) -> None:
+    """One predictor's rows for request ``seq`` (number ``s_i``): ``Seq-1 (all positions)`` (parallel mode) and its
+    shuffled control, then, in the runtime's modes (prefill over the prompt, one step per decode position), ``Seq-1``,
+    its blends with the cross-layer forecasts, ``Seq-L1`` (``is_long``) and ``Seq-h``."""
+    k, E, horizon = res.top_k, res.num_experts, res.horizon
+    T, P = len(seq), seq.prompt_len
+    lo, hi = p.spec.layers
+    x = seq.features((lo, hi), E)
+    ids = seq.ids[:, lo:hi]
+    # every position, parallel mode: logits[t] forecasts t + 1
+    full, _ = p(x.unsqueeze(0))
+    res.row("Seq-1 (all positions)").add(full[0, :-1], ids[1:], k)
+    if control is not None:
+        cp = control.predictors[[c.spec.layers for c in control.predictors].index((lo, hi))]
+        sh = seq.shuffled(shuffle_seed + s_i)
+        cl, _ = cp(sh.features((lo, hi), E).unsqueeze(0))
+        res.row("Shuffled control (all positions)").add(cl[0, :-1], sh.ids[1:, lo:hi], k)
+    if P < 1 or P >= T:
+        return
+    nxt, state = p.prefill(x[:P])
+    for t in range(P, T):
+        res.row("Seq-1").add(nxt.unsqueeze(0), ids[t:t + 1], k)
+        if seq.xl is not None:
+            _blend_rows(res, seq, t, (lo, hi), nxt, xl_weights, xl_grid)
+        if is_long:
+            res.row("Seq-L1").add(nxt.unsqueeze(0), ids[t:t + 1], k)
+        if horizon > 1 and t + horizon - 1 < T:
+            roll = p.rollout(nxt, state, horizon - 1)
+            res.row(f"Seq-{horizon}").add(roll[-1:], ids[t + horizon - 1:t + horizon], k)
+        if t + 1 < T:
+            nxt = p.step(x[t], state)
+
+
+def _baseline_rows(res: EvalResult, seq: Sequence, markov: MarkovPredictor | None, popularity: torch.Tensor | None,
+                   num_moe_layers: int) -> None:
+    """The baselines' rows for request ``seq`` over its decode positions: ``Markov``, and ``Last`` / ``Last-h`` (the
+    previous step's experts topped up by ``popularity``)."""
+    k, E, horizon = res.top_k, res.num_experts, res.horizon
+    T, P = len(seq), seq.prompt_len
+    dec = slice(max(P, 1), T)
+    if markov is not None and dec.start < T:
+        res.row("Markov").add(markov.predict(seq.ids[dec.start - 1:T - 1], seq.weights[dec.start - 1:T - 1]),
+                              seq.ids[dec], k)
+    if popularity is not None and dec.start < T:
+        pop = 1e-3 * popularity / popularity.sum(-1, keepdim=True).clamp_min(1)
+        for lag, name in ((1, "Last"), (horizon, f"Last-{horizon}")):
+            first = max(dec.start, lag, P - 1 + lag)   # the same rows as Seq-1 resp. Seq-h
+            if lag == 1 or (horizon > 1 and first < T):
+                prev = torch.zeros(T - first, num_moe_layers, E).scatter_(-1, seq.ids[first - lag:T - lag], 1.0)
+                res.row(name).add(prev + pop, seq.ids[first:T], k)
 
 
 def _xl_rows(res: EvalResult, seq: Sequence) -> None:
@@ -235,7 +253,7 @@ def measure_overhead(model: str, pset: PredictorSet, num_prompts: int = 4, max_n
     """
     from ..models.resolve import resolve_model
     from ..errors import MoeOffloadError
-    from ..generate import run
+    from ..generation.generate import run
     from ..models.loader import load_offloaded
     from ..testbed.sharegpt import human_turns
     from .runtime import PredictorRunner

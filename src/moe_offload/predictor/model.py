@@ -23,6 +23,7 @@ from ..errors import MoeOffloadError
 from .features import psi_topk
 from .host_step import host_step_for
 from .recurrent import block_step, conv_and_ssm_states
+from .xl_weights import read_xl_weights
 
 FORMAT = "moe-offload-predictor"
 VERSION = 1
@@ -243,7 +244,7 @@ class PredictorSet(nn.Module):
                                   f"{header.num_moe_layers} MoE layers")
         self.predictors = nn.ModuleList(SeqPredictor(s, header.num_experts, header.top_k) for s in header.specs)
         #: the ``seqmoe-xl`` blend weights per layer distance calibrated for this predictor (``xl_weights.json``,
-        #: ``predictor.xl_calibrate``), or None: ``predictor.blend.XL_WEIGHTS``
+        #: ``predictor.xl_calibrate``), or None: ``predictor.xl_weights.XL_WEIGHTS``
         self.xl_weights: tuple[float, ...] | None = None
         self.xl_weights_note: str | None = None          # where they come from (``describe_xl_weights``)
 
@@ -338,8 +339,6 @@ def load_predictor(path: str | Path, model_id: str | None = None, device: str | 
             p.load_state_dict(sd, strict=True)
         except RuntimeError as e:
             raise MoeOffloadError(f"{w_p}: weights do not match {cfg_p} ({str(e).splitlines()[0]})") from None
-    from .xl_calibrate import read_xl_weights
-
     stored = read_xl_weights(d)
     if stored is not None:
         pset.xl_weights, pset.xl_weights_note = stored

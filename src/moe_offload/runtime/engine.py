@@ -180,20 +180,7 @@ class OffloadEngine:
         weights = top_k_weights.reshape(-1)
         pairs = None
         for rnd in plan.rounds:
-            clock.lap("management")
-            if pf is not None:
-                t0 = now()
-                pf.fetch_waits(rnd.waits)
-                pf.load_on_demand(rnd.loads)
-                st.load_time_s += now() - t0
-                st.bytes_loaded += len(rnd.loads) * self.store.layout.expert_bytes
-                clock.lap("stall")
-                if len(plan.rounds) == 1:  # overlap the copies with this layer's compute
-                    pf.issue(moe_layer)
-                    clock.lap("management")
-            else:
-                self._load(rnd.loads)
-                clock.lap("stall")
+            self._load_round(rnd, moe_layer, len(plan.rounds) == 1)
             slot_ids = self.pool.lookup[gid]
             if len(plan.rounds) > 1:  # pairs of experts outside this round get a sentinel past every slot
                 in_round = torch.isin(gid, device_index(rnd.eids, gid.device))
@@ -215,3 +202,24 @@ class OffloadEngine:
         result = pairs.view(num_tokens, k, -1).sum(dim=1).to(hidden_states.dtype)
         clock.lap("expert_compute")
         return result
+
+    def _load_round(self, rnd, moe_layer: int, only_round: bool) -> None:
+        """Copy one round's missing experts into their slots (with a prefetcher: after the copies in flight that
+        the round waits for; when it is the layer's only round, the prefetcher's next copies are issued at once, to
+        overlap this layer's compute)."""
+        clock, pf = self.clock, self.prefetcher
+        clock.lap("management")
+        if pf is None:
+            self._load(rnd.loads)
+            clock.lap("stall")
+            return
+        st = self.stats
+        t0 = now()
+        pf.fetch_waits(rnd.waits)
+        pf.load_on_demand(rnd.loads)
+        st.load_time_s += now() - t0
+        st.bytes_loaded += len(rnd.loads) * self.store.layout.expert_bytes
+        clock.lap("stall")
+        if only_round:  # overlap the copies with this layer's compute
+            pf.issue(moe_layer)
+            clock.lap("management")

@@ -9,7 +9,7 @@ experts to them. A planner's asynchronous prefetch evicts its victims when the c
 the new experts), so a prefetch never needs memory beyond the budget; an expert whose copy has not landed is
 computed on the host (TIDE: "if an expert is needed but not present, the system falls back to CPU computation").
 
-Per diffusion step the block-diffusion loop (``models.diffusion``) calls ``begin_diffusion_step(request, block,
+Per diffusion step the block-diffusion loop (``generation.diffusion``) calls ``begin_diffusion_step(request, block,
 step_in_block)``; per MoE layer the experts hook calls ``forward``, which lands finished copies, asks the planner
 (``route``), runs blocking copies, computes the device pairs from the slots and the host pairs from the host store
 with the same grouped-GEMM code (``runtime.experts.slot_pair_outputs``), and sums them per token.

@@ -2,7 +2,7 @@
 
 One generation path: a Messages request becomes the same ``Job`` as a chat completion — its system prompt and
 messages go through ``ServeState.encode_messages`` (the model's chat template), its settings through
-``ServeState.params`` / ``sampling`` (the one sampler, ``moe_offload.sampling``) — so a greedy Messages request
+``ServeState.params`` / ``sampling`` (the one sampler, ``moe_offload.generation.sampling``) — so a greedy Messages request
 gets the tokens of the same ``/v1/chat/completions`` request (a system prompt there is a ``system`` message).
 
 Accepted: ``model``, ``max_tokens`` (required, at least 1, prompt + ``max_tokens`` within ``--max-context``),

@@ -26,9 +26,9 @@ from fastapi.responses import JSONResponse
 from fastapi.sse import EventSourceResponse, format_sse_event
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..generate import encode_prompt
-from ..report import tier_stats
-from ..seeds import seed_problem
+from ..generation.generate import encode_prompt
+from ..generation.report import tier_stats
+from ..common.seeds import seed_problem
 from .anthropic_api import anthropic_router
 from .metrics import install_metrics
 from .protocol import ChatCompletionRequest, CompletionRequest, OpenAIError, error_body, validation_message
@@ -166,7 +166,7 @@ class ServeState:
 
     def params(self, req, prompt_tokens: int, max_tokens: int | None, max_tokens_param: str = "max_tokens") -> Params:
         """Validate the sampling settings and the token budget of a request (before it is queued): every integer
-        field is range-checked here (``n``, ``seed`` by ``moe_offload.seeds``, ``max_tokens``) or where the prompt is
+        field is range-checked here (``n``, ``seed`` by ``moe_offload.common.seeds``, ``max_tokens``) or where the prompt is
         encoded (token ids), so the worker never sees a value it cannot use.
 
         Raises:
@@ -208,7 +208,7 @@ class ServeState:
         """``(temperature, top_p, top_k)`` of a request, range-checked, with null as the default (0, 1, off).
 
         The values go to the workers as sent: every worker (batch 1, continuous batching, block diffusion) samples
-        with ``moe_offload.sampling``, which defines every edge itself (a temperature below
+        with ``moe_offload.generation.sampling``, which defines every edge itself (a temperature below
         ``GREEDY_TEMPERATURE`` is greedy, ``top_p`` keeps at least the most probable token, ``top_k`` -1 / 0 / at
         least the vocabulary size is off and 1 is greedy).
 

@@ -137,7 +137,7 @@ def plan_batch(lm, requested: int | None, budget_bytes: int | None, base_bytes: 
     Raises:
         MoeOffloadError: the batch's KV cache cannot fit (``check_batch_fits``), before anything is allocated.
     """
-    from ..batching import batch_reason
+    from ..generation.batching import batch_reason
 
     why = batch_reason(lm)
     if why is not None:

@@ -2,7 +2,7 @@
 
 Each turn of its loop: take waiting requests (FIFO) into the free rows of the decode batch and prefill them —
 shortest prompt first, several per prefill pass, left-padded, up to ``prefill_tokens`` padded tokens
-(``batching.prefill_group``, ``BatchDecoder.admit_many``); each streams its first token as soon as its pass ends
+(``generation.batching.prefill_group``, ``BatchDecoder.admit_many``); each streams its first token as soon as its pass ends
 —, then run one decode step for every admitted request (``BatchDecoder.step``), stream each row's token, and
 retire the rows that ended (EOS, ``max_tokens``, a stop sequence, a client that went away: its KV rows are freed
 before the next step). The other rows go on. Tokens per request follow ``generate_ids`` (greedy rows equal it
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..batching import BatchDecoder, Sequence, prefill_group
+from ..generation.batching import BatchDecoder, Sequence, prefill_group
 from .worker import Delta, Detokenizer, Failed, Job, Worker
 
 SCHEDULING = ("continuous batching: prefills admitted between decode steps (FIFO, several prompts per prefill "
@@ -43,13 +43,13 @@ class BatchWorker(Worker):
     """Runs queued jobs on one thread in a continuous decode batch (module docstring).
 
     Args:
-        lm: the loaded model (autoregressive, batchable: ``batching.batch_reason(lm)`` is None).
+        lm: the loaded model (autoregressive, batchable: ``generation.batching.batch_reason(lm)`` is None).
         max_batch: most requests decoding at once (>= 2 to batch; 1 works too).
         tracker: ``serve.memory.DeviceTierTracker`` entered around every turn of the loop, or None.
         prefill_tokens: most padded tokens (prompts x longest prompt) in one prefill pass; the server passes
             ``max_context - 1``, the prefill its memory plan measured (None: each prompt alone).
     Attributes:
-        decoder: the ``batching.BatchDecoder`` (its ``stats`` are the per-batch-size counters).
+        decoder: the ``generation.batching.BatchDecoder`` (its ``stats`` are the per-batch-size counters).
     """
 
     scheduling = SCHEDULING

@@ -6,7 +6,7 @@ import argparse
 import math
 from pathlib import Path
 
-from ..cliargs import MODEL_HELP, add_host_store_arg, add_memory_budget_arg
+from ..common.cliargs import MODEL_HELP, add_host_store_arg, add_memory_budget_arg
 from ..errors import MoeOffloadError
 
 
@@ -134,7 +134,7 @@ def run(args) -> int:
             raise MoeOffloadError(f"{args.out} already exists; choose a new --out")
         if args.bench_cmd == "replicas":
             return _bench_replicas(args)
-        from .loadtest import run_load_test, prompts_for
+        from ..bench.serve_load import run_load_test, prompts_for
 
         prompts = prompts_for(args.clients, args.max_prompt_chars)
         if args.residencies or args.batches:
@@ -167,9 +167,9 @@ def run(args) -> int:
 
 
 def _bench_replicas(args) -> int:
-    """``bench replicas`` (``serve.bench_replicas``)."""
-    from .bench_replicas import run_replicas_bench
-    from .loadtest import prompts_for
+    """``bench replicas`` (``bench.serve_replicas``)."""
+    from ..bench.serve_replicas import run_replicas_bench
+    from ..bench.serve_load import prompts_for
 
     counts = _list(args.replicas, int, "--replicas")
     if not counts or any(n < 1 for n in counts):
@@ -197,8 +197,8 @@ def _list(text: str, kind, name: str) -> list:
 
 
 def _compare(args, prompts) -> int:
-    """``bench serve --residencies ... [--batches ...]`` (``serve.bench_compare``)."""
-    from .bench_compare import run_compare
+    """``bench serve --residencies ... [--batches ...]`` (``bench.serve_compare``)."""
+    from ..bench.serve_compare import run_compare
 
     if args.residency is not None or args.slots is not None or args.memory_budget is not None or args.max_batch:
         raise MoeOffloadError("--residencies/--batches replace --residency, --slots, --memory-budget and --max-batch")

@@ -207,7 +207,7 @@ def _profile_autoregressive(lm, max_context: int) -> int:
     """Prefill ``max_context - 1`` tokens and one sampled decode step; returns the KV cache bytes at the end."""
     import inspect
 
-    from ..generate import _pick
+    from ..generation.generate import _pick
 
     cache_kw = "cache" if "cache" in inspect.signature(lm.model.forward).parameters else "past_key_values"
     gen = torch.Generator().manual_seed(0)
@@ -231,7 +231,7 @@ def _profile_diffusion(lm, max_context: int, block_length: int) -> int:
     """One sampled diffusion step over ``max_context`` rounded up to whole blocks: its forward covers the whole
     context either way (with the block-prefix KV cache, the prompt's blocks are computed in that first step and
     their key/value buffers are part of the measured peak); returns 0 (no KV cache counted apart)."""
-    from ..models.diffusion import diffusion_generate_ids
+    from ..generation.diffusion import diffusion_generate_ids
 
     padded = -(-max_context // block_length) * block_length
     if lm.max_positions is not None:  # requests use whole blocks within the position limit (generate.token_budget)

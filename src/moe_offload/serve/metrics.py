@@ -12,7 +12,7 @@ Two kinds of series, one source of truth each:
 
 Every app has its own ``CollectorRegistry`` (several servers in one process do not collide). Names follow the
 Prometheus conventions: ``moe_offload_`` prefix, counters end in ``_total``, base units (``_seconds``, ``_bytes``).
-Counters read from the engine go down when something resets the engine's counters (``loadtest``,
+Counters read from the engine go down when something resets the engine's counters (``bench.serve_load``,
 ``bench compare``); Prometheus' ``rate`` treats that as a counter reset.
 
 Memory in use: on CUDA the allocator's bytes; on the CPU, where the slots and the host tiers are the process's own

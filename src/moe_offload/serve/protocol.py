@@ -9,13 +9,13 @@ accepts, are a 400 naming the field), and strings valid Unicode (a lone UTF-16 s
 a 400 naming the field: it cannot be tokenized or echoed).
 
 Integer fields are range-checked before a request is queued (``ServeState.params``; a 400 naming the field):
-``seed`` must be in [0, 2**32 - 1] (``moe_offload.seeds``: one seed mapping shared with ``generate --seed``) or -1,
+``seed`` must be in [0, 2**32 - 1] (``moe_offload.common.seeds``: one seed mapping shared with ``generate --seed``) or -1,
 which means no seed (llama.cpp's and many UIs' "random seed"; other negative seeds are a 400), ``n`` 1,
 ``max_tokens`` / ``max_completion_tokens`` at least 1 and within the context, token ids within the vocabulary,
 ``top_k`` -1 or 0 (off) or positive.
 
-Sampling edges (``moe_offload.sampling``, the one sampler of both servers, ``generate`` and the diffusion loop): a
-``temperature`` below ``sampling.GREEDY_TEMPERATURE`` (1e-5), 0 included, is greedy; ``top_p`` in [0, 1] always
+Sampling edges (``moe_offload.generation.sampling``, the one sampler of both servers, ``generate`` and the diffusion loop): a
+``temperature`` below ``generation.sampling.GREEDY_TEMPERATURE`` (1e-5), 0 included, is greedy; ``top_p`` in [0, 1] always
 keeps the most probable token (0: only it); ``top_k`` 1 is greedy and ``top_k`` at least the vocabulary size is off.
 
 Defaults that differ from OpenAI's: ``temperature`` defaults to 0 (greedy), as ``moe-offload generate`` does, so

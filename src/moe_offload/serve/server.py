@@ -133,7 +133,7 @@ class GracefulServer(uvicorn.Server):
 
 
 def _diffusion_params(cfg: ServeConfig, arch) -> dict | None:
-    from ..models.diffusion import loop_params
+    from ..generation.diffusion import loop_params
 
     return loop_params(arch, cfg.block_length, cfg.steps, cfg.threshold, prefix_cache=cfg.prefix_cache)
 
@@ -149,29 +149,13 @@ def load_for_serving(cfg: ServeConfig, log=_log):
         MoeOffloadError: a bad checkpoint or option, a policy the server cannot run, ``max_context`` above the
             model's positions, or a budget too small for top-k slots.
     """
-    from ..models.loader import PREDICTOR_POLICIES, is_refresh_policy, load_offloaded, read_config, resolve_device
+    from ..models.loader import is_refresh_policy, load_offloaded, read_config, resolve_device
     from .app import ServeState
 
     path, config, arch = read_config(cfg.model_dir)
-    if cfg.policy in ("xl", "seqmoe-xl"):
-        raise MoeOffloadError(f"--policy {cfg.policy} is not served: cross-layer forecasts run in generate and bench "
-                              "decode (serve takes seqmoe-cacheonly, seqmoe, seqmoe-infinity with --predictor)")
-    if cfg.policy in PREDICTOR_POLICIES and not cfg.predictor:
-        raise MoeOffloadError(f"--policy {cfg.policy} needs --predictor DIR (a trained SeqMoE predictor)")
-    if cfg.predictor and cfg.policy not in PREDICTOR_POLICIES:
-        raise MoeOffloadError(f"--predictor is used by the forecast-driven policies "
-                              f"({', '.join(PREDICTOR_POLICIES)}), not --policy {cfg.policy}")
+    _check_policy(cfg)
     diffusion = _diffusion_params(cfg, arch)
-    max_pos = getattr(config, "max_position_embeddings", None)
-    max_context = cfg.max_context or min(DEFAULT_MAX_CONTEXT, max_pos or DEFAULT_MAX_CONTEXT)
-    if max_context < 2:
-        raise MoeOffloadError(f"--max-context must be at least 2, got {max_context}")
-    if max_pos and max_context > max_pos:
-        raise MoeOffloadError(f"--max-context {max_context} exceeds the model's max_position_embeddings {max_pos}")
-    given = [n for n, v in (("--residency", cfg.residency), ("--slots", cfg.slots),
-                            ("--memory-budget", cfg.memory_budget_gb)) if v is not None]
-    if len(given) > 1:
-        raise MoeOffloadError(f"give at most one of --residency, --slots, --memory-budget (got {', '.join(given)})")
+    max_context, given = _context_and_size(cfg, config)
     dev = resolve_device(cfg.device)
     budget, source = resolve_budget(cfg.memory_budget_gb, dev, bool(given))
     block = diffusion["block_length"] if diffusion else None
@@ -212,6 +196,42 @@ def load_for_serving(cfg: ServeConfig, log=_log):
                       cfg.cors_origins)
 
 
+def _check_policy(cfg: ServeConfig) -> None:
+    """Raises MoeOffloadError for a policy the server does not run, or a predictor given without its policy or
+    missing for it."""
+    from ..models.loader import PREDICTOR_POLICIES
+
+    if cfg.policy in ("xl", "seqmoe-xl"):
+        raise MoeOffloadError(f"--policy {cfg.policy} is not served: cross-layer forecasts run in generate and bench "
+                              "decode (serve takes seqmoe-cacheonly, seqmoe, seqmoe-infinity with --predictor)")
+    if cfg.policy in PREDICTOR_POLICIES and not cfg.predictor:
+        raise MoeOffloadError(f"--policy {cfg.policy} needs --predictor DIR (a trained SeqMoE predictor)")
+    if cfg.predictor and cfg.policy not in PREDICTOR_POLICIES:
+        raise MoeOffloadError(f"--predictor is used by the forecast-driven policies "
+                              f"({', '.join(PREDICTOR_POLICIES)}), not --policy {cfg.policy}")
+
+
+def _context_and_size(cfg: ServeConfig, config) -> tuple[int, list[str]]:
+    """``(max_context, the pool-size options given)``: ``--max-context`` (default: min(DEFAULT_MAX_CONTEXT, the
+    model's positions)) checked against the model's ``max_position_embeddings``, and at most one of
+    ``--residency``, ``--slots``, ``--memory-budget``.
+
+    Raises:
+        MoeOffloadError: ``max_context`` below 2 or above the model's positions, or two pool-size options.
+    """
+    max_pos = getattr(config, "max_position_embeddings", None)
+    max_context = cfg.max_context or min(DEFAULT_MAX_CONTEXT, max_pos or DEFAULT_MAX_CONTEXT)
+    if max_context < 2:
+        raise MoeOffloadError(f"--max-context must be at least 2, got {max_context}")
+    if max_pos and max_context > max_pos:
+        raise MoeOffloadError(f"--max-context {max_context} exceeds the model's max_position_embeddings {max_pos}")
+    given = [n for n, v in (("--residency", cfg.residency), ("--slots", cfg.slots),
+                            ("--memory-budget", cfg.memory_budget_gb)) if v is not None]
+    if len(given) > 1:
+        raise MoeOffloadError(f"give at most one of --residency, --slots, --memory-budget (got {', '.join(given)})")
+    return max_context, given
+
+
 def _load_predictor(cfg: ServeConfig, lm):
     """``cfg.predictor`` loaded for ``lm`` (a ``predictor.model.PredictorSet``), or None without one.
 
@@ -232,7 +252,7 @@ def _attach(lm, pset, batch: int) -> None:
 
         attach_batch_predictor(lm.engine, pset)
     else:
-        from ..predictor.runtime import attach_predictor
+        from ..predictor.attach import attach_predictor
 
         attach_predictor(lm.engine, pset)
 

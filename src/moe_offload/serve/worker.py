@@ -1,8 +1,8 @@
 """The serving worker: one thread that runs requests one at a time, in arrival order (**queued**, batch 1).
 
 The engine generates for one request at a time (its slot pool, lookup table and KV cache serve one sequence), so
-concurrent clients wait in a FIFO queue; each request runs exactly ``generate``'s loop (``generate.generate_ids``,
-or ``models.diffusion.diffusion_generate_ids`` for block-diffusion models) with the request's prompt and settings,
+concurrent clients wait in a FIFO queue; each request runs exactly ``generate``'s loop (``generation.generate.generate_ids``,
+or ``generation.diffusion.diffusion_generate_ids`` for block-diffusion models) with the request's prompt and settings,
 so its tokens are those ``generate`` gives. Tokens are handed to the request's event queue as they are chosen
 (autoregressive) or block by block (diffusion); a cancelled request (its client went away) stops after the
 current token / block and its state is dropped; a cancelled request still waiting never runs.
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..generate import _eos_ids, generate_ids
+from ..generation.generate import _eos_ids, generate_ids
 
 SCHEDULING = "queued: one worker runs requests one at a time in arrival (FIFO) order, batch 1"
 SHUTDOWN_MESSAGE = "the server is shutting down; retry the request when it is back"
@@ -86,7 +86,7 @@ class Detokenizer:
 
 @dataclass
 class Params:
-    """Generation settings of one request (validated by the app): tokens, sampling (``moe_offload.sampling``, the
+    """Generation settings of one request (validated by the app): tokens, sampling (``moe_offload.generation.sampling``, the
     one sampler of every worker; ``top_k`` -1 / 0: off), stop sequences."""
 
     max_tokens: int
@@ -372,7 +372,7 @@ class Worker:
                                           on_token=lambda t: on_tokens([t]))
             decode_tokens = max(0, len(new) - 1)
         else:
-            from ..models.diffusion import diffusion_generate_ids
+            from ..generation.diffusion import diffusion_generate_ids
 
             d = self.diffusion
             res = diffusion_generate_ids(lm, job.prompt_ids, p.max_tokens, block_length=d["block_length"],

@@ -8,7 +8,7 @@ import json
 import math
 from pathlib import Path
 
-from ..cliargs import add_predictor_lag_arg, float_, int_in, split_floats
+from ..common.cliargs import add_predictor_lag_arg, float_, int_in, split_floats
 from ..errors import MoeOffloadError
 from ..predictor.runtime import ROLLOUT_EVERY
 
@@ -103,9 +103,9 @@ def _row(name: str, tr, mp, hw, policy: str, r: float, slots: int, res) -> dict:
 def run(args) -> int:
     """``moe-offload simulate``: replays, report files, and the table on stdout. Returns the exit status."""
     from ..trace.format import load_trace
-    from .prefetch_sim import PREFETCH_POLICIES, XL_POLICIES
+    from .prefetch_sim import PREFETCH_POLICIES
     from .report import write_report
-    from .simulator import FORECAST_POLICIES, build_policy
+    from .simulator import build_policy
 
     residencies = split_floats(args.residency, "--residency")
     if any(not (0 < r <= 1) for r in residencies):
@@ -129,29 +129,8 @@ def run(args) -> int:
         used += f"; link: {hw.link} at {hw.link_gbps:.2f} GB/s"
     print(used)
     tm, no_speed = _time_model(args, hw, mp)
-    forecasts, popularity, pset = {}, None, None
-    wants = [p for p in policies if (p.lower() in FORECAST_POLICIES or p.lower() in PREFETCH_POLICIES)
-             and p.lower() != "xl"]
-    if args.predictor:
-        seq = [p for p in wants if p.lower() not in XL_POLICIES]
-        if args.predictor_lag is not None and (len(seq) < len(wants) or not seq):
-            raise MoeOffloadError("--predictor-lag replays the SeqMoE predictor's forecasts for the seqmoe policies, "
-                                  "not --policy xl or seqmoe-xl (and needs one of them)")
-        traces, forecasts, popularity, pset = _predictor_replay_set(args.predictor, traces, bool(seq),
-                                                                    args.rollout_every, args.predictor_lag)
-    elif wants:
-        raise MoeOffloadError(f"--policy {','.join(wants)} needs --predictor DIR")
-    elif args.predictor_lag is not None:
-        raise MoeOffloadError("--predictor-lag needs --predictor")
-    paper_epl = None if args.link == "disk" else mp.paper_overlap_experts_per_layer.get(hw.name)  # a PCIe figure
-    epl = args.link_epl or paper_epl or (tm.experts_per_layer_compute if tm else None)
-    if epl is not None and not epl > 0:
-        raise MoeOffloadError(f"--link-epl must be > 0, got {epl}")
-    prefetching = [p for p in policies if p.lower() in PREFETCH_POLICIES]
-    if prefetching and epl is None:
-        raise MoeOffloadError(f"--policy {','.join(prefetching)} needs a link speed: pass --link-epl (experts per "
-                              "layer time, e.g. 1.39) or --full-load-tok-s, or profiles that have one (e.g. "
-                              "--hardware rtx4090 --model-profile qwen3-30b-a3b-fp8)")
+    traces, forecasts, popularity, pset = _forecast_inputs(args, policies, traces)
+    epl = _link_epl(args, hw, mp, tm, policies)
     for _, tr in traces:
         if model_id:
             tr.check_model(model_id)
@@ -160,7 +139,7 @@ def run(args) -> int:
                 build_policy(p, tr, 1, needs=[])
     forecasts |= _xl_streams(traces, policies, pset, args.rollout_every)
     if pset is not None and "seqmoe-xl" in {p.lower() for p in policies}:
-        from ..predictor.xl_calibrate import describe_xl_weights
+        from ..predictor.xl_weights import describe_xl_weights
 
         print(f"seqmoe-xl's cross-layer blend weights: {describe_xl_weights(pset)}")
     rows = _replays(traces, policies, residencies, mp, hw, tm, epl, forecasts, popularity,
@@ -171,6 +150,53 @@ def run(args) -> int:
         print(no_speed)
     print("wrote " + ", ".join(str(f) for f in files))
     return 0
+
+
+def _forecast_inputs(args, policies: list[str], traces: list) -> tuple[list, dict, object, object]:
+    """``(traces, forecasts, popularity, pset)`` for the forecast-driven and prefetching ``policies``: with
+    ``--predictor``, its forecasts of ``traces`` (``_predictor_replay_set``); else empty.
+
+    Raises:
+        MoeOffloadError: such a policy without ``--predictor`` (``xl`` needs none), or ``--predictor-lag`` without
+            ``--predictor`` or without a seqmoe policy.
+    """
+    from .prefetch_sim import PREFETCH_POLICIES, XL_POLICIES
+    from .simulator import FORECAST_POLICIES
+
+    wants = [p for p in policies if (p.lower() in FORECAST_POLICIES or p.lower() in PREFETCH_POLICIES)
+             and p.lower() != "xl"]
+    if args.predictor:
+        seq = [p for p in wants if p.lower() not in XL_POLICIES]
+        if args.predictor_lag is not None and (len(seq) < len(wants) or not seq):
+            raise MoeOffloadError("--predictor-lag replays the SeqMoE predictor's forecasts for the seqmoe policies, "
+                                  "not --policy xl or seqmoe-xl (and needs one of them)")
+        return _predictor_replay_set(args.predictor, traces, bool(seq), args.rollout_every, args.predictor_lag)
+    if wants:
+        raise MoeOffloadError(f"--policy {','.join(wants)} needs --predictor DIR")
+    if args.predictor_lag is not None:
+        raise MoeOffloadError("--predictor-lag needs --predictor")
+    return traces, {}, None, None
+
+
+def _link_epl(args, hw, mp, tm, policies: list[str]) -> float | None:
+    """The link speed of the replays, experts per layer time: ``--link-epl``, else the paper's overlap figure for
+    the hardware (not over a disk), else the time model's; None when none is known.
+
+    Raises:
+        MoeOffloadError: a speed that is not > 0, or none for a prefetching policy.
+    """
+    from .prefetch_sim import PREFETCH_POLICIES
+
+    paper_epl = None if args.link == "disk" else mp.paper_overlap_experts_per_layer.get(hw.name)  # a PCIe figure
+    epl = args.link_epl or paper_epl or (tm.experts_per_layer_compute if tm else None)
+    if epl is not None and not epl > 0:
+        raise MoeOffloadError(f"--link-epl must be > 0, got {epl}")
+    prefetching = [p for p in policies if p.lower() in PREFETCH_POLICIES]
+    if prefetching and epl is None:
+        raise MoeOffloadError(f"--policy {','.join(prefetching)} needs a link speed: pass --link-epl (experts per "
+                              "layer time, e.g. 1.39) or --full-load-tok-s, or profiles that have one (e.g. "
+                              "--hardware rtx4090 --model-profile qwen3-30b-a3b-fp8)")
+    return epl
 
 
 def _host_tier(args, hw, mp, policies) -> tuple[float, float] | None:

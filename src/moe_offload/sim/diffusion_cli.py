@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..cliargs import nonneg_int, parse_intervals, positive_int, split_floats
+from ..common.cliargs import nonneg_int, parse_intervals, positive_int, split_floats
 from ..errors import MoeOffloadError
 
 

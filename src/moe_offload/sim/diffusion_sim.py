@@ -131,7 +131,7 @@ def profile_costs_on_trace(trace: DiffusionTrace, hardware, model_profile, overl
     experts, top-8) under ``llada2.0-mini``: the per-expert costs (swap, device, host fallback; seconds) are the
     profile's, and a step's non-expert work is one forward of the trace's mean tokens per step, scaled from the
     profile's MoE layers to the trace's. ``bench diffusion`` scales every cost onto its measured FullLoad
-    (``bench_diffusion.diffusion_regime``); ``simulate-diffusion`` uses these costs when only the layer count
+    (``bench.diffusion.diffusion_regime``); ``simulate-diffusion`` uses these costs when only the layer count
     differs.
 
     Raises:
@@ -164,67 +164,15 @@ def replay_diffusion(trace: DiffusionTrace, planner: RefreshPlanner, costs: Tide
     if planner.num_layers != L or planner.num_experts != E:
         raise MoeOffloadError(f"planner for {planner.num_layers}x{planner.num_experts} experts, trace has {L}x{E}")
     res = DiffusionReplayResult(policy=planner.name, budget=planner.budget, budget_fraction=planner.budget / E)
-    swap = costs.swap_s
-    slice_s = costs.nonexpert_step_s / (L + 1)
-    now = 0.0
-    link_free = 0.0
-    pending: list[dict[int, float]] = [dict() for _ in range(L)]  # layer -> {expert: land time}
+    replay = _RefreshReplay(planner, costs, res, L)
     step_times = np.zeros(trace.num_steps)
-    counts = trace.counts
     for request, block, a, b in trace.blocks():
         planner.begin_block(request, block)
         for row in range(a, b):
-            t0 = now
-            plan = planner.begin_step(int(trace.step[row]))
-            if plan is not None:
-                for tr in plan.transfers:
-                    p = pending[tr.layer]
-                    for e in tr.evict:
-                        p.pop(e, None)  # a cancelled copy (approximation: its link time is not refunded)
-                    for e in tr.load:
-                        link_free = max(link_free, now) + swap
-                        p[e] = link_free
-            for layer in range(L):
-                now += slice_s
-                res.nonexpert_s += slice_s
-                p = pending[layer]
-                if p:
-                    done = [e for e, t in p.items() if t <= now]
-                    if done:
-                        planner.land(layer, done)
-                        for e in done:
-                            del p[e]
-                c = counts[row, layer]
-                dec = planner.route(layer, c)
-                stall = 0.0
-                if dec.transfer is not None and dec.transfer.blocking:
-                    for e in dec.transfer.evict:
-                        p.pop(e, None)
-                    for e in dec.transfer.load:
-                        p.pop(e, None)
-                    if dec.transfer.load:
-                        stall = len(dec.transfer.load) * swap
-                        for q in pending:  # pre-empt the link: pending prefetches land later
-                            for e, t in q.items():
-                                if t > now:
-                                    q[e] = t + stall
-                        link_free = max(link_free, now) + stall
-                dev_t = costs.device_time(dec.device_tokens, len(dec.device))
-                host_t = costs.fallback_time(dec.host_tokens, len(dec.host))
-                lt = costs.layer_time(dev_t, host_t)
-                now += stall + lt
-                res.stall_s += stall
-                res.device_s += dev_t
-                res.host_s += lt - dev_t
-                res.token_experts += dec.device_tokens + dec.host_tokens
-                res.hit_token_experts += dec.hit_tokens
-                res.device_token_experts += dec.device_tokens
-                res.fallback_token_experts += dec.host_tokens
-                res.fallback_experts += len(dec.host)
-            now += slice_s
-            res.nonexpert_s += slice_s
-            step_times[row] = now - t0
-            planner.end_step(now - t0)
+            t0 = replay.now
+            replay.step(int(trace.step[row]), trace.counts[row])
+            step_times[row] = replay.now - t0
+            planner.end_step(replay.now - t0)
     st = planner.stats
     res.steps = trace.num_steps
     res.tokens = int(trace.committed.sum())
@@ -232,13 +180,86 @@ def replay_diffusion(trace: DiffusionTrace, planner: RefreshPlanner, costs: Tide
     res.blocking_swaps = int(st["blocking_swaps"])
     res.prefetch_swaps = int(st["prefetch_swaps"])
     res.swap_bytes = res.swaps * costs.expert_bytes
-    res.time_s = now
+    res.time_s = replay.now
     res.fullload_s = float(fullload_seconds(trace, costs).sum())
     res.refreshes = int(st["refreshes"])
     if res.refreshes:
         res.mean_interval = trace.num_steps * L / res.refreshes
     res.step_s = step_times
     return res
+
+
+class _RefreshReplay:
+    """The modelled clock and link of one ``replay_diffusion`` (seconds): a step's refresh copies queued on the link,
+    then each layer's non-expert slice, the copies that landed by then, the planner's routing and its costs."""
+
+    def __init__(self, planner: RefreshPlanner, costs: TideCosts, res: DiffusionReplayResult, num_layers: int):
+        self.planner, self.costs, self.res, self.L = planner, costs, res, num_layers
+        self.swap = costs.swap_s
+        self.slice_s = costs.nonexpert_step_s / (num_layers + 1)
+        self.now = 0.0
+        self.link_free = 0.0
+        self.pending: list[dict[int, float]] = [dict() for _ in range(num_layers)]  # layer -> {expert: land time}
+
+    def step(self, step: int, counts: np.ndarray) -> None:
+        """One diffusion step numbered ``step`` whose layers route ``counts`` (int ``[L, E]``)."""
+        plan = self.planner.begin_step(step)
+        if plan is not None:
+            for tr in plan.transfers:
+                p = self.pending[tr.layer]
+                for e in tr.evict:
+                    p.pop(e, None)  # a cancelled copy (approximation: its link time is not refunded)
+                for e in tr.load:
+                    self.link_free = max(self.link_free, self.now) + self.swap
+                    p[e] = self.link_free
+        for layer in range(self.L):
+            self.layer(layer, counts[layer])
+        self.now += self.slice_s
+        self.res.nonexpert_s += self.slice_s
+
+    def layer(self, layer: int, c: np.ndarray) -> None:
+        """One MoE layer routing ``c`` (tokens per expert): land finished copies, route, charge its time."""
+        planner, costs, res = self.planner, self.costs, self.res
+        self.now += self.slice_s
+        res.nonexpert_s += self.slice_s
+        p = self.pending[layer]
+        if p:
+            done = [e for e, t in p.items() if t <= self.now]
+            if done:
+                planner.land(layer, done)
+                for e in done:
+                    del p[e]
+        dec = planner.route(layer, c)
+        stall = self.blocking(dec.transfer, p) if dec.transfer is not None and dec.transfer.blocking else 0.0
+        dev_t = costs.device_time(dec.device_tokens, len(dec.device))
+        host_t = costs.fallback_time(dec.host_tokens, len(dec.host))
+        lt = costs.layer_time(dev_t, host_t)
+        self.now += stall + lt
+        res.stall_s += stall
+        res.device_s += dev_t
+        res.host_s += lt - dev_t
+        res.token_experts += dec.device_tokens + dec.host_tokens
+        res.hit_token_experts += dec.hit_tokens
+        res.device_token_experts += dec.device_tokens
+        res.fallback_token_experts += dec.host_tokens
+        res.fallback_experts += len(dec.host)
+
+    def blocking(self, transfer, p: dict[int, float]) -> float:
+        """A blocking transfer of the layer (whose pending copies are ``p``): its copies replace the pending ones
+        and pre-empt the link; returns the stall (seconds)."""
+        for e in transfer.evict:
+            p.pop(e, None)
+        for e in transfer.load:
+            p.pop(e, None)
+        if not transfer.load:
+            return 0.0
+        stall = len(transfer.load) * self.swap
+        for q in self.pending:  # pre-empt the link: pending prefetches land later
+            for e, t in q.items():
+                if t > self.now:
+                    q[e] = t + stall
+        self.link_free = max(self.link_free, self.now) + stall
+        return stall
 
 
 # ------------------------------------------------------------------------------------------------ sweeps

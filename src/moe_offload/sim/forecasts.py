@@ -105,7 +105,7 @@ def xl_stream(trace: Trace, pset: PredictorSet | None = None, rollout_every: int
     """The forecasts of the policies ``xl`` (``pset`` None: cross-layer forecasts alone) and ``seqmoe-xl`` (blended
     with ``pset``'s, ``predictor.blend``) over ``trace``, as ``forecast_stream`` lays them out: the runtime's
     ``CrossLayerFeed`` run on the trace's recorded cross-layer forecasts, blended with ``weights`` (default: the
-    predictor's calibrated ones, ``PredictorSet.xl_weights``, else ``predictor.blend.XL_WEIGHTS``), as the runtime
+    predictor's calibrated ones, ``PredictorSet.xl_weights``, else ``predictor.xl_weights.XL_WEIGHTS``), as the runtime
     blends them.
 
     Raises:

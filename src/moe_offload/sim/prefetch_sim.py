@@ -96,105 +96,136 @@ def replay_with_prefetch(trace: Trace, num_slots: int, policy: str, link_epl: fl
     pol = build_policy(policy, trace, num_slots, needs)
     if forecasts is None and (scheduler is not None or hasattr(pol, "observe")):
         raise MoeOffloadError("prefetching and forecast-driven eviction need a predictor's forecasts")
-    L, E, k = trace.num_moe_layers, trace.num_experts, trace.top_k
+    L, E = trace.num_moe_layers, trace.num_experts
     table = SlotTable(num_slots, L * E, pol, experts_per_layer=E, reserve=reserve)
     sched = make_scheduler(scheduler, num_moe_layers=L, b_avg=link_epl, auto_ema=False) if scheduler else None
     name = policy if scheduler is None else f"{policy}+{scheduler}"
-    res = PrefetchReplayResult(policy=name, num_slots=num_slots)
-    d = 1.0 / link_epl
-    chunk = d / LINK_CHUNKS
-    now = link_free = 0.0
-    inflight: list[tuple[float, int, int, int]] = []     # heap of (finish, eid, slot, tag)
-    finish_of: dict[int, float] = {}
-    prefetched: set[int] = set()                          # landed/adopted prefetches not yet needed by a layer
-    observe = getattr(pol, "observe", None)
     prefill = None if prefill_popularity is None or sched is None else PrefillPrefetch(prefill_popularity, L, E)
-    prefill_reserve = min(E, num_slots)
-
-    def start(ld, t0: float) -> float:
-        fin = max(link_free, t0) + d
-        heapq.heappush(inflight, (fin, ld.eid, ld.slot, ld.tag))
-        finish_of[ld.eid] = fin
-        prefetched.add(ld.eid)
-        res.prefetches += 1
-        return fin
-
-    def land_until(t: float) -> None:
-        while inflight and inflight[0][0] <= t:
-            _, eid, slot, tag = heapq.heappop(inflight)
-            finish_of.pop(eid, None)
-            table.land(eid, slot, tag, ok=True)
-
+    replay = _LinkReplay(trace, table, sched, prefill, PrefetchReplayResult(policy=name, num_slots=num_slots),
+                         link_epl)
     for i, (req, step, needed, tokens) in enumerate(needs):
         table.begin_step(req, step)
         if step == 0 and sched is not None:
             sched.reset()
         events = forecasts[i] if forecasts is not None else ()
         for p in range(L):
-            land_until(now)
-            for trig, f in events:
-                if trig == p:
-                    if observe is not None:
-                        observe(f)
-                    if sched is not None:
-                        submit_forecast(sched, f, L, E, k, table=table)
-            if prefetched:  # prefetched experts this layer finds resident or in flight
-                res.prefetches_used += sum(1 for e in needed[p]
-                                           if e in prefetched and (table.is_resident(e) or table.in_flight(e)))
-                prefetched.difference_update(needed[p])
-            plan = table.plan_layer(needed[p], tokens[p], layer=p, hold=True)
-            ready = now
-            for w in plan.waits:
-                ready = max(ready, finish_of.get(w.eid, now))
-            n_loads = plan.num_loads
-            res.on_demand_loads += n_loads
-            if n_loads:
-                waited = {w.eid for w in plan.waits}
-                cur = next((e for e in inflight if e[0] > now and e[1] not in waited), None)
-                if cur is not None and not waited:  # yield the link at the copy's next chunk boundary (§8.3)
-                    rem = cur[0] - now
-                    after = link_time_after_chunk(rem, chunk)
-                    loads_done = now + (rem - after) + n_loads * d
-                    inflight.remove(cur)
-                    inflight.append((loads_done + after,) + cur[1:])
-                    heapq.heapify(inflight)
-                    finish_of[cur[1]] = link_free = loads_done + after
-                    ready = max(ready, loads_done)
-                else:
-                    link_free = max(link_free, now) + n_loads * d
-                    ready = max(ready, link_free)
-            stall = ready - now
-            now = ready
-            res.hits += plan.hits
-            res.misses += plan.misses
-            if step > 0:
-                res.decode_hits += plan.hits
-                res.decode_misses += plan.misses
-                res.decode_late += plan.late
-                res.decode_layers += 1
-                res.decode_stall += stall
-            end = now + 1.0
-            if step == 0 and prefill is not None:
-                for eid in prefill.candidates(p):
-                    if link_free >= end or table.num_protected + 1 > num_slots - prefill_reserve:
-                        break
-                    ld = table.prefetch(eid, reserve=prefill_reserve)
-                    if ld is not None:
-                        link_free = start(ld, now)
-                        res.prefill_prefetches += 1
-            elif sched is not None:
-                pos = position(step, p, L)
-                while link_free < end:
-                    task = sched.select(pos)
-                    if task is None:
-                        break
-                    ld = table.prefetch(task.eid)
-                    if ld is not None:
-                        link_free = start(ld, now)
-            table.release(p)  # after creating this layer's prefetches: they never evict what it computes with
-            now = end
+            replay.layer(step, p, needed[p], tokens[p], events)
+    res = replay.res
     res.accesses = res.hits + res.misses
     return res
+
+
+class _LinkReplay:
+    """The clock, the link and the copies in flight of one ``replay_with_prefetch`` (times in layer times): one MoE
+    layer at a time, its forecasts fed, its misses copied on demand (a prefetch in flight yields the link at its
+    next chunk boundary, SeqMoE §8.3), then the link's spare time until the layer ends filled with prefetches."""
+
+    def __init__(self, trace: Trace, table: SlotTable, sched, prefill, res: PrefetchReplayResult, link_epl: float):
+        self.L, self.E, self.k = trace.num_moe_layers, trace.num_experts, trace.top_k
+        self.table, self.sched, self.prefill, self.res = table, sched, prefill, res
+        self.observe = getattr(table.policy, "observe", None)
+        self.d = 1.0 / link_epl              # one expert copy
+        self.chunk = self.d / LINK_CHUNKS
+        self.now = self.link_free = 0.0
+        self.inflight: list[tuple[float, int, int, int]] = []     # heap of (finish, eid, slot, tag)
+        self.finish_of: dict[int, float] = {}
+        self.prefetched: set[int] = set()     # landed/adopted prefetches not yet needed by a layer
+        self.prefill_reserve = min(self.E, table.num_slots)
+
+    def start(self, ld, t0: float) -> float:
+        """Queue prefetch ``ld`` on the link from ``t0`` (after what it carries); returns when it lands."""
+        fin = max(self.link_free, t0) + self.d
+        heapq.heappush(self.inflight, (fin, ld.eid, ld.slot, ld.tag))
+        self.finish_of[ld.eid] = fin
+        self.prefetched.add(ld.eid)
+        self.res.prefetches += 1
+        return fin
+
+    def land_until(self, t: float) -> None:
+        """Land every copy that finished by ``t``."""
+        while self.inflight and self.inflight[0][0] <= t:
+            _, eid, slot, tag = heapq.heappop(self.inflight)
+            self.finish_of.pop(eid, None)
+            self.table.land(eid, slot, tag, ok=True)
+
+    def layer(self, step: int, p: int, needed, tokens, events) -> None:
+        """Run MoE layer ``p`` of decode step ``step`` (0: prefill) needing experts ``needed``; ``events``: the
+        step's ``(trigger layer, forecast)`` pairs."""
+        table, res = self.table, self.res
+        self.land_until(self.now)
+        for trig, f in events:
+            if trig == p:
+                if self.observe is not None:
+                    self.observe(f)
+                if self.sched is not None:
+                    submit_forecast(self.sched, f, self.L, self.E, self.k, table=table)
+        if self.prefetched:  # prefetched experts this layer finds resident or in flight
+            res.prefetches_used += sum(1 for e in needed
+                                       if e in self.prefetched and (table.is_resident(e) or table.in_flight(e)))
+            self.prefetched.difference_update(needed)
+        plan = table.plan_layer(needed, tokens, layer=p, hold=True)
+        ready = self.on_demand(plan)
+        stall = ready - self.now
+        self.now = ready
+        res.hits += plan.hits
+        res.misses += plan.misses
+        if step > 0:
+            res.decode_hits += plan.hits
+            res.decode_misses += plan.misses
+            res.decode_late += plan.late
+            res.decode_layers += 1
+            res.decode_stall += stall
+        end = self.now + 1.0
+        self.prefetch_until(step, p, end)
+        table.release(p)  # after creating this layer's prefetches: they never evict what it computes with
+        self.now = end
+
+    def on_demand(self, plan) -> float:
+        """Copy ``plan``'s misses on demand; returns when the layer has every expert (copies it waits for
+        included)."""
+        now, inflight = self.now, self.inflight
+        ready = now
+        for w in plan.waits:
+            ready = max(ready, self.finish_of.get(w.eid, now))
+        n_loads = plan.num_loads
+        self.res.on_demand_loads += n_loads
+        if not n_loads:
+            return ready
+        waited = {w.eid for w in plan.waits}
+        cur = next((e for e in inflight if e[0] > now and e[1] not in waited), None)
+        if cur is not None and not waited:  # yield the link at the copy's next chunk boundary (§8.3)
+            rem = cur[0] - now
+            after = link_time_after_chunk(rem, self.chunk)
+            loads_done = now + (rem - after) + n_loads * self.d
+            inflight.remove(cur)
+            inflight.append((loads_done + after,) + cur[1:])
+            heapq.heapify(inflight)
+            self.finish_of[cur[1]] = self.link_free = loads_done + after
+            return max(ready, loads_done)
+        self.link_free = max(self.link_free, now) + n_loads * self.d
+        return max(ready, self.link_free)
+
+    def prefetch_until(self, step: int, p: int, end: float) -> None:
+        """Fill the link until ``end`` with prefetches: by popularity in a prefill (keeping ``E`` slots free),
+        else the scheduler's choices at layer ``p``'s position."""
+        table = self.table
+        if step == 0 and self.prefill is not None:
+            for eid in self.prefill.candidates(p):
+                if self.link_free >= end or table.num_protected + 1 > table.num_slots - self.prefill_reserve:
+                    break
+                ld = table.prefetch(eid, reserve=self.prefill_reserve)
+                if ld is not None:
+                    self.link_free = self.start(ld, self.now)
+                    self.res.prefill_prefetches += 1
+        elif self.sched is not None:
+            pos = position(step, p, self.L)
+            while self.link_free < end:
+                task = self.sched.select(pos)
+                if task is None:
+                    break
+                ld = table.prefetch(task.eid)
+                if ld is not None:
+                    self.link_free = self.start(ld, self.now)
 
 
 def link_fraction(res: ReplayResult, trace: Trace, link_epl: float) -> float:

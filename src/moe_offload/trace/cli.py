@@ -6,10 +6,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..cliargs import (add_diffusion_args, add_host_store_arg, add_model_args, float_, load_prompts, positive_int, seed,
-                       split_floats)
+from ..common.cliargs import (add_diffusion_args, add_host_store_arg, add_model_args, float_, positive_int, seed,
+                              split_floats)
 from ..errors import MoeOffloadError
 from ..models.resolve import resolve_model
+from ..testbed.prompts import load_prompts
 
 
 def add_parser(sub) -> None:
@@ -105,7 +106,7 @@ def _info(args) -> int:
 
 
 def _collect(args) -> int:
-    from ..generate import run
+    from ..generation.generate import run
     from ..models.loader import load_offloaded, read_config
     from .collect import TraceRecorder
     from .stats import step_counts
@@ -117,7 +118,7 @@ def _collect(args) -> int:
     if not prompts:
         raise MoeOffloadError(f"no prompt is at most --max-prompt-chars {args.max_prompt_chars} characters long")
     path = resolve_model(args.model, progress=not args.quiet)
-    from ..models.diffusion import loop_params
+    from ..generation.diffusion import loop_params
 
     params = loop_params(read_config(path)[2], args.block_length, args.steps, args.threshold, args.max_new_tokens,
                          str(path), prefix_cache=not args.no_prefix_cache)
@@ -125,7 +126,7 @@ def _collect(args) -> int:
         raise MoeOffloadError("a diffusion trace is recorded with every weight in memory (FullLoad): --host-store, "
                               "--host-cache and --residency do not apply")
     if params is not None:  # a diffusion trace (per block, step, layer: expert token counts)
-        from ..models.diffusion import run_diffusion
+        from ..generation.diffusion import run_diffusion
         from ..models.loader import load_full
         from .diffusion import DiffusionTraceRecorder
 

@@ -20,7 +20,7 @@ from .format import HookedRecorder, Trace
 
 
 class TraceRecorder(HookedRecorder):
-    """Records a routing trace while ``generate.run`` runs (pass it as ``recorder=``).
+    """Records a routing trace while ``generation.generate.run`` runs (pass it as ``recorder=``).
 
     Args:
         lm: an offloaded model (``load_offloaded``); FullLoad has no engine to observe.

@@ -4,7 +4,7 @@ pickle.
 
 A masked-diffusion LLM (LLaDA2.0) generates a block of ``block_length`` masked tokens by refining it over several
 *diffusion steps*; each step is one forward of the model over the block and commits some tokens. With the
-block-prefix KV cache (``models.diffusion_forward``, the default) a forward covers the block, plus at a block's first
+block-prefix KV cache (``generation.diffusion_forward``, the default) a forward covers the block, plus at a block's first
 step the block committed just before (at a request's first step the prompt's complete blocks); without it, the whole
 prefix. ``tokens`` records what each step's forward routed, so the simulator replays either loop as it ran. TIDE refreshes the device working set per block at intervals of steps, so the planner's input
 is, per step and layer, a count vector over the layer's experts (``core.refresh``).
@@ -301,7 +301,7 @@ def stability_profile(trace: DiffusionTrace, budget: int, max_distance: int = 8)
 
 
 class DiffusionTraceRecorder(HookedRecorder):
-    """Records a diffusion trace while ``models.diffusion.run_diffusion`` runs (pass it as ``recorder=``).
+    """Records a diffusion trace while ``generation.diffusion.run_diffusion`` runs (pass it as ``recorder=``).
 
     A forward pre-hook on every experts module reads the ``top_k_index [T, k]`` it receives — the same routing for
     FullLoad and for every offloaded engine (they are lossless) — and counts tokens per expert; ``end_step`` closes

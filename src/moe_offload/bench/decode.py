@@ -1,0 +1,304 @@
+"""``moe-offload bench decode``: decode speed across residencies and policies against FullLoad, measured in one run,
+next to what the simulator predicts for the same requests under the same link model (issue 17)."""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..generation.generate import run
+from ..models.loader import load_full, load_offloaded
+from ..predictor.runtime import ROLLOUT_EVERY
+from ..runtime.emulated_clock import check_skip_device, now, skipping_waits, wait_until
+
+
+@dataclass
+class DecodeRow:
+    """One measured configuration of ``bench decode``: FullLoad, or a policy at a residency.
+
+    Attributes:
+        policy: the policy's name (``auto``: its choice, e.g. ``auto:lfu``); requested: the name asked for.
+        residency: fraction of the experts in the slot pool (None for FullLoad); slots: slot count (None: all).
+        tok_s: decode tokens per second; ratio: ``tok_s`` / FullLoad's in the same run.
+        hit_rate: expert hit rate (prefill included; None for FullLoad); bytes_loaded: host->device bytes.
+        ttft_s: mean time to first token (s); same: tokens equal FullLoad's; device_bytes: bytes of expert weights
+        on the device.
+        simulated: the simulator's decode fraction of FullLoad for the same requests under the same link model
+            (None where it does not apply: no emulated link, ``auto``, tokens that differ from FullLoad's).
+    """
+
+    policy: str
+    requested: str
+    residency: float | None
+    slots: int | None
+    tok_s: float
+    ratio: float
+    hit_rate: float | None
+    bytes_loaded: int
+    ttft_s: float
+    same: bool
+    device_bytes: int
+    simulated: float | None = None
+
+
+def bench_decode(path: Path, prompts: list[str], residencies: list[float], *, max_new_tokens: int = 64,
+                 device: str | None = None, dtype: str | None = None, policy: str = "lru",
+                 progress: bool = True, predictor: str | None = None, link_epl: float | None = None,
+                 rollout_every: int = ROLLOUT_EVERY, skip_waits: bool = False, predictor_lag: int | None = None,
+                 host_store: str = "pinned") -> str:
+    """Run FullLoad and then the offloaded model at each residency and policy on the same prompts (greedy).
+
+    Args:
+        policy: one policy name or several, comma-separated (``seqmoe*`` policies need ``predictor``).
+        predictor: a trained predictor directory, run with the forecast-driven policies (its time is included).
+        rollout_every: decode steps between the predictor's recursive rollouts (``PredictorRunner``).
+        link_epl: emulate the link regime in which one layer's FullLoad compute overlaps the transfer of this many
+            experts (SeqMoE §2.2: 1.39 for Qwen3-30B-A3B-FP8 on an RTX 4090): the FullLoad run of this very
+            benchmark gives the layer time ``t = decode s / (tokens * L)``, and every expert copy (on demand or
+            prefetch) then takes at least ``t / link_epl`` seconds. None: copies at this machine's memcpy speed.
+            With it, the routing of the benchmark's requests is recorded once (an unmeasured run at residency 1.0)
+            and every row also shows the simulator's prediction for it (``sim.prefetch_sim.replay_policy``, the
+            same slot count, link speed and predictor settings): the gap to the measured fraction is what the
+            runtime loses to its own overhead.
+        skip_waits: the emulated copies' waits skipped on a virtual clock instead of slept
+            (``runtime.emulated_clock``; CPU only): every timer, tok/s included, reads that clock.
+        host_store: "pinned" or "disk" (``runtime.disk_store``: every miss and prefetch a real direct read of the
+            checkpoint; the simulated column then models the disk as the link, at the bandwidth the this-machine
+            profile's disk entry gives for one expert's read at queue depth 1, ``sim.disk_link.disk_gbps``).
+        predictor_lag: None: the predictor runs inside the decode step; else in a process of its own, each forecast
+            used this many MoE layers after its trigger layer (``predictor.lagged``; the seqmoe policies but seqmoe-xl), and
+            the simulator replays the same hand-over positions.
+
+    Returns a markdown table: policy, residency, slots, decode tok/s, ratio to FullLoad (same run), the simulator's
+    ratio, hit rate, bytes loaded, mean TTFT, whether the tokens equal FullLoad's, device expert bytes; then the
+    decode-step time breakdown per row. A warm-up request precedes each measurement.
+
+    Raises:
+        MoeOffloadError: as ``load_offloaded``; a forecast-driven policy without ``predictor``; ``skip_waits`` on
+            a device that is not the CPU; ``predictor_lag`` with ``xl`` or ``seqmoe-xl``; ``host_store`` disk with
+            an emulated link or without a measured disk (``bench link --disk``).
+    """
+    from ..errors import MoeOffloadError
+    from ..models.loader import PREDICTOR_POLICIES
+
+    policies = [p.strip() for p in policy.split(",") if p.strip()]
+    if any(p in PREDICTOR_POLICIES for p in policies) and not predictor:
+        raise MoeOffloadError("--policy " + ",".join(p for p in policies if p in PREDICTOR_POLICIES)
+                              + " needs --predictor DIR")
+    if predictor_lag is not None and (not predictor or {"xl", "seqmoe-xl"} & set(policies)):
+        raise MoeOffloadError("--predictor-lag needs --predictor and runs the SeqMoE predictor alone (seqmoe, "
+                              "seqmoe-cacheonly), not with --policy xl or seqmoe-xl")
+    disk = _disk_entry(host_store, link_epl)
+    full = load_full(path, device=device, dtype=dtype)
+    check_skip_device(skip_waits, full.device)
+    ref_out, ref = _measure(full, prompts, max_new_tokens, progress)
+    ref_tokens = [o.token_ids for o in ref_out]
+    full_row = DecodeRow("FullLoad", "FullLoad", None, None, ref.decode_tokens_per_s, 1.0, None, 0,
+                         sum(ref.ttft_s) / len(ref.ttft_s), True,
+                         full.num_moe_layers * full.num_experts * full.expert_bytes, 1.0)
+    t_layer = ref.decode_s / max(1, ref.decode_tokens) / full.num_moe_layers
+    spe = t_layer / link_epl if link_epl else None
+    regime = ""
+    if disk is not None:  # the disk is the link: the scheduler's B_avg and the simulator's link from its speed
+        link_epl, regime = _disk_link_epl(disk, full.expert_bytes, t_layer)
+    del full
+    gc.collect()
+    rows, breakdowns = [full_row], []
+    for pol in policies:
+        for r in residencies:
+            with skipping_waits(skip_waits):
+                row, bd = _measure_policy(path, prompts, max_new_tokens, pol, r, device, dtype, progress, predictor,
+                                          link_epl, spe, rollout_every, ref_tokens, predictor_lag, host_store)
+            row.ratio = row.tok_s / full_row.tok_s
+            rows.append(row)
+            breakdowns.append((row.policy, r, bd))
+    if spe:
+        regime = (f"; emulated link: {link_epl} experts per layer time = {1e6 * spe:.0f} us per expert copy "
+                  f"(FullLoad layer time {1e6 * t_layer:.0f} us), its waits "
+                  + ("skipped on a virtual clock" if skip_waits else "slept"))
+    if link_epl:
+        trace = _record_routing(path, prompts, max_new_tokens, device, dtype,
+                                xl=any(p in ("xl", "seqmoe-xl") for p in policies))
+        _simulate_rows(rows[1:], trace, link_epl, predictor, rollout_every, predictor_lag)
+    lag = ("" if predictor_lag is None else
+           f"; in a process of its own, forecasts used {predictor_lag} MoE layers after their trigger layer")
+    pred = f", predictor {predictor} (rollout every {rollout_every} steps{lag})" if predictor else ""
+    if predictor and any(p.lower() == "seqmoe-xl" for p in policies):
+        from ..predictor.model import load_predictor
+        from ..predictor.xl_weights import describe_xl_weights
+
+        pred += f"; seqmoe-xl's cross-layer blend weights {describe_xl_weights(load_predictor(predictor))}"
+    return "\n".join(_table(rows) + [f"\n{len(prompts)} prompts x {max_new_tokens} new tokens, model {path}" + pred
+                                     + regime, "", *breakdown_table(breakdowns)])
+
+
+def _disk_entry(host_store: str, link_epl: float | None) -> dict | None:
+    """The this-machine profile's disk entry for ``host_store`` "disk" (None for other stores).
+
+    Raises:
+        MoeOffloadError: an unknown store, disk with an emulated link, or a disk never measured.
+    """
+    from ..errors import MoeOffloadError
+    from ..sim.disk_link import this_machine_disk
+
+    if host_store not in ("pinned", "disk"):
+        raise MoeOffloadError(f"bench decode --host-store is pinned or disk, not {host_store}")
+    if host_store != "disk":
+        return None
+    if link_epl:
+        raise MoeOffloadError("--link-regime emulates a link; with --host-store disk the link is the disk itself")
+    disk = this_machine_disk()
+    if not disk or "table_gbps" not in disk:
+        raise MoeOffloadError("--host-store disk models the disk from a measurement: run `moe-offload bench link "
+                              "--disk DIR` first (DIR on the checkpoint's filesystem)")
+    return disk
+
+
+def _disk_link_epl(disk: dict, expert_bytes: int, t_layer: float) -> tuple[float, str]:
+    """``(experts per FullLoad layer time, the regime's words)`` of the measured disk for ``expert_bytes`` reads at
+    queue depth 1 (FullLoad's expert bytes: a quantized checkpoint's stored experts are smaller, so its model is
+    conservative)."""
+    from ..sim.disk_link import disk_gbps
+
+    gbps = disk_gbps(disk, expert_bytes, 1)
+    epl = t_layer * gbps * 1e9 / expert_bytes
+    return epl, (f"; experts read from disk (direct I/O, real reads): the scheduler and the simulated column model a "
+                 f"{gbps:.2f} GB/s link (the measured disk at {expert_bytes / 1024:.0f} KiB requests, queue depth 1) "
+                 f"= {epl:.2f} experts per FullLoad layer time ({1e6 * t_layer:.0f} us)")
+
+
+def _measure(lm, prompts: list[str], max_new_tokens: int, progress: bool):
+    """A warm-up request (allocator, kernels; not counted), then the prompts: ``(outputs, RunStats)``."""
+    run(lm, prompts[:1], min(8, max_new_tokens))
+    return run(lm, prompts, max_new_tokens, progress=progress)
+
+
+def _measure_policy(path, prompts, max_new_tokens, pol, r, device, dtype, progress, predictor, link_epl, spe,
+                    rollout_every, ref_tokens, lag=None, host_store="pinned") -> tuple[DecodeRow, dict]:
+    """Load the offloaded model with policy ``pol`` at residency ``r`` (the predictor attached when it needs one,
+    the link emulated when ``spe``), measure it, and return its row (``ratio`` left for the caller) and its
+    time breakdown."""
+    from ..models.loader import FORECAST_RUNTIME_POLICIES, PREDICTOR_POLICIES
+    from ..predictor.cross_layer import attach_forecasts
+    from ..predictor.model import load_predictor
+
+    lm = load_offloaded(path, device=device, dtype=dtype, residency=r, policy=pol, progress=False,
+                        link_epl=link_epl or 2.0, seconds_per_expert=spe, host_store=host_store)
+    try:
+        if pol in FORECAST_RUNTIME_POLICIES:
+            pset = load_predictor(predictor, model_id=lm.model_id, device=lm.device) if pol in PREDICTOR_POLICIES \
+                else None
+            attach_forecasts(lm, pol, pset, rollout_every=rollout_every, lag=lag)
+        if spe is not None and lm.engine.prefetcher is None:  # a prefetcher's TransferEngine paces its copies
+            _emulate_on_demand(lm, spe)
+        outs, s = _measure(lm, prompts, max_new_tokens, progress)
+        eng = lm.engine
+        row = DecodeRow(eng.policy_name if pol == "auto" else pol, pol, r, eng.pool.num_slots,
+                        s.decode_tokens_per_s, 0.0, s.offload.hit_rate, s.offload.bytes_loaded,
+                        sum(s.ttft_s) / len(s.ttft_s), [o.token_ids for o in outs] == ref_tokens, eng.pool.nbytes)
+        return row, eng.breakdown.as_dict()
+    finally:
+        lm.close()
+        del lm
+        gc.collect()
+
+
+class _Renumbered:
+    """A trace recorder seen through request numbers shifted by ``offset`` (each ``generation.generate.run`` call numbers its
+    requests from 0)."""
+
+    def __init__(self, rec, offset: int):
+        self.rec, self.offset = rec, offset
+
+    def start_request(self, index: int, prompt_ids: list[int]) -> None:
+        self.rec.start_request(index + self.offset, prompt_ids)
+
+    def end_step(self, step: int) -> None:
+        self.rec.end_step(step)
+
+
+def _record_routing(path, prompts, max_new_tokens, device, dtype, xl: bool = False):
+    """The routing of every measured run — the warm-up request, then the prompts — recorded once on an unmeasured
+    offloaded run at residency 1.0 (a lossless run routes identically at any residency and policy); with ``xl`` also
+    the cross-layer forecasts (``trace collect --xl-forecasts``)."""
+    from ..predictor.cross_layer import XL_DEPTH
+    from ..trace.collect import TraceRecorder
+
+    lm = load_offloaded(path, device=device, dtype=dtype, residency=1.0, policy="lru", progress=False)
+    try:
+        with TraceRecorder(lm, source="bench decode", xl_depth=XL_DEPTH if xl else 0) as rec:
+            run(lm, prompts[:1], min(8, max_new_tokens), recorder=rec)
+            run(lm, prompts, max_new_tokens, recorder=_Renumbered(rec, 1))
+            return rec.trace()
+    finally:
+        lm.close()
+
+
+def _simulate_rows(rows: list[DecodeRow], trace, link_epl: float, predictor: str | None, rollout_every: int,
+                   lag: int | None = None) -> None:
+    """Fill each row's ``simulated``: the replay of ``trace`` with the row's policy and slot count under the link
+    model of ``sim.prefetch_sim`` at ``link_epl``, the predictor's forecasts replayed with the runtime's settings."""
+    from ..models.loader import PREDICTOR_POLICIES
+    from ..sim.forecasts import forecast_stream, xl_stream
+    from ..sim.prefetch_sim import replay_policy
+    from ..sim.simulator import layer_needs
+
+    needs = layer_needs(trace)
+    streams, pset = {}, None
+    wanted = {r.requested for r in rows}
+    if wanted & set(PREDICTOR_POLICIES):
+        from ..predictor.model import load_predictor
+
+        pset = load_predictor(predictor, model_id=trace.header["model_id"])
+        streams = dict.fromkeys(wanted & set(PREDICTOR_POLICIES) - {"seqmoe-xl"},
+                                forecast_stream(pset, trace, rollout_every=rollout_every, lag=lag))
+    for p in wanted & {"xl", "seqmoe-xl"}:
+        streams[p] = xl_stream(trace, pset if p == "seqmoe-xl" else None, rollout_every=rollout_every)
+    for row in rows:
+        if row.requested == "auto" or not row.same:  # auto starts from its own simulation's state
+            continue
+        popularity = pset.header.prefill_popularity if pset is not None and row.requested != "xl" else None
+        _, row.simulated = replay_policy(trace, row.requested, row.slots, link_epl,
+                                         forecasts=streams.get(row.requested), prefill_popularity=popularity,
+                                         needs=needs)
+
+
+def _table(rows: list[DecodeRow]) -> list[str]:
+    """The markdown lines of the main table."""
+    out = ["| policy | residency | slots | decode tok/s | vs FullLoad | simulated vs FullLoad | hit rate | MiB loaded | "
+           "mean TTFT s | same tokens | device expert MiB |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r.policy} | {'-' if r.residency is None else f'{r.residency:.2f}'} | "
+                   f"{'all' if r.slots is None else r.slots} | {r.tok_s:.2f} | {r.ratio:.3f} | "
+                   f"{'-' if r.simulated is None else f'{r.simulated:.3f}'} | "
+                   f"{'-' if r.hit_rate is None else f'{r.hit_rate:.4f}'} | {r.bytes_loaded / 2**20:.1f} | "
+                   f"{r.ttft_s:.3f} | {'yes' if r.same else 'NO'} | {r.device_bytes / 2**20:.1f} |")
+    return out
+
+
+def breakdown_table(rows: list[tuple[str, float, dict]]) -> list[str]:
+    """Markdown lines: per (policy, residency) the decode step time split into the phases of
+    ``runtime.breakdown`` (ms per step, share in parentheses), measured by the engine's lap timers."""
+    from ..runtime.breakdown import PHASES
+
+    out = ["| policy | residency | ms per decode step | " + " | ".join(p.replace("_", " ") for p in PHASES) + " |",
+           "|---|---|---|" + "---|" * len(PHASES)]
+    for pol, r, b in rows:
+        ms = b["ms_per_step"]
+        out.append(f"| {pol} | {r:.2f} | {sum(ms.values()):.2f} | "
+                   + " | ".join(f"{ms[p]:.2f} ({b['shares'][p]:.0%})" for p in PHASES) + " |")
+    return out
+
+
+def _emulate_on_demand(lm, seconds_per_expert: float) -> None:
+    """Make every on-demand expert copy of a non-prefetching engine take at least ``seconds_per_expert``."""
+    eng = lm.engine
+    plain = eng._load
+
+    def slow_load(loads):
+        t0 = now()
+        plain(loads)
+        wait_until(t0 + len(loads) * seconds_per_expert)
+
+    eng._load = slow_load

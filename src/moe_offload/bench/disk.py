@@ -1,0 +1,307 @@
+"""``moe-offload bench disk`` (issue 36): the disk regime side by side with llama.cpp, in one run, one table.
+
+Each *cell* is one engine configuration (a row) under one memory limit (a column group), run as its own process in
+a child memory cgroup (``runtime.host_memory.ChildCgroup``; page cache counted, as the kernel does) whose limit is
+that engine's measured baseline plus a share of the expert bytes:
+
+- rows: our FullLoad (every weight in memory, unlimited: the reference for tokens and for "vs own unlimited"),
+  our disk store (``--host-store disk``) with each ``--policy`` asked for, our ``--host-store mmap`` (half of the
+  share in slots, the page cache for the rest), and llama.cpp's ``llama-completion`` on the checkpoint's GGUF
+  (default mmap; "not installed" without a binary);
+- baselines, measured first in unlimited cgroups: ours = the peak of a disk-store run less its slot bytes (the
+  interpreter, torch, the non-expert weights, the KV cache, the staging buffers); llama.cpp's = the peak of its
+  unlimited run less the expert bytes it left in the page cache (``runtime.page_cache.resident_pages`` over the
+  GGUF's ``*_exps`` tensors);
+- before every cell the checkpoint's files and the GGUF are dropped from the page cache (``posix_fadvise``);
+- columns: decode tok/s (each engine's own decode timer), the fraction of the engine's own unlimited speed, hit rate
+  (ours), MB read from disk per generated token (``wait4``'s ``ru_inblock`` of the engine's process: the same
+  counter for both engines, load and prefill included), the achieved read GB/s (those bytes over the run's wall
+  time), the row's physical limit min(FullLoad tok/s, disk GB/s / MB per token) with the disk's best measured
+  bandwidth at the expert's size (``bench link --disk``), and whether our tokens equal FullLoad's;
+- cells interleaved (each limit runs every row before the next limit), ``--reverse`` runs rows and limits in the
+  opposite order: two runs in opposite orders keep the machine's drift from favouring one engine.
+
+Units: bytes, seconds, GB/s = 1e9 bytes per second, MB = 1e6 bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from ..errors import MoeOffloadError
+from .disk_measure import (expert_bytes_of_checkpoint, gguf_expert_ranges, measured, parse_llama_decode,
+                           resident_in_ranges)
+from .disk_report import markdown, write_results
+
+#: shares of the expert bytes in memory, each limit = baseline + share x expert bytes (1.0: all of them)
+DEFAULT_FRACTIONS = (1.0, 0.45, 0.25, 0.10)
+DEFAULT_POLICIES = ("lru", "lfu", "auto", "xl", "seqmoe")
+
+
+@dataclass
+class Cell:
+    """One engine row under one memory limit (module docstring for the columns); ``status`` "ok", "oom" (killed
+    by the cgroup's OOM killer), "failed: ..." or "not installed"."""
+
+    row: str
+    fraction: float | None
+    limit_bytes: int | None
+    status: str = "ok"
+    decode_tok_s: float | None = None
+    vs_own_unlimited: float | None = None
+    hit_rate: float | None = None
+    mb_read_per_token: float | None = None
+    read_gbps: float | None = None
+    physical_limit_tok_s: float | None = None
+    tokens_equal_full_load: bool | None = None
+    peak_bytes: int | None = None
+    wall_s: float | None = None
+    slot_bytes: int | None = None
+    token_ids: list = field(default_factory=list, repr=False)
+
+
+@dataclass
+class DiskBench:
+    """What one ``bench disk`` run compares (module docstring); built by ``cli_bench``.
+
+    Attributes:
+        model_dir: our checkpoint; gguf: the same checkpoint as GGUF (None: no llama.cpp rows).
+        llama_bin: llama.cpp's ``llama-completion`` (None: its rows say "not installed").
+        prompt: the prompt text (chat template applied), the same for every engine.
+        max_new_tokens: tokens generated per cell; threads: llama.cpp's ``-t`` (ours: torch's default).
+        policies: our disk-store rows; predictor: for the ``seqmoe*`` rows.
+        fractions: shares of the expert bytes in memory; reverse: rows and limits in the opposite order.
+        timeout_s: per cell; llama_prompt: ``prompt`` in the chat template, as llama.cpp is given it (ours applies
+            the template itself).
+    """
+
+    model_dir: Path
+    gguf: Path | None
+    llama_bin: Path | None
+    prompt: str
+    max_new_tokens: int = 128
+    threads: int = 2
+    policies: tuple = DEFAULT_POLICIES
+    predictor: str | None = None
+    fractions: tuple = DEFAULT_FRACTIONS
+    reverse: bool = False
+    timeout_s: float = 1800.0
+    llama_prompt: str | None = None
+
+    def files(self) -> list[Path]:
+        out = sorted(self.model_dir.glob("*.safetensors"))
+        return out + ([self.gguf] if self.gguf is not None else [])
+
+    def ours(self, store: str | None, residency: float = 1.0, policy: str = "lru") -> list[str]:
+        """Our ``generate --json`` command: FullLoad (``store`` None) or offloaded."""
+        cmd = [sys.executable, "-m", "moe_offload.cli", "generate", "--model", str(self.model_dir), "--prompt",
+               self.prompt, "--max-new-tokens", str(self.max_new_tokens), "--json", "--quiet"]
+        if store is None:
+            return cmd + ["--full-load"]
+        cmd += ["--host-store", store, "--residency", f"{residency:.4f}", "--policy", policy]
+        return cmd + (["--predictor", self.predictor] if policy.startswith("seqmoe") and self.predictor else [])
+
+    def llama(self) -> list[str]:
+        """llama.cpp's greedy completion of the same prompt (default mmap, no warm-up, no conversation mode)."""
+        return [str(self.llama_bin), "-m", str(self.gguf), "-p", self.llama_prompt or self.prompt, "-n",
+                str(self.max_new_tokens),
+                "--temp", "0", "-t", str(self.threads), "-c", "4096", "-no-cnv", "--no-warmup", "--seed", "0"]
+
+
+def _ours_cell(bench: DiskBench, row: str, fraction, limit, cmd) -> Cell:
+    r = measured(cmd, limit, bench.timeout_s, bench.files())
+    cell = Cell(row, fraction, limit, peak_bytes=r["peak_bytes"], wall_s=r["wall_s"])
+    if r["oom"] or (r["rc"] != 0 and r["rc"] < 0):
+        cell.status = "oom" if r["oom"] else f"failed: signal {-r['rc']}"
+        return cell
+    if r["rc"] != 0:
+        lines = r["stderr"].strip().splitlines()
+        cell.status = f"failed: {lines[-1] if lines else r['rc']}"
+        return cell
+    d = json.loads(r["stdout"])
+    st = d["stats"]
+    cell.decode_tok_s = st["decode_tokens_per_s"]
+    cell.hit_rate = st.get("hit_rate")
+    cell.token_ids = d["outputs"][0]["token_ids"]
+    n = max(1, len(cell.token_ids))
+    cell.mb_read_per_token = r["read_bytes"] / n / 1e6
+    cell.read_gbps = r["read_bytes"] / r["wall_s"] / 1e9
+    cell.slot_bytes = st.get("peak_slot_bytes", 0)
+    return cell
+
+
+def _llama_cell(bench: DiskBench, fraction, limit) -> Cell:
+    if bench.llama_bin is None or bench.gguf is None:
+        return Cell("llama.cpp (mmap)", fraction, limit, status="not installed")
+    r = measured(bench.llama(), limit, bench.timeout_s, bench.files())
+    cell = Cell("llama.cpp (mmap)", fraction, limit, peak_bytes=r["peak_bytes"], wall_s=r["wall_s"])
+    got = parse_llama_decode(r["stderr"])
+    if r["oom"] or got is None:
+        lines = r["stderr"].strip().splitlines()
+        cell.status = "oom" if r["oom"] else f"failed: {lines[-1] if lines else r['rc']}"
+        return cell
+    cell.decode_tok_s, n = got
+    cell.mb_read_per_token = r["read_bytes"] / max(1, n) / 1e6
+    cell.read_gbps = r["read_bytes"] / r["wall_s"] / 1e9
+    return cell
+
+
+def run_bench(bench: DiskBench, say=print) -> dict:
+    """Baselines, the reference rows, then every (limit, row) cell in interleaved order; returns ``{"cells",
+    "baselines", "expert_bytes", ...}`` (``Cell`` as dicts).
+
+    Raises:
+        MoeOffloadError: no child memory cgroup can be made here; our FullLoad or baseline run fails.
+    """
+    expert_bytes, n_experts = expert_bytes_of_checkpoint(bench.model_dir)
+    say(f"{n_experts} experts, {expert_bytes / 1e9:.3f} GB; reference runs")
+    full = _ours_cell(bench, "FullLoad (ours, in memory)", None, None, bench.ours(None))
+    if full.status != "ok":
+        raise MoeOffloadError(f"our FullLoad run failed: {full.status}")
+    probe = _ours_cell(bench, "baseline probe", 0.1, None, bench.ours("disk", 0.1))
+    if probe.status != "ok":
+        raise MoeOffloadError(f"our baseline run failed: {probe.status}")
+    base_ours = probe.peak_bytes - probe.slot_bytes
+    cells = [full]
+    base_llama = gguf_experts = None
+    if bench.llama_bin is not None and bench.gguf is not None:
+        ranges = gguf_expert_ranges(bench.gguf)
+        gguf_experts = sum(n for _, n in ranges)
+        unl = _llama_cell(bench, None, None)
+        unl.row = "llama.cpp (mmap, unlimited)"
+        if unl.status == "ok":
+            base_llama = unl.peak_bytes - resident_in_ranges(bench.gguf, ranges)
+        cells.append(unl)
+    fractions = sorted(bench.fractions, reverse=not bench.reverse)
+    rows = [f"disk {p}" for p in bench.policies] + ["mmap", "llama.cpp"]
+    rows = rows[::-1] if bench.reverse else rows
+    for f in fractions:
+        for row in rows:
+            say(f"{row} at {f:.0%} of the expert bytes")
+            if row == "llama.cpp":
+                limit = None if base_llama is None else int(base_llama + f * gguf_experts)
+                cells.append(_llama_cell(bench, f, limit) if limit is not None else
+                             Cell("llama.cpp (mmap)", f, None, status="not installed" if bench.llama_bin is None
+                                  else "no baseline (its unlimited run failed)"))
+                continue
+            limit = int(base_ours + f * expert_bytes)
+            store, policy, res = ("mmap", "lru", f / 2) if row == "mmap" else ("disk", row.split()[1], f)
+            name = "mmap (ours, half the share in slots)" if row == "mmap" else f"disk {policy} (ours)"
+            cells.append(_ours_cell(bench, name, f, limit, bench.ours(store, res, policy)))
+    _finish(cells, full, expert_bytes // max(1, n_experts))
+    return {"cells": [asdict(c) for c in cells], "baselines": {"ours": base_ours, "llama.cpp": base_llama},
+            "expert_bytes": expert_bytes, "gguf_expert_bytes": gguf_experts, "max_new_tokens": bench.max_new_tokens,
+            "reverse": bench.reverse}
+
+
+def _finish(cells: list[Cell], full: Cell, one_expert: int) -> None:
+    """Fill the derived columns: vs own unlimited, the physical limit (the disk's best measured GB/s at reads of
+    ``one_expert`` bytes), tokens == FullLoad."""
+    from ..sim.disk_link import disk_gbps, this_machine_disk
+
+    disk = this_machine_disk()
+    unl_llama = next((c.decode_tok_s for c in cells if c.row == "llama.cpp (mmap, unlimited)"), None)
+    for c in cells:
+        if c.status != "ok":
+            continue
+        own = unl_llama if c.row.startswith("llama.cpp") else full.decode_tok_s
+        c.vs_own_unlimited = c.decode_tok_s / own if own else None
+        if disk and c.mb_read_per_token:
+            gbps = disk_gbps(disk, one_expert, None)
+            c.physical_limit_tok_s = min(full.decode_tok_s, gbps * 1e3 / c.mb_read_per_token)
+        if not c.row.startswith("llama.cpp"):
+            c.tokens_equal_full_load = c.token_ids == full.token_ids
+
+
+def _llama_paths(arg: str | None) -> tuple[Path | None, Path | None]:
+    """``(llama-completion, convert_hf_to_gguf.py or None)`` from ``--llama-cpp`` (a binary or a llama.cpp folder).
+
+    Raises:
+        MoeOffloadError: the path does not hold llama-completion.
+    """
+    if arg is None:
+        return None, None
+    p = Path(arg)
+    if p.is_file():
+        root = next((q for q in p.parents if (q / "convert_hf_to_gguf.py").is_file()), None)
+        return p, root / "convert_hf_to_gguf.py" if root else None
+    for cand in (p / "llama-completion", p / "bin" / "llama-completion", p / "build" / "bin" / "llama-completion"):
+        if cand.is_file():
+            conv = p / "convert_hf_to_gguf.py"
+            return cand, conv if conv.is_file() else None
+    raise MoeOffloadError(f"--llama-cpp {arg}: no llama-completion there (nor in bin/ or build/bin/)")
+
+
+def main(args) -> int:
+    """``moe-offload bench disk``: resolve the inputs, run, write and print the table; exit 0."""
+    from ..models.gguf_export import export_gguf
+    from ..models.resolve import resolve_model
+    from ..runtime.host_memory import child_cgroup_problem
+    from ..testbed.sharegpt import human_turns
+
+    out = Path(args.out)
+    if out.exists():
+        raise MoeOffloadError(f"{out} already exists; choose a new --out")
+    problem = child_cgroup_problem()
+    if problem is not None:
+        raise MoeOffloadError(f"bench disk runs each engine in a child memory cgroup: {problem}")
+    fractions = tuple(float(x) for x in args.fractions.split(","))
+    if any(not 0 < f <= 1 for f in fractions):
+        raise MoeOffloadError(f"--fractions values must be in (0, 1], got {args.fractions}")
+    policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
+    if any(p.startswith("seqmoe") for p in policies) and not args.predictor:
+        raise MoeOffloadError("a seqmoe row needs --predictor DIR (or leave seqmoe out of --policies)")
+    model = resolve_model(args.model, progress=not args.quiet)
+    llama_bin, converter = _llama_paths(args.llama_cpp)
+    gguf = Path(args.gguf) if args.gguf else None
+    if gguf is not None and not gguf.is_file():
+        raise MoeOffloadError(f"--gguf {gguf}: no such file")
+    if gguf is None and llama_bin is not None:
+        gguf = Path(str(out) + f".{args.gguf_type}.gguf")
+        if not gguf.exists():
+            export_gguf(model, gguf, args.gguf_type, converter)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    text = human_turns(1, offset=args.sharegpt_offset)[0]
+    templated = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                        tokenize=False)
+    bench = DiskBench(model, gguf, llama_bin, text, args.max_new_tokens, args.threads, policies, args.predictor,
+                      fractions, args.reverse, llama_prompt=templated)
+    result = run_bench(bench, say=(lambda m: None) if args.quiet else (lambda m: print(m, file=sys.stderr)))
+    files = write_results(result, out)
+    print(markdown(result))
+    print(f"wrote {', '.join(str(f) for f in files)}")
+    return 0
+
+
+def add_parser(bsub) -> None:
+    """Register ``moe-offload bench disk`` on ``bench``'s subparsers."""
+    from ..common.cliargs import int_in, positive_int
+
+    bk = bsub.add_parser("disk", help="the disk regime side by side with llama.cpp: each engine in a memory cgroup "
+                         "holding its baseline plus a share of the expert bytes; one table, csv and plot")
+    bk.add_argument("--model", default="testbed-sparse-wide", help="checkpoint directory or built-in name (testbed "
+                    "family; default: testbed-sparse-wide)")
+    bk.add_argument("--out", required=True, help="new folder for results.md / .csv / .json and tok_s.png")
+    bk.add_argument("--llama-cpp", metavar="PATH", help="llama.cpp's llama-completion binary, or a llama.cpp folder "
+                    "holding it (build/bin); its convert_hf_to_gguf.py exports the GGUF when --gguf is not given "
+                    "(default: no llama.cpp rows)")
+    bk.add_argument("--gguf", help="the checkpoint as GGUF (default: exported into --out with `export gguf`)")
+    bk.add_argument("--gguf-type", default="bf16", choices=["f32", "bf16", "f16"],
+                    help="tensor type of an exported GGUF (default bf16)")
+    bk.add_argument("--policies", default="lru,lfu,auto,xl,seqmoe", help="our disk-store rows (default: "
+                    "lru,lfu,auto,xl,seqmoe; seqmoe* rows need --predictor)")
+    bk.add_argument("--predictor", help="a predictor trained on the model's routing (testbed-sparse traces serve "
+                    "testbed-sparse-wide: the same routers)")
+    bk.add_argument("--fractions", default="1.0,0.45,0.25,0.1", help="shares of the expert bytes in memory "
+                    "(default 1.0,0.45,0.25,0.1)")
+    bk.add_argument("--max-new-tokens", type=positive_int, default=128, help="per cell (default 128)")
+    bk.add_argument("--sharegpt-offset", type=int_in(0, 10**6), default=600, help="the prompt: this ShareGPT human "
+                    "turn (default 600: unseen by predictors trained on the first 500)")
+    bk.add_argument("--threads", type=positive_int, default=2, help="llama.cpp's threads (default 2)")
+    bk.add_argument("--reverse", action="store_true", help="run rows and limits in the opposite order")
+    bk.add_argument("--quiet", action="store_true", help="no progress lines")

@@ -1,0 +1,114 @@
+"""What ``bench disk`` measures of one engine run (issue 36): the run itself in a child memory cgroup with the
+page cache of the checkpoint dropped first, the storage bytes it read (``RUSAGE_CHILDREN``'s ``ru_inblock``, the same
+counter for every engine), llama.cpp's decode timing, and the expert bytes of a checkpoint and of its GGUF.
+
+Units: bytes, seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import time
+from pathlib import Path
+
+_EVAL = re.compile(r"eval time\s*=\s*([\d.]+) ms /\s*(\d+) (?:runs|tokens)")
+
+
+def expert_bytes_of_checkpoint(model_dir: Path) -> tuple[int, int]:
+    """``(bytes, experts)`` of the routed experts in ``model_dir``'s safetensors files (per-expert keys
+    ``...experts.<e>.<name>``: the testbed family's layout)."""
+    from safetensors import safe_open
+
+    total, experts = 0, set()
+    for path in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(path, "pt") as f:
+            for key in f.keys():
+                if ".experts." in key:
+                    sl = f.get_slice(key)
+                    n = 1
+                    for d in sl.get_shape():
+                        n *= d
+                    total += n * _DTYPE_BYTES[sl.get_dtype()]
+                    experts.add(key.rsplit(".", 2)[0])
+    return total, len(experts)
+
+
+_DTYPE_BYTES = {"F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "U8": 1, "I8": 1, "F64": 8, "I64": 8, "I32": 4}
+
+
+def gguf_expert_ranges(gguf: Path) -> list[tuple[int, int]]:
+    """``[(offset, nbytes)]`` of the GGUF's routed-expert tensors (``*_exps``), from its header (``gguf`` package)."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(gguf)
+    return [(int(t.data_offset), int(t.n_bytes)) for t in reader.tensors if "_exps" in t.name]
+
+
+def resident_in_ranges(path: Path, ranges: list[tuple[int, int]]) -> int:
+    """Bytes of ``ranges`` of ``path`` in the page cache now (``runtime.page_cache.resident_pages``)."""
+    from ..runtime.page_cache import PAGE, resident_pages
+
+    pages = resident_pages(path)
+    return sum(int(pages[off // PAGE:(off + n + PAGE - 1) // PAGE].sum()) * PAGE for off, n in ranges)
+
+
+def drop_files(paths: list[Path]) -> None:
+    """Evict ``paths`` from the page cache (``runtime.page_cache.drop``)."""
+    from ..runtime.page_cache import drop
+
+    for p in paths:
+        drop(p)
+
+
+def run_limited(cmd: list[str], limit_bytes: int | None, timeout_s: float) -> dict:
+    """Run ``cmd`` in a child memory cgroup limited to ``limit_bytes`` (None: unlimited) and return ``{"rc",
+    "stdout", "stderr", "wall_s", "peak_bytes", "oom"}`` (``timeout_s``: killed after that many seconds).
+
+    Raises:
+        MoeOffloadError: no child memory cgroup can be made here (``ChildCgroup``).
+    """
+    from ..runtime.host_memory import ChildCgroup
+
+    with ChildCgroup(limit_bytes if limit_bytes is not None else 1 << 62) as cg:
+        t0 = time.perf_counter()
+        with open(os.devnull, "rb") as stdin:
+            proc = subprocess.Popen(cg.argv(cmd), stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        try:
+            out, err = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        wall = time.perf_counter() - t0
+        return {"rc": proc.returncode, "stdout": out.decode(errors="replace"), "stderr": err.decode(errors="replace"),
+                "wall_s": wall, "peak_bytes": cg.peak_bytes, "oom": cg.oom_kills > 0}
+
+
+def _children_inblock() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_CHILDREN).ru_inblock * 512
+
+
+def measured(cmd: list[str], limit_bytes: int | None, timeout_s: float, drop: list[Path]) -> dict:
+    """``run_limited`` after dropping ``drop`` from the page cache, with ``read_bytes``: the storage bytes the
+    run's processes read (``RUSAGE_CHILDREN``'s ``ru_inblock`` before and after)."""
+    drop_files(drop)
+    before = _children_inblock()
+    r = run_limited(cmd, limit_bytes, timeout_s)
+    r["read_bytes"] = _children_inblock() - before
+    return r
+
+
+def parse_llama_decode(stderr: str) -> tuple[float, int] | None:
+    """``(decode tok/s, tokens)`` from llama.cpp's timing lines (the ``eval time`` line, not ``prompt eval``), or
+    None when absent."""
+    for line in stderr.splitlines():
+        if "prompt eval" in line:
+            continue
+        m = _EVAL.search(line)
+        if m and int(m.group(2)) > 0:
+            ms, n = float(m.group(1)), int(m.group(2))
+            return n / (ms / 1e3), n
+    return None

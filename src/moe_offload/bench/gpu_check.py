@@ -1,0 +1,158 @@
+"""The GPU check (``scripts/gpu-check.sh``): lossless runs on CUDA for every policy and checkpoint format, decode
+speed against FullLoad, and the link, in one markdown report; ``--dry-run`` runs the same checks on the CPU
+(smaller) so the script itself is tested where no GPU is lent.
+
+Lossless rows: each checkpoint is written here (tiny, random, in its published layout: bf16/fp32, sharded bf16,
+FP8 block Qwen3 and DeepSeek-V3 layouts, gpt-oss MXFP4, LLaDA2 for the diffusion planners), generated greedily by
+transformers' own FullLoad and by the offloaded engine at a residency with misses, and compared token for token.
+``seqmoe`` / ``seqmoe-infinity`` / ``seqmoe-cacheonly`` run with a small predictor trained here on a trace of the
+same checkpoint (through the CLI, as a user would).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+PROMPTS = ["Hello there, how are you today? The slot pool is shared by all MoE layers.", "Explain KV caches."]
+AR_POLICIES = ("lru", "lfu", "seqmoe-cacheonly", "seqmoe", "seqmoe-infinity")
+
+
+def _checkpoints(root: Path) -> dict[str, Path]:
+    from ..models.tiny import make_tiny
+    from ..models.tiny_quantized import reshard, write_fp8, write_mxfp4
+
+    q3 = make_tiny("qwen3_moe", root / "qwen3")
+    return {
+        "qwen3-moe fp32": q3,
+        "mixtral bf16 sharded": reshard(make_tiny("mixtral", root / "mx", dtype=torch.bfloat16), root / "mx-sh"),
+        "deepseek-v3 fp32": make_tiny("deepseek_v3", root / "ds"),
+        "qwen3-moe fp8": write_fp8(q3, root / "qwen3-fp8"),
+        "deepseek-v3 fp8": write_fp8(root / "ds", root / "ds-fp8", block=(8, 16), scale_dtype=torch.float32,
+                                     mtp_layer=True),
+        "gpt-oss mxfp4": write_mxfp4(make_tiny("gpt_oss", root / "go"), root / "go-mx"),
+        "llada2-moe fp32": make_tiny("llada2_moe", root / "llada2"),
+    }
+
+
+def _predictor(ckpt: Path, root: Path, device: str) -> Path:
+    """Train a small predictor on a trace of ``ckpt`` through the CLI (trace collect + predictor train)."""
+    from ..cli import main
+
+    out = root / f"pred-{ckpt.name}"
+    if not out.exists():
+        tr = root / f"{ckpt.name}.trace"
+        for argv in (["trace", "collect", "--model", str(ckpt), "--sharegpt", "12", "--max-new-tokens", "16",
+                      "--router-probs", "--out", str(tr), "--quiet", "--device", device],
+                     ["predictor", "train", "--traces", str(tr), "--out", str(out), "--epochs", "1",
+                      "--ss-epochs", "1", "--hidden-size", "32", "--quiet"]):
+            if main(argv) != 0:
+                raise RuntimeError(f"moe-offload {' '.join(argv[:2])} failed")
+    return out
+
+
+def _generate(lm, new_tokens: int, diffusion: bool) -> list[list[int]]:
+    from ..generation.generate import encode_prompt, generate_ids
+
+    if diffusion:
+        from ..generation.diffusion import diffusion_generate_ids
+
+        return [diffusion_generate_ids(lm, encode_prompt(lm.tokenizer, p), new_tokens, block_length=8, steps=4,
+                                       request=i).token_ids for i, p in enumerate(PROMPTS)]
+    return [generate_ids(lm, encode_prompt(lm.tokenizer, p), new_tokens)[0] for p in PROMPTS]
+
+
+def lossless_rows(root: Path, device: str, new_tokens: int) -> list[str]:
+    """One markdown row per (checkpoint, policy, host store): tokens vs FullLoad, misses, seconds."""
+    from ..models.loader import load_full, load_offloaded
+    from ..predictor.model import load_predictor
+    from ..predictor.attach import attach_predictor
+
+    rows = []
+    for name, d in _checkpoints(root).items():
+        diffusion = name.startswith("llada2")
+        full = load_full(d, device=device)
+        ref = _generate(full, new_tokens, diffusion)
+        del full
+        runs = ([(p, "pinned") for p in ("reactive", "tide-fixed-T2", "tide")] if diffusion else
+                [(p, "pinned") for p in AR_POLICIES] + [("lru", "mmap")])
+        if not diffusion and not name.startswith(("qwen3", "gpt-oss")):
+            runs = runs[:1] + runs[-1:]  # every format with lru (pinned, mmap); every policy on qwen3 / gpt-oss
+        for policy, store in runs:
+            t0 = time.perf_counter()
+            try:
+                lm = load_offloaded(d, device=device, residency=0.5 if diffusion else 0.3, policy=policy,
+                                    progress=False, host_store=store)
+                if policy.startswith("seqmoe"):
+                    attach_predictor(lm.engine, load_predictor(_predictor(d, root, device), device=lm.device))
+                got = _generate(lm, new_tokens, diffusion)
+                st = lm.engine.stats
+                ok = "PASS" if got == ref else "FAIL (tokens differ)"
+                detail = f"{st.misses} misses, {lm.expert_bytes:,} B/expert"
+                lm.close()
+            except Exception as e:  # a check that crashes is reported, and the others still run
+                ok, detail = "FAIL (error)", f"{type(e).__name__}: {e}".replace("|", "/")[:200]
+                traceback.print_exc()
+            rows.append(f"| lossless | {name} | {policy} | {store} | {ok} | {detail} | "
+                        f"{time.perf_counter() - t0:.1f} |")
+    return ["| check | checkpoint | policy | host store | result | detail | s |", "|---|---|---|---|---|---|---|",
+            *rows]
+
+
+def speed_lines(root: Path, device: str, dry_run: bool) -> list[str]:
+    """``bench decode`` (FullLoad, residency 1.0 / 0.45 / 0.25, LRU) on a medium random Qwen3-MoE."""
+    from .decode import bench_decode
+    from .formats import SPEED_GEOMETRY, _random_checkpoint
+
+    sizes = dict(SPEED_GEOMETRY, num_experts=64) if not dry_run else dict(SPEED_GEOMETRY, num_hidden_layers=2,
+                                                                           num_experts=16)
+    d = _random_checkpoint("qwen3_moe", sizes, root / "medium", torch.bfloat16)
+    n, toks = (1, 8) if dry_run else (4, 64)
+    return [bench_decode(d, PROMPTS[:1] * n, [1.0, 0.45, 0.25], max_new_tokens=toks, device=device, progress=False)]
+
+
+def link_lines(device: str, dry_run: bool) -> list[str]:
+    from .link import measure_link
+
+    res = measure_link(device=device, size_mb=8 if dry_run else 256)
+    return [f"host->device link ({res.get('link')}): {res['link_gbps']:.2f} GB/s on {res.get('device_name')}"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``scripts/gpu-check.sh``. Returns 0 when every lossless check passed."""
+    ap = argparse.ArgumentParser(prog="gpu-check")
+    ap.add_argument("--dry-run", action="store_true", help="run on the CPU, smaller (tests the script)")
+    ap.add_argument("--out", default="gpu-check.md", help="markdown report to write (default gpu-check.md)")
+    args = ap.parse_args(argv)
+    if not args.dry_run and not torch.cuda.is_available():
+        print("gpu-check: no CUDA device; use --dry-run to run the CPU-safe parts", file=sys.stderr)
+        return 2
+    device = "cpu" if args.dry_run else "cuda"
+    torch.manual_seed(0)
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        os.environ["MOE_OFFLOAD_CACHE"] = str(root / "cache")  # bench link writes its profile here, not the user's
+        name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
+        lines = [f"# GPU check ({'dry run on the CPU' if args.dry_run else name}), torch {torch.__version__}", ""]
+        lines += lossless_rows(root, device, 6 if args.dry_run else 16)
+        lines += ["", "## bench decode", ""] + speed_lines(root, device, args.dry_run)
+        lines += ["", "## bench link", ""] + link_lines(device, args.dry_run)
+        from .gpu_check_graph import graph_lines
+
+        lines += ["", "## graph mode (issue 20)", ""] + graph_lines(root, device, args.dry_run, PROMPTS)
+    lines += ["", f"total {time.perf_counter() - t0:.0f} s"]
+    Path(args.out).write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 1 if any("FAIL" in ln for ln in lines) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

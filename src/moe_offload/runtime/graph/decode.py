@@ -1,0 +1,222 @@
+"""Graph mode's decode: the whole decode forward compiled once with ``torch.compile(fullgraph=True)`` over a static
+KV cache, the experts' cache decisions and copies included (SeqMoE §8.2; DESIGN.md §11 "Graph mode"); prefill
+stays eager, as in the paper. On a GPU the same step can be compiled with CUDA graphs (``cuda_graphs=True``,
+``mode="reduce-overhead"``); the experts' custom ops do not capture yet (``bench.gpu_check_graph`` says why), so the
+default compiles without them.
+
+``load_graph`` builds an offloaded model whose engine is a ``runtime.graph.engine.GraphEngine``;
+``GraphDecoder.generate_ids`` is ``generation.generate.generate_ids`` for graph mode (FullLoad models too, for the
+reference). The static cache's length is rounded up to ``CACHE_BUCKET`` positions and kept across requests, so
+requests of similar length reuse one compiled step (a longer one compiles a new one once).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ...errors import MoeOffloadError
+from .cache import GRAPH_PREFETCH_POLICIES, GraphCache, check_graph_policy
+from .engine import GraphEngine
+
+#: static KV cache lengths are multiples of this many positions
+CACHE_BUCKET = 256
+#: compiled graphs of the decode step one process may hold (``torch._dynamo.config.recompile_limit`` is at least
+#: this while a decoder exists): every ``GraphDecoder`` compiles its own graph of the one ``_step`` code object, which
+#: dynamo counts as recompiles of it (default limit 8), e.g. ``bench graph`` with several policies and residencies
+DECODER_GRAPHS = 64
+#: compiler backends ``--graph-backend`` accepts: inductor (generated kernels, the speed), aot_eager (the traced
+#: graph run op by op: the eager kernels, hence FullLoad eager's tokens bit for bit)
+BACKENDS = ("inductor", "aot_eager")
+
+
+def load_graph(model_dir, *, policy: str = "lru", residency: float | None = None, slots: int | None = None,
+               device: str | None = None, dtype: str | None = None, progress: bool = False,
+               predictor: str | None = None, link_epl: float = 1.39):
+    """``models.loader.load_offloaded`` with a ``GraphEngine`` (graph mode) instead of the Python slot table.
+
+    Args:
+        policy: ``lru``, ``lfu``, ``seqmoe-cacheonly`` (probabilistic Belady; ``runtime.graph.cache``) or
+            ``seqmoe`` (probabilistic Belady plus JSD prefetching by a CPU worker through the control region:
+            ``runtime.graph.fetch_cache``, ``runtime.graph.prefetch``).
+        residency, slots, device, dtype, progress: as ``load_offloaded``.
+        predictor: a trained predictor directory (``seqmoe-cacheonly``, ``seqmoe``: required): run inside the
+            step (``runtime.graph.predictor``, rollout every step).
+        link_epl: with ``seqmoe``: the JSD scheduler's transfer budget B_avg, experts per layer time (as
+            ``load_offloaded``).
+    Returns:
+        A ``LoadedModel`` whose ``engine`` is a ``GraphEngine``.
+    Raises:
+        MoeOffloadError: as ``load_offloaded``; a policy graph mode does not support, or fewer slots than one
+        layer's experts (``runtime.graph.cache.check_graph_policy``); a predictor with another policy than
+        ``seqmoe-cacheonly``/``seqmoe`` or one that does not fit the model; ``seqmoe`` without a predictor, with
+        fewer slots than one layer's experts plus one, or on CUDA (``runtime.graph.prefetch.GraphPrefetcher``).
+    """
+    from ...models.capability import experts_modules
+    from ...models.loader import load_offloaded
+
+    kind = check_graph_policy(policy, 1 << 30, 1)  # the policy first, before loading anything
+    scheduler = GRAPH_PREFETCH_POLICIES.get(policy)
+    if scheduler and not predictor:
+        raise MoeOffloadError(f"--graph --policy {policy} needs --predictor DIR (its forecasts drive prefetching)")
+    lm = load_offloaded(model_dir, device=device, dtype=dtype, residency=residency, slots=slots,
+                        policy="lru", progress=progress)
+    old = lm.engine
+    try:
+        check_graph_policy(policy, old.pool.num_slots, lm.num_experts)
+    except MoeOffloadError:
+        lm.close()
+        raise
+    if scheduler and old.pool.num_slots <= lm.num_experts:
+        lm.close()
+        raise MoeOffloadError(f"--graph --policy {policy} needs at least {lm.num_experts + 1} slots (one MoE layer's "
+                              f"{lm.num_experts} experts + 1 to prefetch into), got {old.pool.num_slots}")
+    if scheduler:
+        from .fetch_cache import FetchingGraphCache
+
+        cache = FetchingGraphCache(old.pool.num_slots, lm.num_experts, lm.num_moe_layers, kind, device=old.pool.device)
+    else:
+        cache = GraphCache(old.pool.num_slots, lm.num_experts, lm.num_moe_layers, kind, device=old.pool.device)
+    engine = GraphEngine(old.store, old.pool, cache, lm.num_experts, policy)
+    engine.attach([m for _, m in experts_modules(lm.model)])
+    lm.engine = engine
+    _attach_forecasts(lm, engine, cache, predictor, scheduler, link_epl)
+    return lm
+
+
+def _attach_forecasts(lm, engine: GraphEngine, cache, predictor: str | None, scheduler: str | None,
+                      link_epl: float) -> None:
+    """``load_graph``'s predictor (run inside the step) and prefetcher (a CPU worker with ``scheduler``) for
+    ``engine``; closes ``lm`` before re-raising when either cannot be built."""
+    if predictor:
+        from ...predictor.model import load_predictor
+        from .predictor import GraphPredictor
+
+        try:
+            engine.predictor = GraphPredictor(load_predictor(predictor, model_id=lm.model_id, device=lm.device), cache)
+        except MoeOffloadError:
+            lm.close()
+            raise
+    if scheduler:
+        from ...core.prefetch import make_scheduler
+        from .prefetch import GraphPrefetcher
+
+        try:
+            engine.prefetcher = GraphPrefetcher(engine, make_scheduler(scheduler, num_moe_layers=lm.num_moe_layers,
+                                                                       b_avg=link_epl, auto_ema=False),
+                                                engine.predictor, lm.num_moe_layers, lm.num_experts, lm.top_k)
+        except MoeOffloadError:  # e.g. on CUDA: the control region is not built there
+            lm.close()
+            raise
+
+
+class GraphDecoder:
+    """Greedy/sampled generation with the decode step compiled whole (one per model, reused across requests).
+
+    Args:
+        lm: a ``LoadedModel`` (FullLoad, or from ``load_graph``).
+        backend: ``inductor`` (default) or ``aot_eager`` (``BACKENDS``).
+        cuda_graphs: on CUDA, capture the step with CUDA graphs (``mode="reduce-overhead"``); default off (FullLoad
+            captures; the offloaded step's custom ops read slot ids on the host, which capture refuses).
+
+    Raises:
+        MoeOffloadError: an unknown backend; an engine that is neither None (FullLoad) nor a ``GraphEngine``.
+    """
+
+    def __init__(self, lm, backend: str = "inductor", cuda_graphs: bool = False):
+        if backend not in BACKENDS:
+            raise MoeOffloadError(f"unknown graph backend {backend!r}; choose one of: {', '.join(BACKENDS)}")
+        if lm.engine is not None and not isinstance(lm.engine, GraphEngine):
+            raise MoeOffloadError("graph mode needs a model loaded with runtime.graph.decode.load_graph")
+        self.lm, self.backend = lm, backend
+        self.cache = None
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, DECODER_GRAPHS)
+        opts = dict(fullgraph=True, backend=backend)
+        if cuda_graphs and backend == "inductor" and lm.device.type == "cuda":
+            opts["mode"] = "reduce-overhead"
+        self.step = torch.compile(self._step, **opts)
+
+    def _step(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache) -> torch.Tensor:
+        """One decode forward: ``input_ids [1, 1]``, ``position_ids [1, 1]`` int64 -> logits ``[1, V]``."""
+        out = self.lm.model(input_ids=input_ids, position_ids=position_ids, cache=cache, use_cache=True)
+        return out.logits[:, -1]
+
+    def _compiled_step(self, input_ids, position_ids, cache) -> torch.Tensor:
+        """``self.step``, with a compiler backend's failure reported in one line (it happens inside the compiler's
+        own code generation: e.g. inductor's C++ backend on seqmoe-cacheonly's step for testbed-sparse).
+
+        Raises:
+            MoeOffloadError: the backend failed to compile the step.
+        """
+        try:
+            return self.step(input_ids, position_ids, cache)
+        except torch._dynamo.exc.BackendCompilerFailed as exc:
+            inner = getattr(exc, "inner_exception", None) or exc
+            why = " ".join(f"{type(inner).__name__}: {inner}".split())[:200]
+            hint = ("--graph-backend aot_eager compiles it without generated kernels" if self.backend == "inductor"
+                    else "run without --graph")
+            raise MoeOffloadError(f"the {self.backend} backend failed to compile the decode step ({why}); "
+                                  f"{hint}") from None
+
+    def _static_cache(self, length: int):
+        from transformers import StaticCache
+
+        need = -(-length // CACHE_BUCKET) * CACHE_BUCKET
+        if self.cache is None or self._cache_len < need:
+            self.cache = StaticCache(config=self.lm.model.config, max_cache_len=need)
+            self._cache_len = need
+        else:
+            self.cache.reset()
+        return self.cache
+
+    @torch.no_grad()
+    def generate_ids(self, prompt_ids: list[int], max_new_tokens: int, *, temperature: float = 0.0,
+                     top_p: float = 1.0, top_k: int = 0, seed: int | None = None, request: int = 0):
+        """``generation.generate.generate_ids`` in graph mode: eager prefill into a static KV cache, then compiled decode
+        steps; stops at an EOS id or the model's position limit (``generation.generate.token_budget``); the same sampler
+        (``moe_offload.generation.sampling``, outside the compiled step). Returns ``(new_ids, ttft_s, decode_s)``.
+
+        Raises:
+            MoeOffloadError: the prompt leaves no room for a new token within the model's position limit."""
+        from ...generation.generate import _eos_ids, _pick, _sync, token_budget
+        from ...common.seeds import make_generator
+
+        lm, engine = self.lm, self.lm.engine
+        max_new_tokens = token_budget(lm, len(prompt_ids), max_new_tokens)
+        dev, gen, eos = lm.device, make_generator(seed), _eos_ids(lm)
+        cache = self._static_cache(len(prompt_ids) + max_new_tokens)
+        ids = torch.tensor([prompt_ids], dtype=torch.long, device=dev)
+        t0 = time.perf_counter()
+        if engine is not None:
+            engine.begin_step(request, 0)
+        out = lm.model(input_ids=ids, cache=cache, use_cache=True)
+        tok = _pick(out.logits[:, -1], temperature, top_p, gen, top_k)
+        new = [int(tok)]
+        _sync(dev)
+        t1 = time.perf_counter()
+        while len(new) < max_new_tokens and new[-1] not in eos:
+            if engine is not None:
+                engine.begin_step(request, len(new))
+            pos = torch.tensor([[len(prompt_ids) + len(new) - 1]], dtype=torch.long, device=dev)
+            logits = self._compiled_step(tok.view(1, 1), pos, cache)
+            tok = _pick(logits, temperature, top_p, gen, top_k)
+            new.append(int(tok))
+        _sync(dev)
+        return new, t1 - t0, time.perf_counter() - t1
+
+
+def run_graph(lm, prompts: list[str], max_new_tokens: int, *, decoder: GraphDecoder | None = None,
+              temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
+              progress: bool = False):
+    """``generation.generate.run`` in graph mode: ``(outputs, RunStats)``; ``decoder`` reuses a compiled step."""
+    from ...generation.generate import run_requests
+
+    dec = decoder or GraphDecoder(lm)
+
+    def one(i, pids):
+        new, ttft, d = dec.generate_ids(pids, max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                        seed=seed, request=i)
+        return new, ttft, d, len(new) - 1
+
+    return run_requests(lm, prompts, one, max_new_tokens=max_new_tokens, progress=progress)
