@@ -17,7 +17,8 @@ from .model import PredictorSet
 # CacheScore rows of SeqMoE §7.1 (§9.1).
 ROLLOUT = 7
 # Decode steps between recursive rollouts (``PredictorRunner.rollout_every``), chosen by measurement (issue 17,
-# docs/benchmarks.md): the simulator's hit rate against the rollout's cost per step.
+# docs/notes/benchmark-history.md, "Runtime decode under the emulated link"): the simulator's hit rate against the
+# rollout's cost per step.
 ROLLOUT_EVERY = 4
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from ..errors import MoeOffloadError
 
 #: w_j, the cross-layer forecast's blend weight at layer distance j = 1, 2, 3, ... (the last one for larger
-#: distances); measured on training prompts (docs/benchmarks.md, "Cross-layer forecasts (issue 21)")
+#: distances); measured on training prompts (docs/notes/benchmark-history.md, "Cross-layer forecasts (issue 21)")
 XL_WEIGHTS = (0.3, 0.25, 0.2)
 #: the file beside ``predictor.json`` holding the calibrated blend weights
 XL_WEIGHTS_NAME = "xl_weights.json"

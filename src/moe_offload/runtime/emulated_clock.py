@@ -14,8 +14,8 @@ Why skip: the emulated waits are not real work, but sleeping them out lets wall 
 and on this shared virtual machine that time costs the computation after it (the likely cause: the small models that
 fit here sit in a last-level cache shared with other tenants, who evict them while the inference thread waits;
 spinning instead of sleeping did not remove it). FullLoad, whose compute the simulator's time model is built on,
-never waits; an offloaded run whose waits are slept computes slower for that reason alone (docs/benchmarks.md,
-"Emulated waits skipped on a virtual clock: TIDE on the cached loop", measures both modes A B B A). A GPU computing
+never waits; an offloaded run whose waits are slept computes slower for that reason alone
+(docs/notes/benchmark-history.md, "Emulated waits: sleeping vs skipping", measures both modes A B B A). A GPU computing
 from its own memory pays nothing of the kind. Skipping also makes emulated runs as fast as their real work.
 
 Single-threaded: only the inference thread may wait while skipping (``skipping_waits`` is process-wide; a copy
