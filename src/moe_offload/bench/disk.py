@@ -186,15 +186,25 @@ def run_bench(bench: DiskBench, say=print) -> dict:
                 cells.append(_llama_cell(bench, f, limit) if limit is not None else
                              Cell("llama.cpp (mmap)", f, None, status="not installed" if bench.llama_bin is None
                                   else "no baseline (its unlimited run failed)"))
+                say(_cell_line(cells[-1]))
                 continue
             limit = int(base_ours + f * expert_bytes)
             store, policy, res = ("mmap", "lru", f / 2) if row == "mmap" else ("disk", row.split()[1], f)
             name = "mmap (ours, half the share in slots)" if row == "mmap" else f"disk {policy} (ours)"
             cells.append(_ours_cell(bench, name, f, limit, bench.ours(store, res, policy)))
+            say(_cell_line(cells[-1]))
     _finish(cells, full, expert_bytes // max(1, n_experts))
     return {"cells": [asdict(c) for c in cells], "baselines": {"ours": base_ours, "llama.cpp": base_llama},
             "expert_bytes": expert_bytes, "gguf_expert_bytes": gguf_experts, "max_new_tokens": bench.max_new_tokens,
             "reverse": bench.reverse}
+
+
+def _cell_line(c: Cell) -> str:
+    """One progress line: a cell's status, speed and reads."""
+    if c.status != "ok":
+        return f"  {c.status}"
+    return (f"  {c.decode_tok_s:.2f} tok/s, {c.mb_read_per_token:.1f} MB read per token"
+            + (f", hit rate {c.hit_rate:.3f}" if c.hit_rate is not None else ""))
 
 
 def _finish(cells: list[Cell], full: Cell, one_expert: int) -> None:
