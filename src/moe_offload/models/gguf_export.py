@@ -10,7 +10,7 @@ exported default testbed against our FullLoad's).
 Where the converter comes from, in order: ``--converter PATH``, ``$LLAMA_CPP_DIR/convert_hf_to_gguf.py``, a
 ``convert_hf_to_gguf.py`` on ``PATH``. It is in every llama.cpp source tree, e.g. the one vendored in the
 llama-cpp-python source package (``pip download --no-deps --no-binary :all: llama-cpp-python``, then
-``vendor/llama.cpp``); it needs ``sentencepiece`` installed.
+``vendor/llama.cpp``); it needs ``sentencepiece`` (``pip install moe-offload[peer]``).
 """
 
 from __future__ import annotations
