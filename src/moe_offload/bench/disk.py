@@ -114,6 +114,9 @@ class DiskBench:
 def _ours_cell(bench: DiskBench, row: str, fraction, limit, cmd) -> Cell:
     r = measured(cmd, limit, bench.timeout_s, bench.files())
     cell = Cell(row, fraction, limit, peak_bytes=r["peak_bytes"], wall_s=r["wall_s"])
+    if r["timed_out"]:
+        cell.status = f"timeout: not done in {bench.timeout_s:.0f} s"
+        return cell
     if r["oom"] or (r["rc"] != 0 and r["rc"] < 0):
         cell.status = "oom" if r["oom"] else f"failed: signal {-r['rc']}"
         return cell
@@ -139,6 +142,9 @@ def _llama_cell(bench: DiskBench, fraction, limit) -> Cell:
     r = measured(bench.llama(), limit, bench.timeout_s, bench.files())
     cell = Cell("llama.cpp (mmap)", fraction, limit, peak_bytes=r["peak_bytes"], wall_s=r["wall_s"])
     got = parse_llama_decode(r["stderr"])
+    if r["timed_out"]:
+        cell.status = f"timeout: not done in {bench.timeout_s:.0f} s"
+        return cell
     if r["oom"] or got is None:
         lines = r["stderr"].strip().splitlines()
         cell.status = "oom" if r["oom"] else f"failed: {lines[-1] if lines else r['rc']}"
@@ -280,7 +286,7 @@ def main(args) -> int:
     templated = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                         tokenize=False)
     bench = DiskBench(model, gguf, llama_bin, text, args.max_new_tokens, args.threads, policies, args.predictor,
-                      fractions, args.reverse, llama_prompt=templated)
+                      fractions, args.reverse, timeout_s=args.cell_timeout, llama_prompt=templated)
     result = run_bench(bench, say=(lambda m: None) if args.quiet else (lambda m: print(m, file=sys.stderr)))
     files = write_results(result, out)
     print(markdown(result))
@@ -314,4 +320,6 @@ def add_parser(bsub) -> None:
                     "turn (default 600: unseen by predictors trained on the first 500)")
     bk.add_argument("--threads", type=positive_int, default=2, help="llama.cpp's threads (default 2)")
     bk.add_argument("--reverse", action="store_true", help="run rows and limits in the opposite order")
+    bk.add_argument("--cell-timeout", type=positive_int, default=900, help="seconds a cell may run; one that does "
+                    "not finish is reported as a timeout without a speed (default 900)")
     bk.add_argument("--quiet", action="store_true", help="no progress lines")

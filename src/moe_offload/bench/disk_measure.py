@@ -64,7 +64,8 @@ def drop_files(paths: list[Path]) -> None:
 
 def run_limited(cmd: list[str], limit_bytes: int | None, timeout_s: float) -> dict:
     """Run ``cmd`` in a child memory cgroup limited to ``limit_bytes`` (None: unlimited) and return ``{"rc",
-    "stdout", "stderr", "wall_s", "peak_bytes", "oom"}`` (``timeout_s``: killed after that many seconds).
+    "stdout", "stderr", "wall_s", "peak_bytes", "oom", "timed_out"}`` (``timeout_s``: killed after that many
+    seconds).
 
     Raises:
         MoeOffloadError: no child memory cgroup can be made here (``ChildCgroup``).
@@ -75,14 +76,16 @@ def run_limited(cmd: list[str], limit_bytes: int | None, timeout_s: float) -> di
         t0 = time.perf_counter()
         with open(os.devnull, "rb") as stdin:
             proc = subprocess.Popen(cg.argv(cmd), stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        timed_out = False
         try:
             out, err = proc.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             proc.kill()
             out, err = proc.communicate()
+            timed_out = True
         wall = time.perf_counter() - t0
         return {"rc": proc.returncode, "stdout": out.decode(errors="replace"), "stderr": err.decode(errors="replace"),
-                "wall_s": wall, "peak_bytes": cg.peak_bytes, "oom": cg.oom_kills > 0}
+                "wall_s": wall, "peak_bytes": cg.peak_bytes, "oom": cg.oom_kills > 0, "timed_out": timed_out}
 
 
 def _children_inblock() -> int:
