@@ -43,6 +43,7 @@ def test_widened_checkpoint_keeps_the_function(tiny_dirs, tmp_path, one_thread):
     with safe_open(shard, "pt") as f:
         assert f.get_slice("model.layers.0.block_sparse_moe.experts.0.w2.weight").get_shape()[1] == 64
     a, b = load_full(src, device="cpu"), load_full(wide, device="cpu")
+    assert b.model_id == a.model_id  # the same routers: the source's traces and predictors apply
     ids = encode_prompt(a.tokenizer, PROMPT)
     assert generate_ids(b, ids, 12)[0] == generate_ids(a, ids, 12)[0]
 

@@ -96,9 +96,16 @@ class LoadedModel:
 
     @property
     def model_id(self) -> str:
-        """Fingerprint of the checkpoint's config.json (``trace.format.model_fingerprint``)."""
+        """Fingerprint of the checkpoint's config.json (``trace.format.model_fingerprint``); a checkpoint made from
+        another with the same routers (``testbed-sparse-wide``: ``routing_model_id`` in its ``testbed.json``) has
+        that one's, so traces and predictors move between them."""
         from ..trace.format import model_fingerprint
 
+        tb = self.path / "testbed.json"
+        if tb.is_file():
+            rid = json.loads(tb.read_text()).get("routing_model_id")
+            if rid:
+                return rid
         return model_fingerprint(json.loads((self.path / "config.json").read_text()))
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from ..errors import MoeOffloadError
+from ..trace.format import model_fingerprint
 
 #: the widened intermediate size: Qwen3-30B-A3B's ``moe_intermediate_size``
 WIDE_INTERMEDIATE = 768
@@ -59,7 +60,8 @@ def widen_checkpoint(src: Path, dst: Path, intermediate_size: int = WIDE_INTERME
     """Write ``src`` (a Mixtral-layout checkpoint with per-expert ``w1``/``w2``/``w3`` keys) into the empty or new
     folder ``dst`` with every expert widened by zero neurons to ``intermediate_size`` (``widen_expert``) and every
     floating tensor cast to ``dtype``, in safetensors shards of at most ``shard_bytes`` with an index; tokenizer
-    files are copied, ``config.json`` gets the new ``intermediate_size`` and ``dtype``.
+    files are copied, ``config.json`` gets the new ``intermediate_size`` and ``dtype``, and ``testbed.json`` the
+    source's model id as ``routing_model_id`` (the routers are the source's: its traces and predictors apply).
 
     Returns:
         ``dst``.
@@ -71,6 +73,7 @@ def widen_checkpoint(src: Path, dst: Path, intermediate_size: int = WIDE_INTERME
 
     src, dst = Path(src), Path(dst)
     config = json.loads((src / "config.json").read_text())
+    source_config = dict(config)
     if config.get("model_type") != "mixtral":
         raise MoeOffloadError(f"{src}: widening needs a Mixtral-layout checkpoint (the testbed family), got "
                               f"model_type {config.get('model_type')!r}")
@@ -98,7 +101,8 @@ def widen_checkpoint(src: Path, dst: Path, intermediate_size: int = WIDE_INTERME
     (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     info = json.loads((src / "testbed.json").read_text()) if (src / "testbed.json").is_file() else {}
     info |= {"widened_from": src.name, "expert_size": intermediate_size, "widening": "zero neurons appended "
-             "(testbed/widen.py): the same function up to GEMM summation order", "dtype": config["dtype"]}
+             "(testbed/widen.py): the same function up to GEMM summation order", "dtype": config["dtype"],
+             "routing_model_id": model_fingerprint(source_config)}
     (dst / "testbed.json").write_text(json.dumps(info, indent=2) + "\n")
     return dst
 
