@@ -74,7 +74,7 @@ class DiskBench:
         max_new_tokens: tokens generated per cell; threads: llama.cpp's ``-t`` (ours: torch's default).
         policies: our disk-store rows; predictor: for the ``seqmoe*`` rows.
         fractions: shares of the expert bytes in memory; reverse: rows and limits in the opposite order.
-        timeout_s: per cell; llama_prompt: ``prompt`` in the chat template, as llama.cpp is given it (ours applies
+        timeout_s: per cell; peers: False leaves out the mmap and llama.cpp rows; llama_prompt: ``prompt`` in the chat template, as llama.cpp is given it (ours applies
             the template itself).
     """
 
@@ -90,6 +90,7 @@ class DiskBench:
     reverse: bool = False
     timeout_s: float = 1800.0
     llama_prompt: str | None = None
+    peers: bool = True
 
     def files(self) -> list[Path]:
         out = sorted(self.model_dir.glob("*.safetensors"))
@@ -173,7 +174,7 @@ def run_bench(bench: DiskBench, say=print) -> dict:
     base_ours = probe.peak_bytes - probe.slot_bytes
     cells = [full]
     base_llama = gguf_experts = None
-    if bench.llama_bin is not None and bench.gguf is not None:
+    if bench.peers and bench.llama_bin is not None and bench.gguf is not None:
         ranges = gguf_expert_ranges(bench.gguf)
         gguf_experts = sum(n for _, n in ranges)
         unl = _llama_cell(bench, None, None)
@@ -182,7 +183,7 @@ def run_bench(bench: DiskBench, say=print) -> dict:
             base_llama = unl.peak_bytes - resident_in_ranges(bench.gguf, ranges)
         cells.append(unl)
     fractions = sorted(bench.fractions, reverse=not bench.reverse)
-    rows = [f"disk {p}" for p in bench.policies] + ["mmap", "llama.cpp"]
+    rows = [f"disk {p}" for p in bench.policies] + (["mmap", "llama.cpp"] if bench.peers else [])
     rows = rows[::-1] if bench.reverse else rows
     for f in fractions:
         for row in rows:
@@ -286,7 +287,8 @@ def main(args) -> int:
     templated = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                         tokenize=False)
     bench = DiskBench(model, gguf, llama_bin, text, args.max_new_tokens, args.threads, policies, args.predictor,
-                      fractions, args.reverse, timeout_s=args.cell_timeout, llama_prompt=templated)
+                      fractions, args.reverse, timeout_s=args.cell_timeout, llama_prompt=templated,
+                      peers=not args.no_peers)
     result = run_bench(bench, say=(lambda m: None) if args.quiet else (lambda m: print(m, file=sys.stderr)))
     files = write_results(result, out)
     print(markdown(result))
@@ -320,6 +322,7 @@ def add_parser(bsub) -> None:
                     "turn (default 600: unseen by predictors trained on the first 500)")
     bk.add_argument("--threads", type=positive_int, default=2, help="llama.cpp's threads (default 2)")
     bk.add_argument("--reverse", action="store_true", help="run rows and limits in the opposite order")
+    bk.add_argument("--no-peers", action="store_true", help="only our disk-store rows (no mmap, no llama.cpp)")
     bk.add_argument("--cell-timeout", type=positive_int, default=900, help="seconds a cell may run; one that does "
                     "not finish is reported as a timeout without a speed (default 900)")
     bk.add_argument("--quiet", action="store_true", help="no progress lines")
