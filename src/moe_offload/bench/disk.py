@@ -314,7 +314,7 @@ def add_parser(bsub) -> None:
     bk.add_argument("--policies", default="lru,lfu,auto,xl,seqmoe", help="our disk-store rows (default: "
                     "lru,lfu,auto,xl,seqmoe; seqmoe* rows need --predictor)")
     bk.add_argument("--predictor", help="a predictor trained on the model's routing (testbed-sparse traces serve "
-                    "testbed-sparse-wide: the same routers)")
+                    "testbed-sparse-wide: the same routers; default: none)")
     bk.add_argument("--fractions", default="1.0,0.45,0.25,0.1", help="shares of the expert bytes in memory "
                     "(default 1.0,0.45,0.25,0.1)")
     bk.add_argument("--max-new-tokens", type=positive_int, default=128, help="per cell (default 128)")

@@ -106,7 +106,8 @@ def add_parser(sub) -> None:
     g.add_argument("--converter", help="llama.cpp's convert_hf_to_gguf.py or its folder (default: $LLAMA_CPP_DIR, "
                    "then PATH)")
     g.add_argument("--check", metavar="LLAMA_COMPLETION", help="then check the file with llama.cpp's llama-completion: "
-                   "its greedy text against our FullLoad's (one thread) on --check-prompts ShareGPT prompts")
+                   "its greedy text against our FullLoad's (one thread) on --check-prompts ShareGPT prompts (default: no "
+                   "check)")
     g.add_argument("--check-prompts", type=int, default=10, help="with --check: prompts (default 10)")
     g.add_argument("--check-tokens", type=int, default=16, help="with --check: tokens per prompt (default 16)")
 
