@@ -130,11 +130,12 @@ def test_unknown_model_name_suggests_the_closest_built_in(capsys):
     assert main(["generate", "--model", "testbed-spars", "--prompt", "hi", "--quiet"]) == 2
     err = capsys.readouterr().err.strip()
     assert err == ("moe-offload: error: model directory not found: testbed-spars; did you mean the built-in model "
-                   "testbed-sparse? (built-in models: testbed, testbed-sparse, llada2-medium; a Hugging Face Hub "
+                   "testbed-sparse? (built-in models: testbed, testbed-sparse, testbed-sparse-wide, llada2-medium; a "
+                   "Hugging Face Hub "
                    "model: ORG/NAME[@REVISION])")
     assert main(["generate", "--model", "zzzz", "--prompt", "hi", "--quiet"]) == 2
     assert capsys.readouterr().err.strip() == ("moe-offload: error: model directory not found: zzzz; (built-in models: "
-                                               "testbed, testbed-sparse, llada2-medium; a Hugging Face "
+                                               "testbed, testbed-sparse, testbed-sparse-wide, llada2-medium; a Hugging Face "
                                                "Hub model: ORG/NAME[@REVISION])")
 
 
