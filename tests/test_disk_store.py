@@ -17,7 +17,7 @@ from moe_offload.generation.generate import encode_prompt, generate_ids
 from moe_offload.models.checkpoint import Checkpoint
 from moe_offload.generation.diffusion import diffusion_generate_ids
 from moe_offload.models.loader import load_full, load_offloaded
-from moe_offload.runtime import disk_store
+from moe_offload.runtime import direct_io, disk_store
 from moe_offload.runtime.disk_store import IO_ALIGN, plan_spans
 from moe_offload.runtime.page_cache import PAGE, drop, resident_pages
 
@@ -135,7 +135,7 @@ def test_page_cache_holds_no_expert_page(tiny_dirs, refs):
 
 def test_buffered_fallback_drops_what_it_reads(tiny_dirs, refs, monkeypatch, capsys):
     """A filesystem without O_DIRECT: reads go through the page cache and are dropped after each (said once)."""
-    monkeypatch.setattr(disk_store, "_O_DIRECT", 0)
+    monkeypatch.setattr(direct_io, "_O_DIRECT", 0)
     d = tiny_dirs["qwen3_moe"]
     pages = _expert_pages(d)
     for f in pages:
@@ -153,7 +153,7 @@ def test_buffered_fallback_drops_what_it_reads(tiny_dirs, refs, monkeypatch, cap
 
 
 def test_filesystem_refusing_direct_io_and_fadvise_is_one_line_error(tiny_dirs, monkeypatch):
-    monkeypatch.setattr(disk_store, "_O_DIRECT", 0)
+    monkeypatch.setattr(direct_io, "_O_DIRECT", 0)
 
     def refuse(*a):
         raise OSError(95, "Operation not supported")

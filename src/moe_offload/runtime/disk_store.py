@@ -6,7 +6,7 @@ list of byte ranges of the files (``add_segment``, filled by the loader in the f
 around the page cache. At the first read the ranges of each expert are planned into a few *spans*: ranges of one
 file closer than ``MERGE_GAP`` are merged (reading the gap costs less than another request), and each span is widened to ``IO_ALIGN`` (4 KiB)
 boundaries, because safetensors offsets are not aligned and ``O_DIRECT`` wants offset, length and buffer address
-aligned. A span is read with ``os.preadv`` (which releases the GIL) into a page-aligned staging buffer of the reading
+aligned (``runtime.direct_io``: the span plan, opening files, concurrent reads). A span is read with ``os.preadv`` (which releases the GIL) into a page-aligned staging buffer of the reading
 thread, and the expert's fields are copied from there into the destination (a slot of the pool, or a host row).
 
 Several experts are read at once by ``copy_many`` (a pool of ``readers`` threads: the queue depth of the on-demand
@@ -30,7 +30,6 @@ Units: bytes; seconds; GB/s = 1e9 bytes per second.
 
 from __future__ import annotations
 
-import errno
 import mmap
 import os
 import sys
@@ -45,19 +44,14 @@ import numpy as np
 import torch
 
 from ..errors import MoeOffloadError
+from .direct_io import IO_ALIGN, _File, _Span, copy_concurrently, open_direct, plan_spans  # noqa: F401 (re-exported)
 from .store import ExpertLayout, gather_rows
 
-#: alignment of direct reads: file offset, length and buffer address (the page size covers every logical block size)
-IO_ALIGN = 4096
-#: ranges of one expert in one file at most this far apart are read as one span (bytes): a request costs ~60 us on
-#: this machine's disk (4 KiB direct reads at 0.07 GB/s), the time to read ~64 KiB at its 1.1-1.3 GB/s
-MERGE_GAP = 64 * 1024
 #: default reader threads (queue depth of ``copy_many``)
 DEFAULT_READERS = 4
 #: largest read of a prefetch between two checks for on-demand reads to yield to and for cancellation (bytes); an
 #: expert up to this size is read in one request (a 324 KiB testbed expert), a 9.4 MB one in ten
 PREFETCH_CHUNK = 1 << 20
-_O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
 @dataclass
@@ -104,118 +98,6 @@ class DiskReadStats:
             return None
         ideal = sum(n * size / (gbps_at(size, depth) * 1e9) for (size, depth), n in self.demand_reads.items())
         return ideal / self.demand_s
-
-
-@dataclass(frozen=True)
-class _Span:
-    """One aligned read: ``file`` index, aligned ``start`` and ``length``, ``need`` (bytes from ``start`` that hold
-    wanted data) and ``pieces`` ``[(dst_offset, offset in the span, nbytes)]``."""
-
-    file: int
-    start: int
-    length: int
-    need: int
-    pieces: tuple[tuple[int, int, int], ...]
-
-
-class _File:
-    """An open checkpoint file: ``fd``, ``direct`` (opened with ``O_DIRECT``) and its ``path``."""
-
-    def __init__(self, path: Path, fd: int, direct: bool):
-        self.path, self.fd, self.direct = path, fd, direct
-
-
-def open_direct(path: Path, allow_direct: bool = True) -> tuple[_File, str | None]:
-    """Open ``path`` for streaming reads: ``O_DIRECT`` when the filesystem takes it (probed with one aligned read),
-    else buffered with ``posix_fadvise(DONTNEED)`` after each read. Returns ``(file, why not direct or None)``.
-
-    Raises:
-        MoeOffloadError: the file cannot be opened, or the filesystem refuses both direct I/O and ``posix_fadvise``.
-    """
-    why = "direct I/O not available on this platform" if not (_O_DIRECT and allow_direct) else None
-    if why is None:
-        try:
-            fd = os.open(path, os.O_RDONLY | _O_DIRECT)
-        except OSError as e:
-            if e.errno != errno.EINVAL:
-                raise MoeOffloadError(f"cannot open {path}: {e.strerror}") from None
-            why = f"O_DIRECT refused ({e.strerror})"
-        else:
-            probe = mmap.mmap(-1, IO_ALIGN)
-            try:
-                os.preadv(fd, [memoryview(probe)], 0)
-                return _File(path, fd, True), None
-            except OSError as e:
-                os.close(fd)
-                why = f"direct reads refused ({e.strerror})"
-            finally:
-                probe.close()
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError as e:
-        raise MoeOffloadError(f"cannot open {path}: {e.strerror}") from None
-    try:  # no read-ahead (it would cache the neighbouring experts), and nothing of the file cached to begin with
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    except (OSError, AttributeError) as e:
-        os.close(fd)
-        raise MoeOffloadError(f"{path}: the filesystem refuses both direct I/O ({why}) and posix_fadvise "
-                              f"({getattr(e, 'strerror', e)}), so expert bytes would fill the page cache; use "
-                              "--host-store mmap or pinned") from None
-    return _File(path, fd, False), why
-
-
-def copy_concurrently(copy, pool: ThreadPoolExecutor | None, eids: list[int], dsts: list, depth: int = 1) -> None:
-    """``copy(eid, dst)`` for each pair, ``depth`` at once: the calling thread and ``depth - 1`` of ``pool``'s threads
-    take the pairs in order (None or ``depth`` 1: one after another here; the caller works rather than waiting, which
-    saves a thread hand-off per batch). Returns when all are done, raising the first failure once every copy has
-    finished (a thread stops taking pairs after a failure of its own)."""
-    pairs = iter(list(zip(eids, dsts)))
-    take = threading.Lock()
-
-    def work() -> None:
-        while True:
-            with take:
-                nxt = next(pairs, None)
-            if nxt is None:
-                return
-            copy(*nxt)
-
-    helpers = min(depth, len(eids)) - 1 if pool is not None else 0
-    futures = [pool.submit(work) for _ in range(max(0, helpers))]
-    first = None
-    try:
-        work()
-    except Exception as e:  # noqa: BLE001 - re-raised below, after the helpers are done
-        first = e
-    for err in [f.exception() for f in futures]:
-        first = first or err
-    if first is not None:
-        raise first
-
-
-def plan_spans(segments: list[tuple[int, int, int, int]], merge_gap: int = MERGE_GAP,
-               align: int = IO_ALIGN) -> list[_Span]:
-    """Aligned reads covering one expert's ``segments [(dst_offset, file, file_offset, nbytes)]``: ranges of one file
-    at most ``merge_gap`` bytes apart share a read; every read starts and ends on an ``align`` boundary."""
-    spans, group = [], []
-
-    def close_group():
-        f = group[0][1]
-        start = group[0][2] // align * align
-        end = max(off + n for _, _, off, n in group)
-        length = -(-(end - start) // align) * align
-        spans.append(_Span(f, start, length, end - start,
-                           tuple((dst, off - start, n) for dst, _, off, n in group)))
-
-    for seg in sorted(segments, key=lambda s: (s[1], s[2])):
-        if group and (seg[1] != group[0][1] or seg[2] - max(o + n for _, _, o, n in group) > merge_gap):
-            close_group()
-            group = []
-        group.append(seg)
-    if group:
-        close_group()
-    return spans
 
 
 class DiskStore:
