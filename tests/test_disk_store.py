@@ -17,7 +17,7 @@ from moe_offload.generation.generate import encode_prompt, generate_ids
 from moe_offload.models.checkpoint import Checkpoint
 from moe_offload.generation.diffusion import diffusion_generate_ids
 from moe_offload.models.loader import load_full, load_offloaded
-from moe_offload.runtime import direct_io, disk_store
+from moe_offload.runtime import direct_io
 from moe_offload.runtime.disk_store import IO_ALIGN, plan_spans
 from moe_offload.runtime.page_cache import PAGE, drop, resident_pages
 
