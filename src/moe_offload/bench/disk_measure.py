@@ -18,24 +18,19 @@ _EVAL = re.compile(r"eval time\s*=\s*([\d.]+) ms /\s*(\d+) (?:runs|tokens)")
 
 def expert_bytes_of_checkpoint(model_dir: Path) -> tuple[int, int]:
     """``(bytes, experts)`` of the routed experts in ``model_dir``'s safetensors files (per-expert keys
-    ``...experts.<e>.<name>``: the testbed family's layout)."""
-    from safetensors import safe_open
+    ``...experts.<e>.<name>``: the testbed family's layout), from their headers (``models.checkpoint.Checkpoint``).
 
-    total, experts = 0, set()
-    for path in sorted(model_dir.glob("*.safetensors")):
-        with safe_open(path, "pt") as f:
-            for key in f.keys():
-                if ".experts." in key:
-                    sl = f.get_slice(key)
-                    n = 1
-                    for d in sl.get_shape():
-                        n *= d
-                    total += n * _DTYPE_BYTES[sl.get_dtype()]
-                    experts.add(key.rsplit(".", 2)[0])
-    return total, len(experts)
+    Raises:
+        MoeOffloadError: a file that is not valid safetensors (``Checkpoint``).
+    """
+    from ..models.checkpoint import Checkpoint
 
-
-_DTYPE_BYTES = {"F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "U8": 1, "I8": 1, "F64": 8, "I64": 8, "I32": 4}
+    ckpt = Checkpoint(Path(model_dir))
+    try:
+        keys = [k for k in ckpt.keys() if ".experts." in k]
+        return sum(ckpt.info(k).nbytes for k in keys), len({k.rsplit(".", 2)[0] for k in keys})
+    finally:
+        ckpt.close()
 
 
 def gguf_expert_ranges(gguf: Path) -> list[tuple[int, int]]:
