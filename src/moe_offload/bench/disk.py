@@ -60,6 +60,7 @@ class Cell:
     peak_bytes: int | None = None
     wall_s: float | None = None
     slot_bytes: int | None = None
+    cached_before_bytes: int | None = None
     token_ids: list = field(default_factory=list, repr=False)
 
 
@@ -117,7 +118,8 @@ class DiskBench:
 
 def _ours_cell(bench: DiskBench, row: str, fraction, limit, cmd) -> Cell:
     r = measured(cmd, limit, bench.timeout_s, bench.files())
-    cell = Cell(row, fraction, limit, peak_bytes=r["peak_bytes"], wall_s=r["wall_s"])
+    cell = Cell(row, fraction, limit, peak_bytes=r["peak_bytes"], wall_s=r["wall_s"],
+                cached_before_bytes=r["cached_before_bytes"])
     if r["timed_out"]:
         cell.status = f"timeout: not done in {bench.timeout_s:.0f} s"
         return cell
@@ -144,7 +146,8 @@ def _llama_cell(bench: DiskBench, fraction, limit) -> Cell:
     if bench.llama_bin is None or bench.gguf is None:
         return Cell("llama.cpp (mmap)", fraction, limit, status="not installed")
     r = measured(bench.llama(), limit, bench.timeout_s, bench.files())
-    cell = Cell("llama.cpp (mmap)", fraction, limit, peak_bytes=r["peak_bytes"], wall_s=r["wall_s"])
+    cell = Cell("llama.cpp (mmap)", fraction, limit, peak_bytes=r["peak_bytes"], wall_s=r["wall_s"],
+                cached_before_bytes=r["cached_before_bytes"])
     got = parse_llama_decode(r["stderr"])
     if r["timed_out"]:
         cell.status = f"timeout: not done in {bench.timeout_s:.0f} s"

@@ -49,12 +49,15 @@ def resident_in_ranges(path: Path, ranges: list[tuple[int, int]]) -> int:
     return sum(int(pages[off // PAGE:(off + n + PAGE - 1) // PAGE].sum()) * PAGE for off, n in ranges)
 
 
-def drop_files(paths: list[Path]) -> None:
-    """Evict ``paths`` from the page cache (``runtime.page_cache.drop``)."""
-    from ..runtime.page_cache import drop
+def drop_files(paths: list[Path]) -> int:
+    """Evict ``paths`` from the page cache (``runtime.page_cache.drop``); returns the bytes of them still cached
+    afterwards (``runtime.page_cache.cached_bytes``: ~0 when the kernel took the advice), so a run's reads are
+    known to be real."""
+    from ..runtime.page_cache import cached_bytes, drop
 
     for p in paths:
         drop(p)
+    return sum(cached_bytes(p) for p in paths)
 
 
 def run_limited(cmd: list[str], limit_bytes: int | None, timeout_s: float) -> dict:
@@ -91,11 +94,13 @@ def _children_inblock() -> int:
 
 def measured(cmd: list[str], limit_bytes: int | None, timeout_s: float, drop: list[Path]) -> dict:
     """``run_limited`` after dropping ``drop`` from the page cache, with ``read_bytes``: the storage bytes the
-    run's processes read (``RUSAGE_CHILDREN``'s ``ru_inblock`` before and after)."""
-    drop_files(drop)
+    run's processes read (``RUSAGE_CHILDREN``'s ``ru_inblock`` before and after), and ``cached_before_bytes``: the
+    bytes of ``drop`` still in the page cache when the run started."""
+    cached = drop_files(drop)
     before = _children_inblock()
     r = run_limited(cmd, limit_bytes, timeout_s)
     r["read_bytes"] = _children_inblock() - before
+    r["cached_before_bytes"] = cached
     return r
 
 

@@ -9,7 +9,8 @@ from pathlib import Path
 from ..errors import MoeOffloadError
 
 COLUMNS = ("row", "fraction", "limit_bytes", "status", "decode_tok_s", "vs_own_unlimited", "hit_rate",
-           "mb_read_per_token", "read_gbps", "physical_limit_tok_s", "tokens_equal_full_load", "peak_bytes", "wall_s")
+           "mb_read_per_token", "read_gbps", "physical_limit_tok_s", "tokens_equal_full_load", "peak_bytes", "wall_s",
+           "cached_before_bytes")
 
 
 def _fmt(v, spec: str = ".2f") -> str:
