@@ -116,49 +116,52 @@ class DiskBench:
                 "--temp", "0", "-t", str(self.threads), "-c", "4096", "-no-cnv", "--no-warmup", "--seed", "0"]
 
 
-def _ours_cell(bench: DiskBench, row: str, fraction, limit, cmd) -> Cell:
+def _measured_cell(bench: DiskBench, row: str, fraction, limit, cmd, ok) -> tuple[Cell, dict]:
+    """Run ``cmd`` (``disk_measure.measured``) into a ``Cell``; its ``status`` says a timeout, an OOM kill or a
+    failure (a signal, or the last line of stderr when ``ok(r)`` is false), else stays "ok"."""
     r = measured(cmd, limit, bench.timeout_s, bench.files())
     cell = Cell(row, fraction, limit, peak_bytes=r["peak_bytes"], wall_s=r["wall_s"],
                 cached_before_bytes=r["cached_before_bytes"])
+    lines = r["stderr"].strip().splitlines()
     if r["timed_out"]:
         cell.status = f"timeout: not done in {bench.timeout_s:.0f} s"
-        return cell
-    if r["oom"] or (r["rc"] != 0 and r["rc"] < 0):
-        cell.status = "oom" if r["oom"] else f"failed: signal {-r['rc']}"
-        return cell
-    if r["rc"] != 0:
-        lines = r["stderr"].strip().splitlines()
+    elif r["oom"]:
+        cell.status = "oom"
+    elif r["rc"] < 0:
+        cell.status = f"failed: signal {-r['rc']}"
+    elif not ok(r):
         cell.status = f"failed: {lines[-1] if lines else r['rc']}"
+    return cell, r
+
+
+def _rates(cell: Cell, r: dict, tokens: int) -> None:
+    cell.mb_read_per_token = r["read_bytes"] / max(1, tokens) / 1e6
+    cell.read_gbps = r["read_bytes"] / r["wall_s"] / 1e9
+
+
+def _ours_cell(bench: DiskBench, row: str, fraction, limit, cmd) -> Cell:
+    cell, r = _measured_cell(bench, row, fraction, limit, cmd, lambda r: r["rc"] == 0)
+    if cell.status != "ok":
         return cell
     d = json.loads(r["stdout"])
     st = d["stats"]
     cell.decode_tok_s = st["decode_tokens_per_s"]
     cell.hit_rate = st.get("hit_rate")
     cell.token_ids = d["outputs"][0]["token_ids"]
-    n = max(1, len(cell.token_ids))
-    cell.mb_read_per_token = r["read_bytes"] / n / 1e6
-    cell.read_gbps = r["read_bytes"] / r["wall_s"] / 1e9
     cell.slot_bytes = st.get("peak_slot_bytes", 0)
+    _rates(cell, r, len(cell.token_ids))
     return cell
 
 
 def _llama_cell(bench: DiskBench, fraction, limit) -> Cell:
     if bench.llama_bin is None or bench.gguf is None:
         return Cell("llama.cpp (mmap)", fraction, limit, status="not installed")
-    r = measured(bench.llama(), limit, bench.timeout_s, bench.files())
-    cell = Cell("llama.cpp (mmap)", fraction, limit, peak_bytes=r["peak_bytes"], wall_s=r["wall_s"],
-                cached_before_bytes=r["cached_before_bytes"])
-    got = parse_llama_decode(r["stderr"])
-    if r["timed_out"]:
-        cell.status = f"timeout: not done in {bench.timeout_s:.0f} s"
+    cell, r = _measured_cell(bench, "llama.cpp (mmap)", fraction, limit, bench.llama(),
+                             lambda r: parse_llama_decode(r["stderr"]) is not None)
+    if cell.status != "ok":
         return cell
-    if r["oom"] or got is None:
-        lines = r["stderr"].strip().splitlines()
-        cell.status = "oom" if r["oom"] else f"failed: {lines[-1] if lines else r['rc']}"
-        return cell
-    cell.decode_tok_s, n = got
-    cell.mb_read_per_token = r["read_bytes"] / max(1, n) / 1e6
-    cell.read_gbps = r["read_bytes"] / r["wall_s"] / 1e9
+    cell.decode_tok_s, n = parse_llama_decode(r["stderr"])
+    _rates(cell, r, n)
     return cell
 
 
