@@ -9,7 +9,7 @@ import pytest
 
 from moe_offload.cli import main
 from moe_offload.errors import MoeOffloadError
-from moe_offload.models.gguf_export import export_gguf, find_converter
+from moe_offload.models.gguf_export import export_gguf, find_converter, first_difference, router_ulp_control
 
 
 def test_refusals(tiny_dirs, tmp_path, capsys, monkeypatch):
@@ -47,3 +47,32 @@ def test_converts_testbed_sparse(tmp_path):
     exps = [t for t in GGUFReader(out).tensors if "_exps" in t.name]
     assert len(exps) == 3 * cfg["num_hidden_layers"]
     assert all(cfg["num_local_experts"] in [int(x) for x in t.shape] for t in exps)
+
+
+def test_router_ulp_control_moves_only_near_ties():
+    """The control of ``check_tokens``: an exact tie at the top-k boundary is broken one way or the other by the seed,
+    a boundary two ulps or more apart never moves, and the scores stay those of the chosen experts (renormalised)."""
+    import torch
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
+
+    cfg = MixtralConfig(hidden_size=4, num_local_experts=4, num_experts_per_tok=2)
+    tied, apart = MixtralTopKRouter(cfg), MixtralTopKRouter(cfg)
+    with torch.no_grad():  # logits [3, 1, 1, 0] (experts 1 and 2 tie for the second place) and [3, 2, 1, 0]
+        tied.weight.copy_(torch.tensor([[3.0, 0, 0, 0], [1, 0, 0, 0], [1, 0, 0, 0], [0, 0, 0, 0]]))
+        apart.weight.copy_(torch.tensor([[3.0, 0, 0, 0], [2, 0, 0, 0], [1, 0, 0, 0], [0, 0, 0, 0]]))
+    x = torch.tensor([[1.0, 0, 0, 0]])
+    container = torch.nn.ModuleList([tied, apart])
+    picks = set()
+    for seed in range(16):
+        with router_ulp_control(container, seed):
+            _, scores, idx = tied(x)
+            picks.add(tuple(sorted(idx[0].tolist())))
+            assert sorted(apart(x)[2][0].tolist()) == [0, 1]
+            assert torch.allclose(scores.sum(-1), torch.ones(1))
+    assert picks == {(0, 1), (0, 2)}
+    assert sorted(tied(x)[2][0].tolist()) in ([0, 1], [0, 2])  # the hook is gone afterwards
+    with pytest.raises(MoeOffloadError, match="no top-k router"):
+        with router_ulp_control(torch.nn.Linear(2, 2), 0):
+            pass
+    assert first_difference([1, 2, 3], [1, 2, 4]) == 2 and first_difference([1], [1]) == 1

@@ -20,6 +20,7 @@ import os
 import shutil
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 from ..errors import MoeOffloadError
@@ -110,6 +111,9 @@ def add_parser(sub) -> None:
                    "check)")
     g.add_argument("--check-prompts", type=int, default=10, help="with --check: prompts (default 10)")
     g.add_argument("--check-tokens", type=int, default=16, help="with --check: tokens per prompt (default 16)")
+    g.add_argument("--check-controls", type=int, default=4, help="with --check: runs of our own FullLoad with its router "
+                   "probabilities moved by at most one ulp, the control that says whether a disagreement is a router "
+                   "near tie (default 4)")
 
 
 def run(args) -> int:
@@ -125,22 +129,74 @@ def run(args) -> int:
         from ..testbed.sharegpt import human_turns
 
         prompts = [t for t in human_turns(4 * args.check_prompts) if len(t) <= 300][:args.check_prompts]
-        rows = check_tokens(model, out, Path(args.check), prompts, args.check_tokens)
-        print("| prompt | tokens agreeing | ours | llama.cpp |\n|---|---|---|---|")
+        rows = check_tokens(model, out, Path(args.check), prompts, args.check_tokens, controls=args.check_controls)
+        print("| prompt | tokens agreeing | ours with router probabilities moved <= 1 ulp | explained | ours | "
+              "llama.cpp |\n|---|---|---|---|---|---|")
         for r in rows:
             cut = (lambda t: t.replace("\n", " ").replace("|", "/")[:60])
-            print(f"| {cut(r['prompt'])} | {r['agree']} / {r['n']} | {cut(r['ours'])} | {cut(r['llama'])} |")
+            print(f"| {cut(r['prompt'])} | {r['agree']} / {r['n']} | {', '.join(map(str, r['control']))} | "
+                  f"{'yes' if r['explained'] else 'no'} | {cut(r['ours'])} | {cut(r['llama'])} |")
         full = sum(r["agree"] == r["n"] for r in rows)
-        print(f"{full} of {len(rows)} prompts agree on all their first tokens")
+        print(f"{full} of {len(rows)} prompts agree on all their first tokens; "
+              f"{sum(r['explained'] for r in rows)} of {len(rows)} agree or part where our own run parts when its "
+              "router probabilities move by one ulp")
     return 0
 
 
+@contextmanager
+def router_ulp_control(model, seed: int):
+    """Inside, every top-k router of ``model`` (transformers' ``*TopKRouter``: ``(logits, scores, indices)``) picks
+    its experts from probabilities each moved by at most one float32 ulp (up, down or not, drawn from ``seed``): the
+    difference another engine's exp, sum and sort make (llama.cpp: ``ggml_v_expf``, ``std::sort``). The control of
+    ``check_tokens``: where router probabilities are that close at the top-k boundary, our own engine parts from
+    itself as another engine parts from us.
+
+    Raises:
+        MoeOffloadError: the model has no top-k router module.
+    """
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+
+    def moved(module, args, out):
+        logits = out[0]
+        p = torch.softmax(logits.float(), dim=-1)
+        step = torch.randint(-1, 2, p.shape, generator=gen)
+        p = torch.where(step > 0, torch.nextafter(p, torch.ones_like(p)),
+                        torch.where(step < 0, torch.nextafter(p, torch.zeros_like(p)), p))
+        scores, indices = torch.topk(p, module.top_k, dim=-1)
+        return logits, scores / scores.sum(dim=-1, keepdim=True), indices
+
+    routers = [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+    if not routers:
+        raise MoeOffloadError("the model has no top-k router module (transformers' *TopKRouter) to perturb")
+    hooks = [m.register_forward_hook(moved) for m in routers]
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def first_difference(a: list[int], b: list[int]) -> int:
+    """Tokens ``a`` and ``b`` share from the start."""
+    i = 0
+    while i < min(len(a), len(b)) and a[i] == b[i]:
+        i += 1
+    return i
+
+
 def check_tokens(model_dir: Path, gguf: Path, llama_bin: Path, prompts: list[str], n: int = 16,
-                 threads: int = 2, timeout_s: float = 600) -> list[dict]:
+                 threads: int = 2, timeout_s: float = 600, controls: int = 4) -> list[dict]:
     """llama.cpp's greedy continuation of each prompt on ``gguf`` against our FullLoad's (one thread) on
-    ``model_dir``: ``[{"prompt", "ours", "llama", "agree"}]`` where ``agree`` is the number of our first ``n`` tokens
-    whose text is a prefix of llama.cpp's text (llama-completion prints text, not ids; its prompt is ours in the
-    chat template, so both start from the same token ids).
+    ``model_dir``: ``[{"prompt", "ours", "llama", "agree", "n", "control", "explained"}]`` where ``agree`` is the
+    number of our first ``n`` tokens whose text is a prefix of llama.cpp's text (llama-completion prints text, not
+    ids; its prompt is ours in the chat template, so both start from the same token ids).
+
+    ``control``: the tokens our own FullLoad shares with itself when its router probabilities are moved by at most
+    one ulp (``router_ulp_control``, seeds ``0 .. controls - 1``); ``explained``: llama.cpp agrees on all ``n``
+    tokens, or parts at a token where one of the controls parts too (a router near tie there, not a difference of
+    the two engines' models).
 
     Raises:
         MoeOffloadError: llama.cpp fails on a prompt (its last line).
@@ -156,6 +212,10 @@ def check_tokens(model_dir: Path, gguf: Path, llama_bin: Path, prompts: list[str
     out = []
     for p in prompts:
         ids = generate_ids(lm, encode_prompt(tok, p), n)[0]
+        control = []
+        for seed in range(controls):
+            with router_ulp_control(lm.model, seed):
+                control.append(first_difference(ids, generate_ids(lm, encode_prompt(tok, p), n)[0]))
         text = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
         proc = subprocess.run([str(llama_bin), "-m", str(gguf), "-p", text, "-n", str(n), "--temp", "0", "-t",
                                str(threads), "-c", "4096", "-no-cnv", "--no-warmup", "--seed", "0",
@@ -168,5 +228,6 @@ def check_tokens(model_dir: Path, gguf: Path, llama_bin: Path, prompts: list[str
         agree = 0
         while agree < len(ids) and theirs.startswith(tok.decode(ids[:agree + 1])):
             agree += 1
-        out.append({"prompt": p, "ours": tok.decode(ids), "llama": theirs, "agree": agree, "n": len(ids)})
+        out.append({"prompt": p, "ours": tok.decode(ids), "llama": theirs, "agree": agree, "n": len(ids),
+                    "control": control, "explained": agree == len(ids) or agree in control})
     return out
