@@ -8,10 +8,12 @@ that engine's measured baseline plus a share of the expert bytes:
   our disk store (``--host-store disk``) with each ``--policy`` asked for, our ``--host-store mmap`` (half of the
   share in slots, the page cache for the rest), and llama.cpp's ``llama-completion`` on the checkpoint's GGUF
   (default mmap; "not installed" without a binary);
-- baselines, measured first in unlimited cgroups: ours = the peak of a disk-store run less its slot bytes (the
-  interpreter, torch, the non-expert weights, the KV cache, the staging buffers); llama.cpp's = the peak of its
-  unlimited run less the expert bytes it left in the page cache (``runtime.page_cache.resident_pages`` over the
-  GGUF's ``*_exps`` tensors);
+- baselines, measured first in unlimited cgroups, one per engine configuration: ours = the peak of a disk-store run
+  less its slot bytes (the interpreter, torch, the non-expert weights, the KV cache, the staging buffers); our mmap
+  mode's = the peak of an mmap run less its slot bytes and less the expert bytes it left in the page cache (it has
+  no staging buffers, and whatever a limit leaves beyond its own needs becomes page cache for experts, so the disk
+  store's baseline would hand it more than its share); llama.cpp's = the peak of its unlimited run less the expert
+  bytes it left in the page cache (``runtime.page_cache.resident_pages`` over the GGUF's ``*_exps`` tensors);
 - before every cell the checkpoint's files and the GGUF are dropped from the page cache (``posix_fadvise``);
 - columns: decode tok/s (each engine's own decode timer), the fraction of the engine's own unlimited speed, hit rate
   (ours), MB read from disk per generated token (``wait4``'s ``ru_inblock`` of the engine's process: the same
@@ -32,8 +34,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..errors import MoeOffloadError
-from .disk_measure import (expert_bytes_of_checkpoint, gguf_expert_ranges, measured, parse_llama_decode,
-                           resident_in_ranges)
+from .disk_measure import (checkpoint_expert_ranges, expert_bytes_of_checkpoint, gguf_expert_ranges, measured,
+                           parse_llama_decode, resident_in_ranges)
 from .disk_report import markdown, write_results
 
 #: shares of the expert bytes in memory, each limit = baseline + share x expert bytes (1.0: all of them)
@@ -181,6 +183,12 @@ def run_bench(bench: DiskBench, say=print) -> dict:
     if probe.status != "ok":
         raise MoeOffloadError(f"our baseline run failed: {probe.status}")
     base_ours = probe.peak_bytes - probe.slot_bytes
+    base_mmap = None
+    if bench.peers:
+        mprobe = _ours_cell(bench, "mmap baseline probe", 0.1, None, bench.ours("mmap", 0.05))
+        if mprobe.status == "ok":
+            cached = sum(resident_in_ranges(f, r) for f, r in checkpoint_expert_ranges(bench.model_dir).items())
+            base_mmap = mprobe.peak_bytes - mprobe.slot_bytes - cached
     cells = [full]
     base_llama = gguf_experts = None
     if bench.peers and bench.llama_bin is not None and bench.gguf is not None:
@@ -204,13 +212,19 @@ def run_bench(bench: DiskBench, say=print) -> dict:
                                   else "no baseline (its unlimited run failed)"))
                 say(_cell_line(cells[-1]))
                 continue
-            limit = int(base_ours + f * expert_bytes + bench.headroom_bytes)
             store, policy, res = ("mmap", "lru", f / 2) if row == "mmap" else ("disk", row.split()[1], f)
             name = "mmap (ours, half the share in slots)" if row == "mmap" else f"disk {policy} (ours)"
+            base = base_mmap if row == "mmap" else base_ours
+            if base is None:
+                cells.append(Cell(name, f, None, status="no baseline (its probe run failed)"))
+                say(_cell_line(cells[-1]))
+                continue
+            limit = int(base + f * expert_bytes + bench.headroom_bytes)
             cells.append(_ours_cell(bench, name, f, limit, bench.ours(store, res, policy)))
             say(_cell_line(cells[-1]))
     _finish(cells, full, expert_bytes // max(1, n_experts))
-    return {"cells": [asdict(c) for c in cells], "baselines": {"ours": base_ours, "llama.cpp": base_llama},
+    return {"cells": [asdict(c) for c in cells], "baselines": {"ours": base_ours, "ours mmap": base_mmap,
+                                                                    "llama.cpp": base_llama},
             "expert_bytes": expert_bytes, "gguf_expert_bytes": gguf_experts, "max_new_tokens": bench.max_new_tokens,
             "reverse": bench.reverse}
 

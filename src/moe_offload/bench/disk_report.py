@@ -37,7 +37,8 @@ def markdown(result: dict) -> str:
     lines.append("")
     lines.append(f"Expert bytes {result['expert_bytes'] / 1e9:.3f} GB (GGUF: "
                  f"{_fmt(result['gguf_expert_bytes'] and result['gguf_expert_bytes'] / 1e9, '.3f') or 'n/a'} GB); "
-                 f"baselines (limit = baseline + share x expert bytes): ours {b['ours'] / 1e9:.3f} GB, llama.cpp "
+                 f"baselines (limit = baseline + share x expert bytes): ours {b['ours'] / 1e9:.3f} GB, ours mmap "
+                 f"{'n/a' if b.get('ours mmap') is None else format(b['ours mmap'] / 1e9, '.3f')} GB, llama.cpp "
                  f"{'n/a' if b['llama.cpp'] is None else format(b['llama.cpp'] / 1e9, '.3f')} GB; "
                  f"{result['max_new_tokens']} new tokens per cell, greedy; order "
                  f"{'reversed' if result['reverse'] else 'forward'}.")

@@ -245,9 +245,10 @@ class DiskStore:
                 if not done:
                     break
             nread += span.length
+            out = dst if isinstance(dst, np.ndarray) else dst.numpy() if dst.device.type == "cpu" else None
             for dst_off, src_off, n in span.pieces:
-                if isinstance(dst, np.ndarray):
-                    np.copyto(dst[dst_off:dst_off + n], arr[src_off:src_off + n])
+                if out is not None:  # numpy's copy: half the overhead of torch's for these ~100 KiB pieces
+                    np.copyto(out[dst_off:dst_off + n], arr[src_off:src_off + n])
                 else:
                     dst[dst_off:dst_off + n].copy_(torch.from_numpy(arr[src_off:src_off + n]))
         busy = time.perf_counter() - t0
