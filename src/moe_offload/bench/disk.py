@@ -10,10 +10,11 @@ that engine's measured baseline plus a share of the expert bytes:
   (default mmap; "not installed" without a binary);
 - baselines, measured first in unlimited cgroups, one per engine configuration: ours = the peak of a disk-store run
   less its slot bytes (the interpreter, torch, the non-expert weights, the KV cache, the staging buffers); our mmap
-  mode's = the peak of an mmap run less its slot bytes and less the expert bytes it left in the page cache (it has
-  no staging buffers, and whatever a limit leaves beyond its own needs becomes page cache for experts, so the disk
-  store's baseline would hand it more than its share); llama.cpp's = the peak of its unlimited run less the expert
-  bytes it left in the page cache (``runtime.page_cache.resident_pages`` over the GGUF's ``*_exps`` tensors);
+  mode's = the peak of an mmap run less its slot bytes; from both, the checkpoint's pages left in the page cache
+  (the cgroup's peak counts them, but both modes copy the non-expert weights into their own memory, so under a limit
+  that page cache is free room: for the mmap mode, room for more experts than its share); llama.cpp's = the peak of
+  its unlimited run less the expert bytes it left in the page cache (``runtime.page_cache.resident_pages`` over the
+  GGUF's ``*_exps`` tensors: it computes on the other weights where they are mapped, so their pages are its own);
 - before every cell the checkpoint's files and the GGUF are dropped from the page cache (``posix_fadvise``);
 - columns: decode tok/s (each engine's own decode timer), the fraction of the engine's own unlimited speed, hit rate
   (ours), MB read from disk per generated token (``wait4``'s ``ru_inblock`` of the engine's process: the same
@@ -34,8 +35,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..errors import MoeOffloadError
-from .disk_measure import (checkpoint_expert_ranges, expert_bytes_of_checkpoint, gguf_expert_ranges, measured,
-                           parse_llama_decode, resident_in_ranges)
+from .disk_measure import (expert_bytes_of_checkpoint, gguf_expert_ranges, measured, parse_llama_decode,
+                           resident_in_ranges)
 from .disk_report import markdown, write_results
 
 #: shares of the expert bytes in memory, each limit = baseline + share x expert bytes (1.0: all of them)
@@ -167,6 +168,15 @@ def _llama_cell(bench: DiskBench, fraction, limit) -> Cell:
     return cell
 
 
+def _checkpoint_cached(bench: DiskBench) -> int:
+    """Bytes of the checkpoint's safetensors files in the page cache now, right after a probe run: the cgroup's peak
+    counts them, but both of our modes copy the non-expert weights into their own memory and read experts into
+    slots, so under a limit that page cache is only ever a cache (for the mmap mode, of experts: its share)."""
+    from ..runtime.page_cache import cached_bytes
+
+    return sum(cached_bytes(f) for f in sorted(bench.model_dir.glob("*.safetensors")))
+
+
 def run_bench(bench: DiskBench, say=print) -> dict:
     """Baselines, the reference rows, then every (limit, row) cell in interleaved order; returns ``{"cells",
     "baselines", "expert_bytes", ...}`` (``Cell`` as dicts).
@@ -182,13 +192,12 @@ def run_bench(bench: DiskBench, say=print) -> dict:
     probe = _ours_cell(bench, "baseline probe", 0.1, None, bench.ours("disk", 0.1))
     if probe.status != "ok":
         raise MoeOffloadError(f"our baseline run failed: {probe.status}")
-    base_ours = probe.peak_bytes - probe.slot_bytes
+    base_ours = probe.peak_bytes - probe.slot_bytes - _checkpoint_cached(bench)
     base_mmap = None
     if bench.peers:
         mprobe = _ours_cell(bench, "mmap baseline probe", 0.1, None, bench.ours("mmap", 0.05))
         if mprobe.status == "ok":
-            cached = sum(resident_in_ranges(f, r) for f, r in checkpoint_expert_ranges(bench.model_dir).items())
-            base_mmap = mprobe.peak_bytes - mprobe.slot_bytes - cached
+            base_mmap = mprobe.peak_bytes - mprobe.slot_bytes - _checkpoint_cached(bench)
     cells = [full]
     base_llama = gguf_experts = None
     if bench.peers and bench.llama_bin is not None and bench.gguf is not None:

@@ -33,27 +33,6 @@ def expert_bytes_of_checkpoint(model_dir: Path) -> tuple[int, int]:
         ckpt.close()
 
 
-def checkpoint_expert_ranges(model_dir: Path) -> dict[Path, list[tuple[int, int]]]:
-    """``{file: [(offset, nbytes)]}`` of the routed-expert tensors in ``model_dir``'s safetensors files (per-expert
-    keys, as ``expert_bytes_of_checkpoint``), from their headers.
-
-    Raises:
-        MoeOffloadError: a file that is not valid safetensors (``Checkpoint``).
-    """
-    from ..models.checkpoint import Checkpoint
-
-    ckpt = Checkpoint(Path(model_dir))
-    try:
-        out: dict[Path, list[tuple[int, int]]] = {}
-        for k in ckpt.keys():
-            if ".experts." in k:
-                info = ckpt.info(k)
-                out.setdefault(info.file, []).append((info.start, info.nbytes))
-        return out
-    finally:
-        ckpt.close()
-
-
 def gguf_expert_ranges(gguf: Path) -> list[tuple[int, int]]:
     """``[(offset, nbytes)]`` of the GGUF's routed-expert tensors (``*_exps``), from its header (``gguf`` package)."""
     from gguf import GGUFReader
