@@ -4,6 +4,7 @@ checkpoint in child memory cgroups (skipped where none can be made)."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import pytest
@@ -98,3 +99,21 @@ def test_cli_refusals(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "--predictor" in err or "cgroup" in err
     assert sys.executable  # the rows run `python -m moe_offload.cli` with this interpreter
+
+
+@pytest.mark.skipif(child_cgroup_problem() is not None, reason=f"no child memory cgroup: {child_cgroup_problem()}")
+def test_peak_beside_a_files_page_cache(tmp_path):
+    """A run that reads a 64 MiB file through the page cache, then holds 32 MiB of its own: the cgroup's peak counts
+    both, the peak beside that file's cache only the run's own memory."""
+    from moe_offload.bench.disk_measure import drop_files, run_limited
+
+    f = tmp_path / "weights.bin"
+    f.write_bytes(os.urandom(64 << 20))
+    drop_files([f])
+    code = (f"import time; open({str(f)!r}, 'rb').read(); x = bytearray(32 << 20); x[::4096] = b'1' * (8 << 10); "
+            "time.sleep(0.5)")
+    r = run_limited([sys.executable, "-c", code], None, 60, beside=[f])
+    assert r["rc"] == 0, r["stderr"]
+    assert r["peak_bytes"] >= (64 + 32) << 20
+    assert (32 << 20) <= r["peak_beside_bytes"] <= r["peak_bytes"] - (48 << 20)
+    assert run_limited([sys.executable, "-c", "pass"], None, 60)["peak_beside_bytes"] is None

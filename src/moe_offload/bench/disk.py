@@ -8,11 +8,12 @@ that engine's measured baseline plus a share of the expert bytes:
   our disk store (``--host-store disk``) with each ``--policy`` asked for, our ``--host-store mmap`` (half of the
   share in slots, the page cache for the rest), and llama.cpp's ``llama-completion`` on the checkpoint's GGUF
   (default mmap; "not installed" without a binary);
-- baselines, measured first in unlimited cgroups, one per engine configuration: ours = the peak of a disk-store run
-  less its slot bytes (the interpreter, torch, the non-expert weights, the KV cache, the staging buffers); our mmap
-  mode's = the peak of an mmap run less its slot bytes; from both, the checkpoint's pages left in the page cache
-  (the cgroup's peak counts them, but both modes copy the non-expert weights into their own memory, so under a limit
-  that page cache is free room: for the mmap mode, room for more experts than its share); llama.cpp's = the peak of
+- baselines, measured first in unlimited cgroups, one per engine configuration: ours = the most a disk-store run
+  used beside the checkpoint's page cache (sampled, ``disk_measure.run_limited``), less its slot bytes (the
+  interpreter, torch, the non-expert weights, the KV cache, the staging buffers); our mmap mode's the same for an
+  mmap run. The checkpoint's page cache is left out because both modes copy the non-expert weights into their own
+  memory: under a limit it is free room, which the mmap row would fill with experts beyond its share (it did, on
+  testbed-sparse, when its limit was the disk store's peak); llama.cpp's = the peak of
   its unlimited run less the expert bytes it left in the page cache (``runtime.page_cache.resident_pages`` over the
   GGUF's ``*_exps`` tensors: it computes on the other weights where they are mapped, so their pages are its own);
 - before every cell the checkpoint's files and the GGUF are dropped from the page cache (``posix_fadvise``);
@@ -63,6 +64,7 @@ class Cell:
     peak_bytes: int | None = None
     wall_s: float | None = None
     slot_bytes: int | None = None
+    peak_beside_bytes: int | None = None
     cached_before_bytes: int | None = None
     token_ids: list = field(default_factory=list, repr=False)
 
@@ -119,12 +121,12 @@ class DiskBench:
                 "--temp", "0", "-t", str(self.threads), "-c", "4096", "-no-cnv", "--no-warmup", "--seed", "0"]
 
 
-def _measured_cell(bench: DiskBench, row: str, fraction, limit, cmd, ok) -> tuple[Cell, dict]:
-    """Run ``cmd`` (``disk_measure.measured``) into a ``Cell``; its ``status`` says a timeout, an OOM kill or a
-    failure (a signal, or the last line of stderr when ``ok(r)`` is false), else stays "ok"."""
-    r = measured(cmd, limit, bench.timeout_s, bench.files())
+def _measured_cell(bench: DiskBench, row: str, fraction, limit, cmd, ok, beside=None) -> tuple[Cell, dict]:
+    """Run ``cmd`` (``disk_measure.measured``, ``beside`` passed on) into a ``Cell``; its ``status`` says a timeout,
+    an OOM kill or a failure (a signal, or the last line of stderr when ``ok(r)`` is false), else stays "ok"."""
+    r = measured(cmd, limit, bench.timeout_s, bench.files(), beside)
     cell = Cell(row, fraction, limit, peak_bytes=r["peak_bytes"], wall_s=r["wall_s"],
-                cached_before_bytes=r["cached_before_bytes"])
+                cached_before_bytes=r["cached_before_bytes"], peak_beside_bytes=r["peak_beside_bytes"])
     lines = r["stderr"].strip().splitlines()
     if r["timed_out"]:
         cell.status = f"timeout: not done in {bench.timeout_s:.0f} s"
@@ -142,8 +144,8 @@ def _rates(cell: Cell, r: dict, tokens: int) -> None:
     cell.read_gbps = r["read_bytes"] / r["wall_s"] / 1e9
 
 
-def _ours_cell(bench: DiskBench, row: str, fraction, limit, cmd) -> Cell:
-    cell, r = _measured_cell(bench, row, fraction, limit, cmd, lambda r: r["rc"] == 0)
+def _ours_cell(bench: DiskBench, row: str, fraction, limit, cmd, beside=None) -> Cell:
+    cell, r = _measured_cell(bench, row, fraction, limit, cmd, lambda r: r["rc"] == 0, beside)
     if cell.status != "ok":
         return cell
     d = json.loads(r["stdout"])
@@ -168,15 +170,6 @@ def _llama_cell(bench: DiskBench, fraction, limit) -> Cell:
     return cell
 
 
-def _checkpoint_cached(bench: DiskBench) -> int:
-    """Bytes of the checkpoint's safetensors files in the page cache now, right after a probe run: the cgroup's peak
-    counts them, but both of our modes copy the non-expert weights into their own memory and read experts into
-    slots, so under a limit that page cache is only ever a cache (for the mmap mode, of experts: its share)."""
-    from ..runtime.page_cache import cached_bytes
-
-    return sum(cached_bytes(f) for f in sorted(bench.model_dir.glob("*.safetensors")))
-
-
 def run_bench(bench: DiskBench, say=print) -> dict:
     """Baselines, the reference rows, then every (limit, row) cell in interleaved order; returns ``{"cells",
     "baselines", "expert_bytes", ...}`` (``Cell`` as dicts).
@@ -189,15 +182,16 @@ def run_bench(bench: DiskBench, say=print) -> dict:
     full = _ours_cell(bench, "FullLoad (ours, in memory)", None, None, bench.ours(None))
     if full.status != "ok":
         raise MoeOffloadError(f"our FullLoad run failed: {full.status}")
-    probe = _ours_cell(bench, "baseline probe", 0.1, None, bench.ours("disk", 0.1))
+    shards = sorted(bench.model_dir.glob("*.safetensors"))
+    probe = _ours_cell(bench, "baseline probe", 0.1, None, bench.ours("disk", 0.1), beside=shards)
     if probe.status != "ok":
         raise MoeOffloadError(f"our baseline run failed: {probe.status}")
-    base_ours = probe.peak_bytes - probe.slot_bytes - _checkpoint_cached(bench)
+    base_ours = probe.peak_beside_bytes - probe.slot_bytes
     base_mmap = None
     if bench.peers:
-        mprobe = _ours_cell(bench, "mmap baseline probe", 0.1, None, bench.ours("mmap", 0.05))
+        mprobe = _ours_cell(bench, "mmap baseline probe", 0.1, None, bench.ours("mmap", 0.05), beside=shards)
         if mprobe.status == "ok":
-            base_mmap = mprobe.peak_bytes - mprobe.slot_bytes - _checkpoint_cached(bench)
+            base_mmap = mprobe.peak_beside_bytes - mprobe.slot_bytes
     cells = [full]
     base_llama = gguf_experts = None
     if bench.peers and bench.llama_bin is not None and bench.gguf is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -60,20 +61,44 @@ def drop_files(paths: list[Path]) -> int:
     return sum(cached_bytes(p) for p in paths)
 
 
-def run_limited(cmd: list[str], limit_bytes: int | None, timeout_s: float) -> dict:
+#: seconds between two samples of a run's memory beside the checkpoint's page cache (``run_limited``'s ``beside``)
+SAMPLE_S = 0.05
+
+
+def run_limited(cmd: list[str], limit_bytes: int | None, timeout_s: float, beside: list[Path] | None = None) -> dict:
     """Run ``cmd`` in a child memory cgroup limited to ``limit_bytes`` (None: unlimited) and return ``{"rc",
-    "stdout", "stderr", "wall_s", "peak_bytes", "oom", "timed_out"}`` (``timeout_s``: killed after that many
-    seconds).
+    "stdout", "stderr", "wall_s", "peak_bytes", "oom", "timed_out", "peak_beside_bytes"}`` (``timeout_s``: killed
+    after that many seconds).
+
+    ``peak_beside_bytes`` (with ``beside``, else None): the most the cgroup used beside the page cache of the files
+    ``beside``, sampled every ``SAMPLE_S`` seconds (``memory.usage_in_bytes`` less their cached bytes): the memory a
+    run needs of its own when those files' pages are only a cache to it. The cgroup's ``peak_bytes`` counts that
+    cache, and the cache left at the end can be larger than at the peak, so neither gives it.
 
     Raises:
         MoeOffloadError: no child memory cgroup can be made here (``ChildCgroup``).
     """
     from ..runtime.host_memory import ChildCgroup
+    from ..runtime.page_cache import cached_bytes
 
     with ChildCgroup(limit_bytes if limit_bytes is not None else 1 << 62) as cg:
         t0 = time.perf_counter()
         with open(os.devnull, "rb") as stdin:
             proc = subprocess.Popen(cg.argv(cmd), stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        peak_beside = [0]
+        done = threading.Event()
+
+        def sample() -> None:
+            while not done.wait(SAMPLE_S):
+                try:
+                    used = int((cg.path / "memory.usage_in_bytes").read_text())
+                    peak_beside[0] = max(peak_beside[0], used - sum(cached_bytes(f) for f in beside))
+                except (OSError, ValueError):  # the cgroup is going away with its last process
+                    return
+
+        sampler = threading.Thread(target=sample, daemon=True) if beside else None
+        if sampler is not None:
+            sampler.start()
         timed_out = False
         try:
             out, err = proc.communicate(timeout=timeout_s)
@@ -81,9 +106,14 @@ def run_limited(cmd: list[str], limit_bytes: int | None, timeout_s: float) -> di
             proc.kill()
             out, err = proc.communicate()
             timed_out = True
+        finally:
+            done.set()
+            if sampler is not None:
+                sampler.join()
         wall = time.perf_counter() - t0
         return {"rc": proc.returncode, "stdout": out.decode(errors="replace"), "stderr": err.decode(errors="replace"),
-                "wall_s": wall, "peak_bytes": cg.peak_bytes, "oom": cg.oom_kills > 0, "timed_out": timed_out}
+                "wall_s": wall, "peak_bytes": cg.peak_bytes, "oom": cg.oom_kills > 0, "timed_out": timed_out,
+                "peak_beside_bytes": peak_beside[0] if beside else None}
 
 
 def _children_inblock() -> int:
@@ -92,13 +122,14 @@ def _children_inblock() -> int:
     return resource.getrusage(resource.RUSAGE_CHILDREN).ru_inblock * 512
 
 
-def measured(cmd: list[str], limit_bytes: int | None, timeout_s: float, drop: list[Path]) -> dict:
-    """``run_limited`` after dropping ``drop`` from the page cache, with ``read_bytes``: the storage bytes the
-    run's processes read (``RUSAGE_CHILDREN``'s ``ru_inblock`` before and after), and ``cached_before_bytes``: the
-    bytes of ``drop`` still in the page cache when the run started."""
+def measured(cmd: list[str], limit_bytes: int | None, timeout_s: float, drop: list[Path],
+             beside: list[Path] | None = None) -> dict:
+    """``run_limited`` (``beside`` passed on) after dropping ``drop`` from the page cache, with ``read_bytes``: the
+    storage bytes the run's processes read (``RUSAGE_CHILDREN``'s ``ru_inblock`` before and after), and
+    ``cached_before_bytes``: the bytes of ``drop`` still in the page cache when the run started."""
     cached = drop_files(drop)
     before = _children_inblock()
-    r = run_limited(cmd, limit_bytes, timeout_s)
+    r = run_limited(cmd, limit_bytes, timeout_s, beside)
     r["read_bytes"] = _children_inblock() - before
     r["cached_before_bytes"] = cached
     return r
