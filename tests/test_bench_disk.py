@@ -48,7 +48,9 @@ def test_markdown_and_files(tmp_path):
              bench_disk.Cell("disk lru (ours)", 0.25, 2_000_000_000, decode_tok_s=6.0, vs_own_unlimited=0.6,
                              hit_rate=0.7, mb_read_per_token=30.0, read_gbps=0.2, physical_limit_tok_s=10.0,
                              tokens_equal_full_load=True),
-             bench_disk.Cell("llama.cpp (mmap)", 0.25, None, status="not installed")]
+             bench_disk.Cell("llama.cpp (mmap)", 0.25, None, status="not installed"),
+             bench_disk.Cell("mmap (ours, half the share in slots)", 0.25, 2_000_000_000,
+                             status="timeout: not done in 900 s", mb_read_per_token_at_least=412.5)]
     from dataclasses import asdict
 
     result = {"cells": [asdict(c) for c in cells], "baselines": {"ours": 1e9, "llama.cpp": None},
@@ -56,6 +58,7 @@ def test_markdown_and_files(tmp_path):
     md = bench_disk.markdown(result)
     assert "| disk lru (ours) | 25% | 2.00 | 6.00 | 0.600 | 0.700 | 30.0 | 0.200 | 10.00 | yes | ok |" in md
     assert "| llama.cpp (mmap) | 25% | none |" in md and "not installed" in md
+    assert "| mmap (ours, half the share in slots) | 25% | 2.00 |  |  |  | >= 412.5 |" in md  # a lower bound
     files = bench_disk.write_results(result, tmp_path / "out")
     assert all(f.is_file() and f.stat().st_size > 0 for f in files)
     with pytest.raises(MoeOffloadError, match="already exists"):

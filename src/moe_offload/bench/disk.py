@@ -58,6 +58,7 @@ class Cell:
     vs_own_unlimited: float | None = None
     hit_rate: float | None = None
     mb_read_per_token: float | None = None
+    mb_read_per_token_at_least: float | None = None
     read_gbps: float | None = None
     physical_limit_tok_s: float | None = None
     tokens_equal_full_load: bool | None = None
@@ -130,6 +131,8 @@ def _measured_cell(bench: DiskBench, row: str, fraction, limit, cmd, ok, beside=
     lines = r["stderr"].strip().splitlines()
     if r["timed_out"]:
         cell.status = f"timeout: not done in {bench.timeout_s:.0f} s"
+        # it made fewer than max_new_tokens tokens, so its reads over that many are a lower bound per token
+        cell.mb_read_per_token_at_least = r["read_bytes"] / bench.max_new_tokens / 1e6
     elif r["oom"]:
         cell.status = "oom"
     elif r["rc"] < 0:
@@ -235,7 +238,8 @@ def run_bench(bench: DiskBench, say=print) -> dict:
 def _cell_line(c: Cell) -> str:
     """One progress line: a cell's status, speed and reads."""
     if c.status != "ok":
-        return f"  {c.status}"
+        return f"  {c.status}" + (f" (read {c.mb_read_per_token_at_least:.1f} MB per token or more)"
+                                  if c.mb_read_per_token_at_least is not None else "")
     return (f"  {c.decode_tok_s:.2f} tok/s, {c.mb_read_per_token:.1f} MB read per token"
             + (f", hit rate {c.hit_rate:.3f}" if c.hit_rate is not None else ""))
 

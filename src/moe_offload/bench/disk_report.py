@@ -9,7 +9,7 @@ from pathlib import Path
 from ..errors import MoeOffloadError
 
 COLUMNS = ("row", "fraction", "limit_bytes", "status", "decode_tok_s", "vs_own_unlimited", "hit_rate",
-           "mb_read_per_token", "read_gbps", "physical_limit_tok_s", "tokens_equal_full_load", "peak_bytes", "wall_s",
+           "mb_read_per_token", "mb_read_per_token_at_least", "read_gbps", "physical_limit_tok_s", "tokens_equal_full_load", "peak_bytes", "wall_s",
            "cached_before_bytes")
 
 
@@ -31,7 +31,8 @@ def markdown(result: dict) -> str:
             c["row"], "all" if c["fraction"] is None else f"{c['fraction']:.0%}",
             "none" if c["limit_bytes"] is None else f"{c['limit_bytes'] / 1e9:.2f}",
             _fmt(c["decode_tok_s"]), _fmt(c["vs_own_unlimited"], ".3f"), _fmt(c["hit_rate"], ".3f"),
-            _fmt(c["mb_read_per_token"], ".1f"), _fmt(c["read_gbps"], ".3f"), _fmt(c["physical_limit_tok_s"]),
+            _fmt(c["mb_read_per_token"], ".1f") or (f">= {c['mb_read_per_token_at_least']:.1f}"
+                                                     if c.get("mb_read_per_token_at_least") is not None else ""), _fmt(c["read_gbps"], ".3f"), _fmt(c["physical_limit_tok_s"]),
             _fmt(c["tokens_equal_full_load"]), c["status"]]) + " |")
     b = result["baselines"]
     lines.append("")
