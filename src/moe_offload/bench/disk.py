@@ -8,12 +8,13 @@ that engine's measured baseline plus a share of the expert bytes:
   our disk store (``--host-store disk``) with each ``--policy`` asked for, our ``--host-store mmap`` (half of the
   share in slots, the page cache for the rest), and llama.cpp's ``llama-completion`` on the checkpoint's GGUF
   (default mmap; "not installed" without a binary);
-- baselines, measured first in unlimited cgroups, one per engine configuration: ours = the most a disk-store run
-  used beside the checkpoint's page cache (sampled, ``disk_measure.run_limited``), less its slot bytes (the
-  interpreter, torch, the non-expert weights, the KV cache, the staging buffers); our mmap mode's the same for an
-  mmap run. The checkpoint's page cache is left out because both modes copy the non-expert weights into their own
-  memory: under a limit it is free room, which the mmap row would fill with experts beyond its share (it did, on
-  testbed-sparse, when its limit was the disk store's peak); llama.cpp's = the peak of
+- baselines, measured first in unlimited cgroups, one per engine configuration: ours (the disk store) = the peak of
+  a disk-store run less its slot bytes (the interpreter, torch, the non-expert weights, the KV cache, the staging
+  buffers, and the page cache of the non-expert weights it read at load: room it cannot fill with experts, kept as
+  headroom for transients and for policies that hold more than the probe's lru, e.g. a predictor); our mmap mode's
+  = the most an mmap run used beside the checkpoint's page cache (sampled, ``disk_measure.run_limited``) less its
+  slot bytes: its own memory, because any page cache a limit leaves it becomes room for experts (with the disk
+  store's baseline it held every expert of testbed-sparse beyond its share); llama.cpp's = the peak of
   its unlimited run less the expert bytes it left in the page cache (``runtime.page_cache.resident_pages`` over the
   GGUF's ``*_exps`` tensors: it computes on the other weights where they are mapped, so their pages are its own);
 - before every cell the checkpoint's files and the GGUF are dropped from the page cache (``posix_fadvise``);
@@ -185,13 +186,13 @@ def run_bench(bench: DiskBench, say=print) -> dict:
     full = _ours_cell(bench, "FullLoad (ours, in memory)", None, None, bench.ours(None))
     if full.status != "ok":
         raise MoeOffloadError(f"our FullLoad run failed: {full.status}")
-    shards = sorted(bench.model_dir.glob("*.safetensors"))
-    probe = _ours_cell(bench, "baseline probe", 0.1, None, bench.ours("disk", 0.1), beside=shards)
+    probe = _ours_cell(bench, "baseline probe", 0.1, None, bench.ours("disk", 0.1))
     if probe.status != "ok":
         raise MoeOffloadError(f"our baseline run failed: {probe.status}")
-    base_ours = probe.peak_beside_bytes - probe.slot_bytes
+    base_ours = probe.peak_bytes - probe.slot_bytes
     base_mmap = None
     if bench.peers:
+        shards = sorted(bench.model_dir.glob("*.safetensors"))
         mprobe = _ours_cell(bench, "mmap baseline probe", 0.1, None, bench.ours("mmap", 0.05), beside=shards)
         if mprobe.status == "ok":
             base_mmap = mprobe.peak_beside_bytes - mprobe.slot_bytes
