@@ -29,6 +29,9 @@ def test_refusals(tiny_dirs, tmp_path, capsys, monkeypatch):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "was not found" in err
     assert not (tmp_path / "m.gguf").exists() and not (tmp_path / "m.gguf.partial").exists()
+    assert main(["export", "gguf", "--model", str(tiny_dirs["mixtral"]), "--out", str(tmp_path / "m.gguf"),
+                 "--check-controls", "-1"]) == 2
+    assert "--check-controls must be 0 or more" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(not os.environ.get("LLAMA_CPP_DIR"), reason="LLAMA_CPP_DIR (a llama.cpp source tree) not set")

@@ -122,6 +122,8 @@ def run(args) -> int:
 
     if args.check and not Path(args.check).is_file():
         raise MoeOffloadError(f"--check {args.check}: no such file")
+    if args.check_controls < 0:
+        raise MoeOffloadError(f"--check-controls must be 0 or more, got {args.check_controls}")
     model = resolve_model(args.model)
     out = export_gguf(model, args.out, args.outtype, args.converter)
     print(f"wrote {out} ({out.stat().st_size / 1e9:.2f} GB, {args.outtype})")
