@@ -9,7 +9,7 @@ import pytest
 
 from moe_offload.cli import main
 from moe_offload.errors import MoeOffloadError
-from moe_offload.models.gguf_export import export_gguf, find_converter, first_difference, router_ulp_control
+from moe_offload.models.gguf_export import export_gguf, find_converter, first_difference, router_near_ties, router_ulp_control
 
 
 def test_refusals(tiny_dirs, tmp_path, capsys, monkeypatch):
@@ -78,4 +78,7 @@ def test_router_ulp_control_moves_only_near_ties():
     with pytest.raises(MoeOffloadError, match="no top-k router"):
         with router_ulp_control(torch.nn.Linear(2, 2), 0):
             pass
+    with router_near_ties(container) as ties:
+        tied(x), apart(x)
+    assert ties == {"decisions": 2, "near": 1, "exact": 1}  # the tie for the second place; [3, 2, 1, 0] is far apart
     assert first_difference([1, 2, 3], [1, 2, 4]) == 2 and first_difference([1], [1]) == 1

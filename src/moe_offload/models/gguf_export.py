@@ -142,6 +142,9 @@ def run(args) -> int:
         print(f"{full} of {len(rows)} prompts agree on all their first tokens; "
               f"{sum(r['explained'] for r in rows)} of {len(rows)} agree or part where our own run parts when its "
               "router probabilities move by one ulp")
+        t = {k: sum(r["router_ties"][k] for r in rows) for k in ("decisions", "near", "exact")}
+        print(f"our router decisions: {t['decisions']}; the k-th and (k+1)-th probabilities within 2 ulp: {t['near']} "
+              f"(equal: {t['exact']})")
     return 0
 
 
@@ -169,12 +172,44 @@ def router_ulp_control(model, seed: int):
         scores, indices = torch.topk(p, module.top_k, dim=-1)
         return logits, scores / scores.sum(dim=-1, keepdim=True), indices
 
+    hooks = [m.register_forward_hook(moved) for m in _top_k_routers(model)]
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def _top_k_routers(model) -> list:
     routers = [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
     if not routers:
         raise MoeOffloadError("the model has no top-k router module (transformers' *TopKRouter) to perturb")
-    hooks = [m.register_forward_hook(moved) for m in routers]
+    return routers
+
+
+@contextmanager
+def router_near_ties(model, ulps: int = 2):
+    """Inside, count the top-k routers' decisions of ``model`` and how many of them are near ties: the k-th and
+    (k+1)-th float32 probabilities at most ``ulps`` ulp of the k-th apart (``"near"``) or equal (``"exact"``).
+    Yields ``{"decisions", "near", "exact"}`` (ints, filled as the model runs).
+
+    Raises:
+        MoeOffloadError: the model has no top-k router module.
+    """
+    import torch
+
+    counts = {"decisions": 0, "near": 0, "exact": 0}
+
+    def count(module, args, out):
+        top = torch.softmax(out[0].float(), dim=-1).topk(module.top_k + 1, dim=-1).values
+        kth, nxt = top[:, -2], top[:, -1]
+        counts["decisions"] += kth.numel()
+        counts["near"] += int(((kth - nxt) <= ulps * torch.finfo(torch.float32).eps * kth).sum())
+        counts["exact"] += int((kth == nxt).sum())
+
+    hooks = [m.register_forward_hook(count) for m in _top_k_routers(model)]
     try:
-        yield
+        yield counts
     finally:
         for h in hooks:
             h.remove()
@@ -191,14 +226,14 @@ def first_difference(a: list[int], b: list[int]) -> int:
 def check_tokens(model_dir: Path, gguf: Path, llama_bin: Path, prompts: list[str], n: int = 16,
                  threads: int = 2, timeout_s: float = 600, controls: int = 4) -> list[dict]:
     """llama.cpp's greedy continuation of each prompt on ``gguf`` against our FullLoad's (one thread) on
-    ``model_dir``: ``[{"prompt", "ours", "llama", "agree", "n", "control", "explained"}]`` where ``agree`` is the
+    ``model_dir``: ``[{"prompt", "ours", "llama", "agree", "n", "control", "explained", "router_ties"}]`` where ``agree`` is the
     number of our first ``n`` tokens whose text is a prefix of llama.cpp's text (llama-completion prints text, not
     ids; its prompt is ours in the chat template, so both start from the same token ids).
 
     ``control``: the tokens our own FullLoad shares with itself when its router probabilities are moved by at most
     one ulp (``router_ulp_control``, seeds ``0 .. controls - 1``); ``explained``: llama.cpp agrees on all ``n``
     tokens, or parts at a token where one of the controls parts too (a router near tie there, not a difference of
-    the two engines' models).
+    the two engines' models); ``router_ties``: ``router_near_ties``'s counts over our FullLoad run.
 
     Raises:
         MoeOffloadError: llama.cpp fails on a prompt (its last line).
@@ -213,7 +248,8 @@ def check_tokens(model_dir: Path, gguf: Path, llama_bin: Path, prompts: list[str
     tok = lm.tokenizer
     out = []
     for p in prompts:
-        ids = generate_ids(lm, encode_prompt(tok, p), n)[0]
+        with router_near_ties(lm.model) as ties:
+            ids = generate_ids(lm, encode_prompt(tok, p), n)[0]
         control = []
         for seed in range(controls):
             with router_ulp_control(lm.model, seed):
@@ -231,5 +267,5 @@ def check_tokens(model_dir: Path, gguf: Path, llama_bin: Path, prompts: list[str
         while agree < len(ids) and theirs.startswith(tok.decode(ids[:agree + 1])):
             agree += 1
         out.append({"prompt": p, "ours": tok.decode(ids), "llama": theirs, "agree": agree, "n": len(ids),
-                    "control": control, "explained": agree == len(ids) or agree in control})
+                    "control": control, "explained": agree == len(ids) or agree in control, "router_ties": ties})
     return out
