@@ -230,6 +230,7 @@ class DiskStore:
         issued ``depth`` at once (recorded in ``stats.demand_reads``)."""
         spans = self.spans(eid)
         view, arr = self._buffer(max(s.length for s in spans))
+        out = dst if isinstance(dst, np.ndarray) else dst.numpy() if dst.device.type == "cpu" else None
         t0 = time.perf_counter()
         requests = nread = 0
         done = True
@@ -245,7 +246,6 @@ class DiskStore:
                 if not done:
                     break
             nread += span.length
-            out = dst if isinstance(dst, np.ndarray) else dst.numpy() if dst.device.type == "cpu" else None
             for dst_off, src_off, n in span.pieces:
                 if out is not None:  # numpy's copy: half the overhead of torch's for these ~100 KiB pieces
                     np.copyto(out[dst_off:dst_off + n], arr[src_off:src_off + n])
