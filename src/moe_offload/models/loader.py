@@ -22,6 +22,7 @@ from ..errors import MoeOffloadError
 from ..runtime.engine import OffloadEngine
 from ..runtime.formats import ExpertFormat
 from ..runtime.pool import SlotPool
+from ..runtime.route_rows import watch_routers
 from ..runtime.store import FILE_BACKED, HostStore, MmapHostStore
 from .accounting import validate_checkpoint
 from .capability import expert_params, experts_modules, generation_class, inspect_model, top_k as _top_k
@@ -311,6 +312,7 @@ def load_offloaded(model_dir: str | Path, *, device: str | None = None, dtype: s
                           host_seconds_per_token_expert=host_seconds_per_token_expert,
                           host_seconds_per_expert=host_seconds_per_expert))
     engine.attach([m for _, m in mods])
+    watch_routers(model, mods)  # observers see [T, k] routing where an experts call gets one route per row
     return _with_limits(LoadedModel(model, _load_tokenizer(path), engine, arch, dev, dt, len(mods), num_experts,
                                     top_k, fmt.layout.expert_bytes, path, host_store, tuple(fmt.stored_dtypes),
                                     generation_class(config)[1]), config)

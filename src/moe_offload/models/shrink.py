@@ -52,6 +52,7 @@ _CAP = {
     "n_shared_experts": 1, "num_shared_experts": 1, "moe_num_shared_experts": 1, "first_k_dense_replace": 1,
     "num_dense_layers": 1, "moe_layer_start_index": 1, "n_groups": 2, "sliding_window": 32,
     "sliding_window_size": 32, "index_block_size": 16, "max_position_embeddings": 512,
+    "index_num_heads": 2,  # Kolibri: at most the query heads per key head (4 / 2)
 }
 #: fields a default configuration may leave unset (None) although its model needs them (the published checkpoints
 #: set them): the tiny value
@@ -60,7 +61,8 @@ _FILL = {"num_experts_per_tok": TOP_K, "top_k_experts": TOP_K, "n_routed_experts
          "mlp_layer_types": ["dense"] + ["sparse"] * (MIN_LAYERS - 1),
          "layer_types": ["full_attention"] * MIN_LAYERS,
          "indexer_n_heads": 4, "indexer_kv_heads": 1, "indexer_head_dim": 16, "indexer_budget": 16,
-         "indexer_compress_ratio": 4}
+         "indexer_compress_ratio": 4,
+         "sliding_window": 32}  # Step3p7 builds a sliding-window mask whether or not a layer slides
 #: vision / audio encoder sub-configs (shrunk with ``_ENCODER``)
 _ENCODER_NAME = re.compile(r"vision|audio|encoder|sam_|speech|visual")
 _ENCODER = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "depth": 1, "num_layers": 1,

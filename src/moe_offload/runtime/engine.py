@@ -23,6 +23,7 @@ from .breakdown import StepClock
 from .emulated_clock import now
 from .experts import IMPLEMENTATION_NAME, device_index, register, slot_pair_outputs
 from .pool import SlotPool
+from .route_rows import observed_routing
 from .store import HostStore, reset_store_stats
 
 
@@ -160,8 +161,10 @@ class OffloadEngine:
         (stream order makes the copies land before the GEMM that reads them)."""
         clock = self.clock
         clock.lap("other_compute")
-        for obs in self.observers:
-            obs(moe_layer, top_k_index, top_k_weights)
+        if self.observers:
+            seen = observed_routing(module, top_k_index, top_k_weights)
+            for obs in self.observers:
+                obs(moe_layer, *seen)
         clock.lap("predictor")
         num_tokens, k = top_k_index.shape
         gid = (top_k_index + moe_layer * self.num_experts).reshape(-1)

@@ -33,6 +33,7 @@ from .engine import EngineStats
 from .experts import IMPLEMENTATION_NAME, device_index, register, slot_pair_outputs
 from .host_fallback import HostFallback
 from .pool import SlotPool
+from .route_rows import observed_routing
 from .store import HostStore
 from .transfer import TransferEngine
 
@@ -267,8 +268,10 @@ class RefreshEngine:
         """Experts of MoE layer ``moe_layer``: ``hidden_states [T, H]``, ``top_k_index [T, k]`` int64,
         ``top_k_weights [T, k]`` -> ``[T, H]`` of ``hidden_states.dtype``; device pairs from the slots, the
         others on the host from the host store."""
-        for obs in self.observers:
-            obs(moe_layer, top_k_index, top_k_weights)
+        if self.observers:
+            seen = observed_routing(module, top_k_index, top_k_weights)
+            for obs in self.observers:
+                obs(moe_layer, *seen)
         num_tokens, k = top_k_index.shape
         counts = torch.bincount(top_k_index.reshape(-1), minlength=self.num_experts).cpu().numpy()
         self._land_ready()

@@ -16,6 +16,7 @@ import torch
 
 from ..errors import MoeOffloadError
 from ..models.loader import LoadedModel, experts_modules
+from ..runtime.route_rows import router_of
 from .format import HookedRecorder, Trace
 
 
@@ -58,8 +59,7 @@ class TraceRecorder(HookedRecorder):
         self.router_probs = router_probs
         if router_probs:
             for layer, (name, _) in enumerate(experts_modules(lm.model)):
-                parent = lm.model.get_submodule(name.rpartition(".")[0])
-                router = getattr(parent, "gate", None) or getattr(parent, "router", None)
+                router = router_of(lm.model, name)
                 if router is None:
                     raise MoeOffloadError(f"{name}: no router module beside the experts; cannot record probabilities")
                 self._handles.append(router.register_forward_hook(self._router_hook(layer)))
