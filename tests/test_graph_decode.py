@@ -170,17 +170,44 @@ def test_graph_seqmoe_prefetching_equals_full_load(tiny_dirs, one_thread, random
     assert not torch._dynamo.utils.counters["graph_break"]
 
 
+def _oracle_select(pf, needs: dict, L: int, E: int):
+    """A scheduler ``select`` for ``pf``'s worker that asks, one at a time, for the experts the current request's
+    decode steps use at least one step after ``pos`` (``needs[(request, step)]``: per MoE layer the experts the run
+    routes to, from a trace of the same tokens), so that every granted expert is needed later."""
+    from moe_offload.core.prefetch import PrefetchTask
+
+    asked = set()
+
+    def select(pos, b_cur=None, capacity=None):
+        request = pf._request
+        for (r, step), layers in sorted(needs.items()):
+            for layer, experts in enumerate(layers):
+                ddl = (step - 1) * L + layer
+                if r != request or ddl < pos + L:
+                    continue
+                for e in experts:
+                    if (r, step, layer, e) not in asked:
+                        asked.add((r, step, layer, e))
+                        return PrefetchTask(eid=layer * E + e, conf=1.0, ddl=ddl, layer=layer, expert=e, step=step)
+        return None
+    return select
+
+
 @pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_graph_seqmoe_waits_for_prefetch_copies(tiny_dirs, one_thread, random_pset, tmp_path, monkeypatch, backend):
     """A worker that copies only while a layer waits: every prefetched expert a layer needs is adopted in flight and
     waited for by tag inside the compiled step (the grants reach the worker during the step, not at its end).
-    FullLoad's tokens (under inductor, whose own exp/SiLU may drift from eager: its lru run's tokens). Under inductor
-    this failed while the graph read the control region itself at layer 0: a request read in two kernels, with the
-    worker writing between them, gave a grant and a reservation for different experts."""
+    Its scheduler asks only for experts a later step of the request uses (the routing of a trace of the same
+    tokens), so a copy is waited for whatever the worker's timing. FullLoad's tokens (under inductor, whose own
+    exp/SiLU may drift from eager: its lru run's tokens). Under inductor this failed while the graph read the control
+    region itself at layer 0: a request read in two kernels, with the worker writing between them, gave a grant and a
+    reservation for different experts."""
     import threading
 
+    from moe_offload.models.loader import load_offloaded
     from moe_offload.runtime.graph.engine import GraphEngine
     from moe_offload.runtime.graph.prefetch import GraphPrefetcher
+    from moe_offload.trace.collect import TraceRecorder
 
     path = tiny_dirs["qwen3_moe"]
     probe = load_graph(path, residency=0.6, policy="lru", device="cpu")
@@ -190,6 +217,12 @@ def test_graph_seqmoe_waits_for_prefetch_copies(tiny_dirs, one_thread, random_ps
     else:
         ref = [o.token_ids for o in run_graph(probe, PROMPTS, 12, decoder=GraphDecoder(probe))[0]]
     probe.close()
+    eager = load_offloaded(path, device="cpu", residency=0.6, progress=False)
+    with TraceRecorder(eager) as rec:
+        run(eager, PROMPTS, 12, recorder=rec)
+        tr = rec.trace()
+    needs = {(int(r), int(st)): [set(ids.tolist()) for ids in row]
+             for r, st, row in zip(tr.request, tr.step, tr.expert_ids) if st >= 1}
     waiting = threading.Event()
     copy, wait = GraphPrefetcher._copy_granted, GraphEngine.wait_fetches
 
@@ -206,10 +239,11 @@ def test_graph_seqmoe_waits_for_prefetch_copies(tiny_dirs, one_thread, random_ps
     monkeypatch.setattr(GraphPrefetcher, "_copy_granted", copy_when_waited_for)
     monkeypatch.setattr(GraphEngine, "wait_fetches", wait_flagged)
     lm = load_graph(path, residency=0.6, policy="seqmoe", device="cpu", predictor=str(pdir))
-    lm.engine.prefetcher.max_outstanding = 8  # copies only finish when waited for: let more requests be pending
+    pf = lm.engine.prefetcher
+    pf.max_outstanding = 8  # copies only finish when waited for: let more requests be pending
+    pf.scheduler.select = _oracle_select(pf, needs, lm.num_moe_layers, lm.num_experts)
     outs, _ = run_graph(lm, PROMPTS, 12, decoder=GraphDecoder(lm, backend=backend))
     assert [o.token_ids for o in outs] == ref
-    pf = lm.engine.prefetcher
     assert pf.waited > 0 and pf.copied > 0
     lm.close()
 

@@ -61,8 +61,11 @@ _FILL = {"num_experts_per_tok": TOP_K, "top_k_experts": TOP_K, "n_routed_experts
          "mlp_layer_types": ["dense"] + ["sparse"] * (MIN_LAYERS - 1),
          "layer_types": ["full_attention"] * MIN_LAYERS,
          "indexer_n_heads": 4, "indexer_kv_heads": 1, "indexer_head_dim": 16, "indexer_budget": 16,
-         "indexer_compress_ratio": 4,
-         "sliding_window": 32}  # Step3p7 builds a sliding-window mask whether or not a layer slides
+         "indexer_compress_ratio": 4}
+#: per model type, fields its default configuration leaves unset (None) although its model needs them, where the
+#: field's being set changes other models (a set ``sliding_window`` gives a model sliding cache layers): Step3p7
+#: builds a sliding-window mask whether or not a layer slides (its published checkpoints set the window)
+_FILL_BY_TYPE = {"step3p7": {"sliding_window": 32}}
 #: vision / audio encoder sub-configs (shrunk with ``_ENCODER``)
 _ENCODER_NAME = re.compile(r"vision|audio|encoder|sam_|speech|visual")
 _ENCODER = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "depth": 1, "num_layers": 1,
@@ -331,6 +334,10 @@ def tiny_config(model_type: str, vocab_size: int, build_meta, **fixed):
     tf = _text_field(default)
     text_ov = ov if tf is None else ov.setdefault(tf, {})
     text_ov.update(fixed)
+    text_default = _text_config(default)
+    for name, value in _FILL_BY_TYPE.get(model_type, {}).items():
+        if getattr(text_default, name, None) is None:
+            text_ov.setdefault(name, value)
     if tf is not None:
         ov.update({k: v for k, v in fixed.items() if k in _fields(default)})
     try:

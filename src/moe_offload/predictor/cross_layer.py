@@ -23,21 +23,30 @@ import numpy as np
 import torch
 
 from ..errors import MoeOffloadError
+from ..runtime.route_rows import router_of
 from .runtime import ForecastFeed
 
 #: d, the number of later MoE layers each MoE layer forecasts (default of ``--xl-depth``)
 XL_DEPTH = 3
 
 
-def _router_of(model: torch.nn.Module, experts_name: str) -> tuple[torch.nn.Module, torch.nn.Module]:
+def _router_of(model: torch.nn.Module, experts_name: str, where: str) -> tuple[torch.nn.Module, torch.nn.Module]:
     """``(parent block, router module)`` of the experts module named ``experts_name``: the ``gate`` or ``router``
-    beside it (transformers' MoE blocks)."""
+    beside it (transformers' MoE blocks; ``runtime.route_rows.router_of``).
+
+    Raises:
+        MoeOffloadError: no router module; a block that rewrites its router's choices before the experts call
+            (LongCat-Flash's zero-computation experts, ``zero_expert_num``: their ids are mapped onto routed experts
+            with weight 0), so a router call does not tell which experts the layer computes."""
+    router = router_of(model, experts_name)
+    if router is None:
+        raise MoeOffloadError(f"cross-layer forecasts: no router module (gate/router) beside {experts_name}")
     parent = model.get_submodule(experts_name.rpartition(".")[0])
-    for attr in ("gate", "router"):
-        router = getattr(parent, attr, None)
-        if isinstance(router, torch.nn.Module):
-            return parent, router
-    raise MoeOffloadError(f"cross-layer forecasts: no router module (gate/router) beside {experts_name}")
+    if getattr(parent, "zero_expert_num", None):
+        raise MoeOffloadError(f"{where}: the MoE block maps its router's zero-computation experts onto routed ones "
+                              "(zero_expert_num), so a router call does not tell which experts it computes; "
+                              "cross-layer forecasts cannot be applied")
+    return parent, router
 
 
 def _extra_args(parent: torch.nn.Module, router: torch.nn.Module, where: str) -> list[str]:
@@ -171,7 +180,7 @@ class CrossLayerForecaster:
         self.depth, self.E, self.L = depth, num_experts, len(experts)
         self.routers: list[tuple[torch.nn.Module, torch.nn.Module, list[str]]] = []
         for layer, (name, _) in enumerate(experts):
-            parent, router = _router_of(model, name)
+            parent, router = _router_of(model, name, f"MoE layer {layer}")
             self.routers.append((parent, router, _extra_args(parent, router, f"MoE layer {layer}")))
         self.inputs: list[torch.Tensor | None] = [None] * self.L
         self._handles = [r.register_forward_pre_hook(self._capture(i), with_kwargs=True)

@@ -20,7 +20,11 @@ def router_of(model: torch.nn.Module, experts_name: str) -> torch.nn.Module | No
     """The router module beside the experts module named ``experts_name`` (its parent's ``gate`` or ``router``;
     transformers' routers return ``(router_logits [T, E], weights [T, k], indices [T, k])``), or None."""
     parent = model.get_submodule(experts_name.rpartition(".")[0])
-    return getattr(parent, "gate", None) or getattr(parent, "router", None)
+    for attr in ("gate", "router"):
+        router = getattr(parent, attr, None)
+        if isinstance(router, torch.nn.Module):
+            return router
+    return None
 
 
 def routes_per_row(module: torch.nn.Module) -> bool:
