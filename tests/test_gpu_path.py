@@ -220,7 +220,7 @@ def test_one_device_to_host_transfer_per_moe_layer(tiny_dirs, monkeypatch):
 
 
 def test_cuda_request_peak_counts_reserved_and_workspace():
-    from moe_offload.serve.memory import request_peak_bytes
+    from moe_offload.serve.memory_profile import request_peak_bytes
 
     # reserved 100 -> peak 180 -> 150 after; the device lost 90 free bytes, 50 of them to the allocator
     assert request_peak_bytes(100, 180, 150, 1000, 910) == 80 + 40

@@ -22,7 +22,7 @@ from moe_offload.generation.diffusion import diffusion_generate_ids
 from moe_offload.models.loader import load_offloaded
 from moe_offload.serve.memory import GB, slots_for_budget
 from moe_offload.serve.server import ServeConfig, ServerThread, load_for_serving
-from moe_offload.serve.worker import Detokenizer
+from moe_offload.serve.jobs import Detokenizer
 
 BUDGET_GB = 0.0048  # tiny Qwen3-MoE at 512 tokens: room for 28 of its 48 experts (measured activation peak)
 PROMPT = "Hello there, how are you today?"

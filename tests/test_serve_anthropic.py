@@ -14,7 +14,7 @@ import pytest
 
 from moe_offload.serve.anthropic_api import error_response, stream_events
 from moe_offload.serve.server import ServeConfig, ServerThread, load_for_serving
-from moe_offload.serve.worker import Delta, Done, Failed, Job, Params
+from moe_offload.serve.jobs import Delta, Done, Failed, Job, Params
 
 PROMPT = "Hello there, how are you today?"
 MODEL = "tiny-qwen"

@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from moe_offload.core.policies import LFU, LRU, EvictionPolicy
+from moe_offload.core.eviction import EvictionPolicy
+from moe_offload.core.policies import LFU, LRU
 from moe_offload.core.prob_belady import ProbabilisticBelady
 from moe_offload.core.slots import Load, SlotState, SlotTable
 from moe_offload.errors import MoeOffloadError
@@ -454,7 +455,7 @@ def test_no_prefetch_plans_exactly_as_before(make, per_layer):
 
 def test_belady_accepts_prefetched_expert_never_accessed():
     """A prefetch can land an expert the oracle has not seen accessed yet: its next use comes from the future."""
-    from moe_offload.core.policies import Belady
+    from moe_offload.core.belady import Belady
     from moe_offload.core.slots import SlotTable
 
     future = [[0], [1], [2], [0]]                      # one layer execution per entry, experts of one layer

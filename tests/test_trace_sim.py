@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from moe_offload.core.policies import LRU, Belady
+from moe_offload.core.belady import Belady
+from moe_offload.core.policies import LRU
 from moe_offload.core.slots import SlotTable
 from moe_offload.errors import MoeOffloadError
 from moe_offload.generation.generate import run

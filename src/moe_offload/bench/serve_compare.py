@@ -21,7 +21,7 @@ import urllib.request
 
 from ..errors import MoeOffloadError
 from .serve_load import _concurrent, _f, _summary
-from ..serve.worker import percentile
+from ..serve.jobs import percentile
 
 
 def _one(cfg, prompts: list[str], max_tokens: int, track_memory: bool, log) -> dict:

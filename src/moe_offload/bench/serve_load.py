@@ -2,7 +2,7 @@
 
 1. Reference: each prompt through ``generate``'s own loop (``generation.generate.generate_ids``, or the block-diffusion loop),
    one after another, greedy, in-process (no server running yet).
-2. With the CPU tracker on (``serve.memory.DeviceTierTracker``; skipped on CUDA, where memory is always measured):
+2. With the CPU tracker on (``serve.memory_profile.DeviceTierTracker``; skipped on CUDA, where memory is always measured):
    all clients at once, streaming, through the official ``openai`` client; tokens checked, device-tier peak kept.
 3. The timed pass: the same clients at once again, tracker off: TTFT (from sending the request to the first
    streamed token) p50 / p95 and aggregate tokens/s (all completion tokens / wall time of the pass).
@@ -19,7 +19,7 @@ import urllib.request
 
 from ..errors import MoeOffloadError
 from ..generation.generate import encode_prompt, generate_ids
-from ..serve.worker import percentile
+from ..serve.jobs import percentile
 
 
 def prompts_for(n: int, max_chars: int) -> list[str]:
@@ -104,7 +104,7 @@ def _summary(name: str, run: dict, refs: list[list[int]]) -> dict:
 
 
 def run_load_test(state, prompts: list[str], max_tokens: int, track_memory: bool = True, command: str = "") -> str:
-    """Run the load test (module docstring) against ``state`` (an ``app.ServeState``); returns a markdown report.
+    """Run the load test (module docstring) against ``state`` (a ``state.ServeState``); returns a markdown report.
 
     Raises:
         MoeOffloadError: the ``openai`` client is not installed, or a prompt does not fit ``--max-context``.

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import MoeOffloadError
-from .policies import EvictionPolicy
+from .eviction import EvictionPolicy
 
 
 #: experts accessed or inserted since the victim ranking was made beyond which ``victim`` ranks again (each call

@@ -14,7 +14,7 @@ from __future__ import annotations
 import bisect
 
 from ..errors import MoeOffloadError
-from .policies import EvictionPolicy
+from .eviction import EvictionPolicy
 from .slot_states import LayerPlan, Load, Round, SlotState
 
 __all__ = ["LayerPlan", "Load", "Round", "SlotState", "SlotTable"]

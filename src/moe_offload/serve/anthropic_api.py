@@ -39,7 +39,7 @@ from fastapi.sse import EventSourceResponse, format_sse_event
 from pydantic import BaseModel
 
 from .protocol import _STRICT, OpenAIError, Text, validation_message
-from .worker import Delta, Done, Failed, Job, wait_result
+from .jobs import Delta, Done, Failed, Job, wait_result
 
 _ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 413: "request_too_large",
                 429: "rate_limit_error", 500: "api_error", 503: "overloaded_error", 529: "overloaded_error"}
@@ -166,7 +166,7 @@ def chat_messages(body: MessagesRequest) -> list[dict]:
 
 
 def job_params(state, body: MessagesRequest, prompt_tokens: int):
-    """``worker.Params`` of a request, through the server's own checks (``ServeState.params``), with Anthropic's
+    """``jobs.Params`` of a request, through the server's own checks (``ServeState.params``), with Anthropic's
     temperature range [0, 1] and any number of non-empty ``stop_sequences``.
 
     Raises:
@@ -243,7 +243,7 @@ async def stream_events(state, job: Job, mid: str, token_ids: bool, finished=lam
 
 
 def anthropic_router(state) -> APIRouter:
-    """``POST /v1/messages`` over ``state`` (``app.ServeState``), with Anthropic-shaped errors."""
+    """``POST /v1/messages`` over ``state`` (``state.ServeState``), with Anthropic-shaped errors."""
     router = APIRouter(route_class=AnthropicRoute)
 
     @router.post("/v1/messages")

@@ -3,7 +3,7 @@
 With ``max_batch`` B the device tier holds, besides the weights, lookup table and slot pool:
 
 - the KV cache of B sequences at ``max_context``: ``B x kv1`` (kv1 = one sequence's KV cache at ``max_context``,
-  measured by the profile run, ``serve.memory.profile_request``);
+  measured by the profile run, ``serve.memory_profile.profile_request``);
 - the activation peak: the larger of the profile run's (a ``max_context - 1`` token prefill, which a new request's
   admission runs next to the other B - 1 rows) and one decode step of B rows at ``max_context``
   (``profile_batch_decode``: measured on a batch cache of zeros, so it costs one decode step, not B prefills).
@@ -23,7 +23,8 @@ import os
 import torch
 
 from ..errors import MoeOffloadError
-from .memory import GB, DeviceTierTracker, _cache_bytes
+from .memory import GB
+from .memory_profile import DeviceTierTracker, cache_bytes
 
 DEFAULT_MAX_BATCH = 32  # sequences; the default when no budget limits the KV cache
 
@@ -117,7 +118,7 @@ def profile_batch_decode(lm, max_context: int, batch: int) -> int:
         with tracker:
             out = lm.model(input_ids=ids, use_cache=True, **{kw: cache})
             out.logits[:, -1].float().argmax(-1)
-        act = max(0, tracker.peak_bytes - _cache_bytes(out.get(kw), dev))
+        act = max(0, tracker.peak_bytes - cache_bytes(out.get(kw), dev))
     if eng is not None:
         eng.reset_stats()
     return int(act)
@@ -130,7 +131,7 @@ def plan_batch(lm, requested: int | None, budget_bytes: int | None, base_bytes: 
     Args:
         lm: the loaded model (the profile run's load). requested: ``--max-batch`` or None (default).
         budget_bytes: the budget or None. base_bytes: non-expert weights + lookup table (bytes).
-        prof: the profile run's ``serve.memory.RequestProfile``. max_context: tokens per sequence.
+        prof: the profile run's ``serve.memory_profile.RequestProfile``. max_context: tokens per sequence.
     Returns:
         ``(max_batch, note, kv_cache_bytes, activation_bytes)``: ``note`` says why the model runs batch 1 (None when
         it batches); bytes as in the module docstring.

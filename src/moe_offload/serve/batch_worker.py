@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from ..generation.batching import BatchDecoder, Sequence, prefill_group
-from .worker import Delta, Detokenizer, Failed, Job, Worker
+from .jobs import Delta, Detokenizer, Failed, Job
+from .worker import Worker
 
 SCHEDULING = ("continuous batching: prefills admitted between decode steps (FIFO, several prompts per prefill "
               "pass), up to max_batch sequences decode together through one slot pool")
@@ -45,7 +46,7 @@ class BatchWorker(Worker):
     Args:
         lm: the loaded model (autoregressive, batchable: ``generation.batching.batch_reason(lm)`` is None).
         max_batch: most requests decoding at once (>= 2 to batch; 1 works too).
-        tracker: ``serve.memory.DeviceTierTracker`` entered around every turn of the loop, or None.
+        tracker: ``serve.memory_profile.DeviceTierTracker`` entered around every turn of the loop, or None.
         prefill_tokens: most padded tokens (prompts x longest prompt) in one prefill pass; the server passes
             ``max_context - 1``, the prefill its memory plan measured (None: each prompt alone).
     Attributes:

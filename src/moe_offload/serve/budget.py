@@ -22,8 +22,8 @@ import torch
 
 from ..errors import MoeOffloadError
 from .batch_memory import plan_batch
-from .memory import (GB, host_cache_bytes, lookup_bytes, non_expert_bytes, profile_request, slots_for_budget,
-                     staging_bytes)
+from .memory import GB, host_cache_bytes, lookup_bytes, non_expert_bytes, slots_for_budget, staging_bytes
+from .memory_profile import profile_request
 
 CUDA_DEFAULT_FRACTION = 0.9  # default budget on CUDA: this share of the free device memory at start-up
 AUTO_HOST_FRACTION = 0.8     # --memory-budget auto on the CPU: this share of the memory the process may still use

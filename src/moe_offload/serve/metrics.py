@@ -31,7 +31,7 @@ from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from .worker import SHUTDOWN_CODE, Done, Failed
+from .jobs import SHUTDOWN_CODE, Done, Failed
 
 P = "moe_offload_"
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
@@ -60,7 +60,7 @@ def _labelled(kind, name: str, doc: str, label: str, values: dict):
 
 
 class ServeCollector(Collector):
-    """Reads a ``serve.app.ServeState``'s counters at scrape time (module docstring).
+    """Reads a ``serve.state.ServeState``'s counters at scrape time (module docstring).
 
     Args:
         state: the served model's ``ServeState`` (its worker, engine and memory plan).

@@ -16,8 +16,8 @@ import uvicorn
 from ..errors import MoeOffloadError
 from .batch_memory import plan_batch
 from .budget import DEFAULT_MAX_CONTEXT, load_within_budget, resolve_budget
-from .memory import (DeviceTierTracker, MemoryPlan, host_cache_bytes, lookup_bytes, non_expert_bytes, profile_request,
-                     staging_bytes)
+from .memory import MemoryPlan, host_cache_bytes, lookup_bytes, non_expert_bytes, staging_bytes
+from .memory_profile import DeviceTierTracker, profile_request
 
 
 
@@ -139,7 +139,7 @@ def _diffusion_params(cfg: ServeConfig, arch) -> dict | None:
 
 
 def load_for_serving(cfg: ServeConfig, log=_log):
-    """Load the model for serving and plan its device tier (``serve.memory``); returns an ``app.ServeState``.
+    """Load the model for serving and plan its device tier (``serve.memory``); returns a ``state.ServeState``.
 
     With a budget (``memory_budget_gb``, or the CUDA default): load with a minimal pool (top-k slots), run the
     profile request at ``max_context``, size the pool from the budget, and load again with that pool. Otherwise load
@@ -150,7 +150,7 @@ def load_for_serving(cfg: ServeConfig, log=_log):
             model's positions, or a budget too small for top-k slots.
     """
     from ..models.loader import is_refresh_policy, load_offloaded, read_config, resolve_device
-    from .app import ServeState
+    from .state import ServeState
 
     path, config, arch = read_config(cfg.model_dir)
     _check_policy(cfg)

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..core.policies import EvictionPolicy, make_policy
+from ..core.eviction import EvictionPolicy
+from ..core.policies import make_policy
 from ..core.slots import SlotTable
 from ..trace.format import Trace
 

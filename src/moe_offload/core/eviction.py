@@ -1,0 +1,57 @@
+"""The eviction-policy interface over the global slot pool (DESIGN.md §5; SeqMoE §3.3): ``EvictionPolicy``.
+
+A policy is pure decision logic: it sees expert ids (ints, ``layer * num_experts + expert``), never tensors,
+so the runtime and the trace simulator drive the very same object. The slot table (``core.slots``) tells the
+policy what happens; the policy only answers "which resident expert should leave?".
+
+Event order the table guarantees:
+  * ``on_step(request, step)`` before each forward pass (step 0 = a request's prefill, i >= 1 = decode step i);
+  * ``on_access(eid, tick, tokens)`` for every expert a layer needs, hit or miss, before any load of that layer
+    (``tokens``: how many of the layer's tokens selected it);
+  * ``on_insert(eid, tick)`` when a missed expert lands in a slot;
+  * ``on_evict(eid)`` when an expert leaves its slot;
+  * ``victim(pinned)`` picks a resident expert not in ``pinned`` (asked only when one exists).
+
+``tick`` is a monotonically non-decreasing access clock (one tick per layer execution).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+
+class EvictionPolicy(ABC):
+    """Interface of an eviction policy; see the module docstring for the event order.
+
+    The base class keeps ``resident``, the set of experts currently in a slot (maintained by ``on_insert`` and
+    ``on_evict``; subclasses that override them call ``super()``).
+    """
+
+    name = "base"
+
+    def __init__(self) -> None:
+        self.resident: set[int] = set()
+
+    def on_step(self, request: int, step: int) -> None:
+        """A forward pass begins: ``step`` 0 is the prefill of ``request``, ``step`` i >= 1 its i-th decode step."""
+
+    def on_access(self, eid: int, tick: int, tokens: int = 1) -> None:
+        """Record that expert ``eid`` was required at ``tick`` (hit or miss) by ``tokens`` tokens."""
+
+    def on_insert(self, eid: int, tick: int) -> None:
+        """Record that expert ``eid`` was loaded into a slot at ``tick``."""
+        self.resident.add(eid)
+
+    def on_evict(self, eid: int) -> None:
+        """Record that expert ``eid`` left its slot."""
+        self.resident.discard(eid)
+
+    @abstractmethod
+    def victim(self, pinned: set[int]) -> int:
+        """Return the resident expert to evict, never one in ``pinned`` (the experts the running layer needs).
+
+        The slot table only asks when a resident, unpinned expert exists."""
+
+    def reset(self) -> None:
+        """Forget all history (a new run)."""
+        self.resident.clear()
