@@ -36,6 +36,9 @@ def test_expert_bytes_of_checkpoint(tiny_dirs):
     n_experts = cfg["num_hidden_layers"] * cfg["num_local_experts"]
     nbytes, count = bench_disk.expert_bytes_of_checkpoint(d)
     assert count == n_experts
+    ranges = bench_disk.checkpoint_expert_ranges(d)  # where those bytes are: 3 tensors per expert
+    assert sum(n for rs in ranges.values() for _, n in rs) == nbytes
+    assert sum(len(rs) for rs in ranges.values()) == 3 * n_experts
     want = 0
     for p in d.glob("*.safetensors"):
         with safe_open(p, "pt") as f:
@@ -47,7 +50,9 @@ def test_markdown_and_files(tmp_path):
     cells = [bench_disk.Cell("FullLoad (ours, in memory)", None, None, decode_tok_s=10.0, vs_own_unlimited=1.0),
              bench_disk.Cell("disk lru (ours)", 0.25, 2_000_000_000, decode_tok_s=6.0, vs_own_unlimited=0.6,
                              hit_rate=0.7, mb_read_per_token=30.0, read_gbps=0.2, physical_limit_tok_s=10.0,
-                             tokens_equal_full_load=True),
+                             tokens_equal_full_load=True, slot_bytes=1_000_000_000, page_cached_expert_bytes=0),
+             bench_disk.Cell("mmap (ours, half the share in slots)", 0.45, 2_000_000_000, decode_tok_s=1.0,
+                             slot_bytes=900_000_000, page_cached_expert_bytes=1_500_000_000),
              bench_disk.Cell("llama.cpp (mmap)", 0.25, None, status="not installed"),
              bench_disk.Cell("mmap (ours, half the share in slots)", 0.25, 2_000_000_000,
                              status="timeout: not done in 900 s", mb_read_per_token_at_least=412.5)]
@@ -56,9 +61,10 @@ def test_markdown_and_files(tmp_path):
     result = {"cells": [asdict(c) for c in cells], "baselines": {"ours": 1e9, "llama.cpp": None},
               "expert_bytes": 4e9, "gguf_expert_bytes": None, "max_new_tokens": 8, "reverse": False}
     md = bench_disk.markdown(result)
-    assert "| disk lru (ours) | 25% | 2.00 | 6.00 | 0.600 | 0.700 | 30.0 | 0.200 | 10.00 | yes | ok |" in md
-    assert "| llama.cpp (mmap) | 25% | none |" in md and "not installed" in md
-    assert "| mmap (ours, half the share in slots) | 25% | 2.00 |  |  |  | >= 412.5 |" in md  # a lower bound
+    assert "| disk lru (ours) | 25% | 25% | 2.00 | 6.00 | 0.600 | 0.700 | 30.0 | 0.200 | 10.00 | yes | ok |" in md
+    assert "| mmap (ours, half the share in slots) | 45% | 60% | 2.00 | 1.00 |" in md  # slots + page cache held
+    assert "| llama.cpp (mmap) | 25% |  | none |" in md and "not installed" in md
+    assert "| mmap (ours, half the share in slots) | 25% |  | 2.00 |  |  |  | >= 412.5 |" in md  # a lower bound
     files = bench_disk.write_results(result, tmp_path / "out")
     assert all(f.is_file() and f.stat().st_size > 0 for f in files)
     with pytest.raises(MoeOffloadError, match="already exists"):
@@ -74,6 +80,7 @@ def test_our_rows_run_in_cgroups_with_full_load_tokens(tiny_dirs, tmp_path):
                                  max_new_tokens=6, policies=("lru",), fractions=(0.5,), timeout_s=300,
                                  headroom_bytes=64 << 20)
     result = bench_disk.run_bench(bench, say=lambda m: None)
+    n_ranges = sum(len(rs) for rs in bench_disk.checkpoint_expert_ranges(tiny_dirs["mixtral"]).values())
     rows = {c["row"]: c for c in result["cells"]}
     assert set(rows) == {"FullLoad (ours, in memory)", "disk lru (ours)", "mmap (ours, half the share in slots)",
                          "llama.cpp (mmap)"}
@@ -84,6 +91,8 @@ def test_our_rows_run_in_cgroups_with_full_load_tokens(tiny_dirs, tmp_path):
         assert c["limit_bytes"] == int(base + 0.5 * result["expert_bytes"] + (64 << 20))
         assert c["peak_bytes"] <= c["limit_bytes"]
         assert c["cached_before_bytes"] == 0  # the checkpoint was out of the page cache when the row started
+        # what the kernel cached of the experts when it ended: counted in whole pages (2 at most per tensor extra)
+        assert 0 <= c["page_cached_expert_bytes"] <= result["expert_bytes"] + 2 * 4096 * n_ranges
     assert rows["llama.cpp (mmap)"]["status"] == "not installed"
     # each configuration its own baseline (the mmap mode: less the expert pages it left in the page cache)
     assert result["baselines"]["ours mmap"] > 0

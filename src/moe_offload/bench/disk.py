@@ -18,7 +18,9 @@ that engine's measured baseline plus a share of the expert bytes:
   its unlimited run less the expert bytes it left in the page cache (``runtime.page_cache.resident_pages`` over the
   GGUF's ``*_exps`` tensors: it computes on the other weights where they are mapped, so their pages are its own);
 - before every cell the checkpoint's files and the GGUF are dropped from the page cache (``posix_fadvise``);
-- columns: decode tok/s (each engine's own decode timer), the fraction of the engine's own unlimited speed, hit rate
+- columns: the share of the expert bytes the engine held when its run ended (its slots plus the expert pages the
+  kernel still cached, ``runtime.page_cache.resident_pages`` over the expert tensors of the checkpoint or the
+  GGUF: how much of its limit a page-cache engine turned into experts), decode tok/s (each engine's own decode timer), the fraction of the engine's own unlimited speed, hit rate
   (ours), MB read from disk per generated token (``wait4``'s ``ru_inblock`` of the engine's process: the same
   counter for both engines, load and prefill included), the achieved read GB/s (those bytes over the run's wall
   time), the row's physical limit min(FullLoad tok/s, disk GB/s / MB per token) with the disk's best measured
@@ -37,8 +39,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..errors import MoeOffloadError
-from .disk_measure import (expert_bytes_of_checkpoint, gguf_expert_ranges, measured, parse_llama_decode,
-                           resident_in_ranges)
+from .disk_measure import (checkpoint_expert_ranges, expert_bytes_of_checkpoint, gguf_expert_ranges, measured,
+                           parse_llama_decode, resident_in_ranges)
 from .disk_report import markdown, write_results
 
 #: shares of the expert bytes in memory, each limit = baseline + share x expert bytes (1.0: all of them)
@@ -68,6 +70,7 @@ class Cell:
     slot_bytes: int | None = None
     peak_beside_bytes: int | None = None
     cached_before_bytes: int | None = None
+    page_cached_expert_bytes: int | None = None
     token_ids: list = field(default_factory=list, repr=False)
 
 
@@ -86,6 +89,8 @@ class DiskBench:
             limit (0: the limits as defined; tests give tiny checkpoints room for the run-to-run spread of a
             process's own peak, which there is larger than the share of their experts); llama_prompt: ``prompt`` in the chat template, as llama.cpp is given it (ours applies
             the template itself).
+        expert_ranges: ``{file: [(offset, nbytes)]}`` of the expert tensors of the checkpoint and the GGUF (filled by
+            ``run_bench``): what each cell finds of them in the page cache when it ends.
     """
 
     model_dir: Path
@@ -102,6 +107,7 @@ class DiskBench:
     llama_prompt: str | None = None
     peers: bool = True
     headroom_bytes: int = 0
+    expert_ranges: dict = field(default_factory=dict)
 
     def files(self) -> list[Path]:
         out = sorted(self.model_dir.glob("*.safetensors"))
@@ -127,8 +133,10 @@ def _measured_cell(bench: DiskBench, row: str, fraction, limit, cmd, ok, beside=
     """Run ``cmd`` (``disk_measure.measured``, ``beside`` passed on) into a ``Cell``; its ``status`` says a timeout,
     an OOM kill or a failure (a signal, or the last line of stderr when ``ok(r)`` is false), else stays "ok"."""
     r = measured(cmd, limit, bench.timeout_s, bench.files(), beside)
+    cached = sum(resident_in_ranges(f, rs) for f, rs in bench.expert_ranges.items())  # the others were dropped
     cell = Cell(row, fraction, limit, peak_bytes=r["peak_bytes"], wall_s=r["wall_s"],
-                cached_before_bytes=r["cached_before_bytes"], peak_beside_bytes=r["peak_beside_bytes"])
+                cached_before_bytes=r["cached_before_bytes"], peak_beside_bytes=r["peak_beside_bytes"],
+                page_cached_expert_bytes=cached if bench.expert_ranges else None)
     lines = r["stderr"].strip().splitlines()
     if r["timed_out"]:
         cell.status = f"timeout: not done in {bench.timeout_s:.0f} s"
@@ -182,6 +190,9 @@ def run_bench(bench: DiskBench, say=print) -> dict:
         MoeOffloadError: no child memory cgroup can be made here; our FullLoad or baseline run fails.
     """
     expert_bytes, n_experts = expert_bytes_of_checkpoint(bench.model_dir)
+    bench.expert_ranges = checkpoint_expert_ranges(bench.model_dir)
+    if bench.gguf is not None:
+        bench.expert_ranges[bench.gguf] = gguf_expert_ranges(bench.gguf)
     say(f"{n_experts} experts, {expert_bytes / 1e9:.3f} GB; reference runs")
     full = _ours_cell(bench, "FullLoad (ours, in memory)", None, None, bench.ours(None))
     if full.status != "ok":

@@ -34,6 +34,27 @@ def expert_bytes_of_checkpoint(model_dir: Path) -> tuple[int, int]:
         ckpt.close()
 
 
+def checkpoint_expert_ranges(model_dir: Path) -> dict[Path, list[tuple[int, int]]]:
+    """``{safetensors file: [(offset, nbytes)]}`` of the routed-expert tensors in ``model_dir`` (per-expert keys
+    ``...experts.<e>.<name>``), from the headers (``models.checkpoint.Checkpoint``).
+
+    Raises:
+        MoeOffloadError: a file that is not valid safetensors (``Checkpoint``).
+    """
+    from ..models.checkpoint import Checkpoint
+
+    ckpt = Checkpoint(Path(model_dir))
+    try:
+        out: dict[Path, list[tuple[int, int]]] = {}
+        for k in ckpt.keys():
+            if ".experts." in k:
+                info = ckpt.info(k)
+                out.setdefault(info.file, []).append((info.start, info.nbytes))
+        return out
+    finally:
+        ckpt.close()
+
+
 def gguf_expert_ranges(gguf: Path) -> list[tuple[int, int]]:
     """``[(offset, nbytes)]`` of the GGUF's routed-expert tensors (``*_exps``), from its header (``gguf`` package)."""
     from gguf import GGUFReader
@@ -43,7 +64,8 @@ def gguf_expert_ranges(gguf: Path) -> list[tuple[int, int]]:
 
 
 def resident_in_ranges(path: Path, ranges: list[tuple[int, int]]) -> int:
-    """Bytes of ``ranges`` of ``path`` in the page cache now (``runtime.page_cache.resident_pages``)."""
+    """Bytes of ``ranges`` of ``path`` in the page cache now (``runtime.page_cache.resident_pages``), in whole pages:
+    a page a range shares with its neighbour counts for both (at most 2 pages per range over)."""
     from ..runtime.page_cache import PAGE, resident_pages
 
     pages = resident_pages(path)

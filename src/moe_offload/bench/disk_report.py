@@ -10,7 +10,7 @@ from ..errors import MoeOffloadError
 
 COLUMNS = ("row", "fraction", "limit_bytes", "status", "decode_tok_s", "vs_own_unlimited", "hit_rate",
            "mb_read_per_token", "mb_read_per_token_at_least", "read_gbps", "physical_limit_tok_s", "tokens_equal_full_load", "peak_bytes", "wall_s",
-           "cached_before_bytes")
+           "cached_before_bytes", "page_cached_expert_bytes", "slot_bytes")
 
 
 def _fmt(v, spec: str = ".2f") -> str:
@@ -23,12 +23,12 @@ def _fmt(v, spec: str = ".2f") -> str:
 
 def markdown(result: dict) -> str:
     """The table of one ``run_bench`` result (module docstring: the columns)."""
-    head = ("| row | experts in memory | limit (GB) | decode tok/s | vs own unlimited | hit rate | MB read / token | "
-            "read GB/s | physical limit tok/s | tokens == FullLoad | status |")
-    lines = [head, "|" + "---|" * 11]
+    head = ("| row | experts in memory | held at end | limit (GB) | decode tok/s | vs own unlimited | hit rate | "
+            "MB read / token | read GB/s | physical limit tok/s | tokens == FullLoad | status |")
+    lines = [head, "|" + "---|" * 12]
     for c in result["cells"]:
         lines.append("| " + " | ".join([
-            c["row"], "all" if c["fraction"] is None else f"{c['fraction']:.0%}",
+            c["row"], "all" if c["fraction"] is None else f"{c['fraction']:.0%}", _held(c, result),
             "none" if c["limit_bytes"] is None else f"{c['limit_bytes'] / 1e9:.2f}",
             _fmt(c["decode_tok_s"]), _fmt(c["vs_own_unlimited"], ".3f"), _fmt(c["hit_rate"], ".3f"),
             _fmt(c["mb_read_per_token"], ".1f") or (f">= {c['mb_read_per_token_at_least']:.1f}"
@@ -44,6 +44,18 @@ def markdown(result: dict) -> str:
                  f"{result['max_new_tokens']} new tokens per cell, greedy; order "
                  f"{'reversed' if result['reverse'] else 'forward'}.")
     return "\n".join(lines)
+
+
+def _held(cell: dict, result: dict) -> str:
+    """The share of the expert bytes a cell held when its run ended: its slots plus the experts' pages the kernel
+    still cached (llama.cpp: the GGUF's expert pages), or "" when not measured."""
+    cached = cell.get("page_cached_expert_bytes")
+    if cached is None or cell["fraction"] is None or cell["status"] != "ok":
+        return ""
+    llama = cell["row"].startswith("llama.cpp")
+    total = result.get("gguf_expert_bytes") if llama else result["expert_bytes"]
+    held = cached + (0 if llama else cell.get("slot_bytes") or 0)
+    return f"{held / total:.0%}" if total else ""
 
 
 def write_results(result: dict, out: Path) -> list[Path]:
