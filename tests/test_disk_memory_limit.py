@@ -86,3 +86,16 @@ def test_memory_budget_bounds_the_peak(big):
     plan = json.loads(r.stdout)["stats"]["memory_plan"]
     assert plan["total_bytes"] <= budget and plan["staging_bytes"] > 0 and plan["slots"] > 2
     assert peak <= budget + baseline + 64 * MIB, (peak / MIB, baseline / MIB)
+
+
+def test_reclaimable_page_cache_is_not_counted_as_used():
+    """``memory_limit_bytes`` leaves a cgroup's file pages out of its usage (MemAvailable's view): v1 reads the
+    hierarchy's ``total_`` counters, v2 the cgroup's own."""
+    from moe_offload.runtime.host_memory import reclaimable_file_bytes
+
+    v1 = ("cache 900\nrss 10\ninactive_file 500\nactive_file 300\ntotal_cache 1900\ntotal_rss 20\n"
+          "total_inactive_file 1200\ntotal_active_file 600\ntotal_shmem 100\n")
+    assert reclaimable_file_bytes(v1, 1) == 1800
+    v2 = "anon 4096\nfile 8192\nactive_file 3000\ninactive_file 5000\nshmem 0\n"
+    assert reclaimable_file_bytes(v2, 2) == 8000
+    assert reclaimable_file_bytes("", 1) == 0

@@ -1,7 +1,8 @@
 """What host memory the process may use, and child memory cgroups to run a command under a limit (issue 35).
 
 ``memory_limit_bytes`` is what ``--memory-budget auto`` sizes the tiers from: the smaller of ``MemAvailable`` and
-the limit of the process's memory cgroup (v1 ``memory.limit_in_bytes`` or v2 ``memory.max``). ``ChildCgroup``
+what the limit of the process's memory cgroup (v1 ``memory.limit_in_bytes`` or v2 ``memory.max``) leaves beside
+its usage, its reclaimable page cache not counted as used (as ``MemAvailable`` does not). ``ChildCgroup``
 makes a child of the process's own memory cgroup (cgroup v1, as root) with a limit, runs commands inside it and
 reads back its peak usage and whether the kernel's OOM killer fired — how the disk tier is shown to run a model
 larger than memory, and how ``bench disk`` gives every engine the same limit. Nothing outside the process's own
@@ -69,8 +70,18 @@ def mem_available_bytes() -> int:
     raise MoeOffloadError("/proc/meminfo has no MemAvailable line")
 
 
+def reclaimable_file_bytes(stat_text: str, version: int) -> int:
+    """The file pages a memory cgroup's usage counts that the kernel reclaims before it runs out (bytes): its
+    ``memory.stat``'s inactive and active file pages (v1: the hierarchy's ``total_*``). ``MemAvailable`` counts
+    such page cache as available, and so does ``memory_limit_bytes`` within a cgroup."""
+    stat = dict(line.split() for line in stat_text.splitlines() if len(line.split()) == 2)
+    prefix = "total_" if version == 1 else ""
+    return sum(int(stat.get(prefix + k, 0)) for k in ("inactive_file", "active_file"))
+
+
 def memory_limit_bytes() -> int:
-    """Host memory this process may still use: ``MemAvailable``, capped by the cgroup's limit less its usage."""
+    """Host memory this process may still use: ``MemAvailable``, capped by the cgroup's limit less its usage, the
+    cgroup's reclaimable page cache (``reclaimable_file_bytes``: e.g. a checkpoint just read) not counted as used."""
     avail = mem_available_bytes()
     limit = cgroup_limit_bytes()
     if limit is None:
@@ -78,6 +89,7 @@ def memory_limit_bytes() -> int:
     path, version = _own_cgroup()
     try:
         used = int((path / ("memory.usage_in_bytes" if version == 1 else "memory.current")).read_text())
+        used -= reclaimable_file_bytes((path / "memory.stat").read_text(), version)
     except (OSError, ValueError, TypeError):
         used = 0
     return max(0, min(avail, limit - used))

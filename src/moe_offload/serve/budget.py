@@ -6,7 +6,7 @@ profile run), sizes the pool from what is left and loads again with it (the plan
 
 ``auto`` sizes from what the machine has: on CUDA 90% of the free device memory; on the CPU, where the slot pool
 is the RAM tier, ``AUTO_HOST_FRACTION`` of the host memory the process may still use (``MemAvailable``, capped by
-its cgroup's limit less its usage: ``runtime.host_memory.memory_limit_bytes``) less a private host store
+its cgroup's limit less its usage, reclaimable page cache not counted: ``runtime.host_memory.memory_limit_bytes``) less a private host store
 (``--host-store pinned``: every expert in the same RAM). Not counted in any budget: the interpreter and its
 libraries (torch, transformers: ~0.3-0.4 GB here), and the page cache of ``--host-store mmap`` (reclaimable).
 
