@@ -331,6 +331,22 @@ def _dispatch(args) -> int:
     return run(args)
 
 
+def _command_threads(args) -> None:
+    """Intra-op threads for ``generate`` / ``serve`` run from the shell (``common.threads.command_threads``): one
+    when another process holds a core and one thread is clearly faster, said on stderr unless ``--quiet``."""
+    import torch
+
+    from .common.threads import command_threads
+
+    got = command_threads()
+    if got is None or got[0] == got[1]:
+        return
+    torch.set_num_threads(got[0])
+    if not getattr(args, "quiet", False):
+        print(f"moe-offload: the CPU is busy (another process holds a core): {got[0]} intra-op thread instead of "
+              f"{got[1]}, which would wait for each other (set OMP_NUM_THREADS to choose)", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``moe-offload`` console script. Returns the exit status."""
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -340,6 +356,8 @@ def main(argv: list[str] | None = None) -> int:
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     try:
+        if argv is None and args.cmd in ("generate", "serve"):  # started from the shell, not called by code
+            _command_threads(args)
         return _dispatch(args)
     except MoeOffloadError as e:
         print(f"moe-offload: error: {e}", file=sys.stderr)

@@ -1,4 +1,4 @@
-"""Intra-op thread count for the one-time builds (testbed, llada2-medium).
+"""Intra-op thread count for the one-time builds (testbed, llada2-medium) and for a command run from the shell.
 
 torch runs each operation on ``torch.get_num_threads()`` OpenMP threads, one per core. When another process keeps
 some of those cores busy, every parallel operation waits at its barrier for a descheduled thread: measured on a
@@ -8,6 +8,12 @@ llada2-medium's routers ~40x faster than two. ``build_threads`` times a small pr
 only when they are clearly faster (``MARGIN``).
 The thread count can change the last float bits of a GEMM, so a build may differ slightly with it (as it may
 between machines).
+
+Inference (``command_threads``: ``generate`` and ``serve`` started from the shell) leans the other way: it keeps
+torch's default count unless one thread is clearly faster. Measured on this 2-core machine, decoding the testbed
+(48 tokens): idle, 17.1 tok/s with two threads and 12.2-13.6 with one; with one core taken by another process,
+0.46-0.82 tok/s with two threads and 12.7-13.2 with one (``OMP_WAIT_POLICY=PASSIVE`` gave 11.5 busy but 4.9-5.1
+idle, so it is not the answer). ``OMP_NUM_THREADS`` in the environment is the user's choice and is kept.
 """
 
 from __future__ import annotations
@@ -33,20 +39,23 @@ def _probe_seconds(threads: int, data) -> float:
 MARGIN = 0.8
 
 
-def choose_threads(times: dict[int, list[float]]) -> int:
+def choose_threads(times: dict[int, list[float]], prefer_most: bool = False) -> int:
     """The thread count to use given probe ``times`` (seconds per run, by thread count): the smallest count, unless
-    a larger one's median time is below ``MARGIN`` times the chosen one's."""
+    a larger one's median time is below ``MARGIN`` times the chosen one's; with ``prefer_most``, the largest count,
+    unless a smaller one's median is below ``MARGIN`` times the chosen one's."""
     med = {n: sorted(t)[len(t) // 2] for n, t in times.items()}
-    best = min(med)
-    for n in sorted(med)[1:]:
+    order = sorted(med, reverse=prefer_most)
+    best = order[0]
+    for n in order[1:]:
         if med[n] < MARGIN * med[best]:
             best = n
     return best
 
 
-def best_num_threads(candidates: list[int] | None = None, rounds: int = 5) -> int:
+def best_num_threads(candidates: list[int] | None = None, rounds: int = 5, prefer_most: bool = False) -> int:
     """The thread count for a build (default candidates: 1 and ``torch.get_num_threads()``) chosen by
-    ``choose_threads`` from ``rounds`` interleaved probe runs (~0.2-0.5 s in all); restores the current count."""
+    ``choose_threads`` (``prefer_most`` passed on) from ``rounds`` interleaved probe runs (~0.2-0.5 s in all);
+    restores the current count."""
     import torch
 
     current = torch.get_num_threads()
@@ -63,7 +72,7 @@ def best_num_threads(candidates: list[int] | None = None, rounds: int = 5) -> in
                 times[n].append(_probe_seconds(n, data))
     finally:
         torch.set_num_threads(current)
-    return choose_threads(times)
+    return choose_threads(times, prefer_most)
 
 
 @contextmanager
@@ -78,3 +87,18 @@ def build_threads():
         yield n
     finally:
         torch.set_num_threads(before)
+
+
+def command_threads(environ=None) -> tuple[int, int] | None:
+    """``(chosen, default)`` intra-op threads for a command run from the shell (module docstring): the default
+    count unless the probe runs clearly faster with one thread (``best_num_threads(prefer_most=True)``); None when
+    ``OMP_NUM_THREADS`` is set in ``environ`` (default ``os.environ``) or torch has one thread only. Sets nothing."""
+    import os
+
+    import torch
+
+    env = os.environ if environ is None else environ
+    default = torch.get_num_threads()
+    if "OMP_NUM_THREADS" in env or default <= 1:
+        return None
+    return best_num_threads([1, default], prefer_most=True), default

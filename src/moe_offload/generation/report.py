@@ -37,6 +37,7 @@ def stats_dict(lm: LoadedModel, s: RunStats) -> dict:
         "policy": eng.policy_name if eng else None,
         "device": str(lm.device),
         "dtype": str(lm.dtype).replace("torch.", ""),
+        "threads": torch.get_num_threads(),
         "requests": s.requests,
         "prompt_tokens": s.prompt_tokens,
         "decode_tokens": s.decode_tokens,
@@ -183,7 +184,8 @@ def stats_table(d: dict) -> str:
         ("diffusion", _diffusion_row(diff)),
     ] if diff else [
         ("TTFT (mean)", f"{d['ttft_s']:.3f} s"),
-        ("decode", f"{d['decode_tokens_per_s']:.2f} tok/s ({d['decode_tokens']} tokens)"),
+        ("decode", f"{d['decode_tokens_per_s']:.2f} tok/s ({d['decode_tokens']} tokens"
+                   + (f", {d['threads']} intra-op thread{'' if d['threads'] == 1 else 's'})" if "threads" in d else ")")),
     ]) + [
         ("peak slot bytes", _fmt_bytes(d["peak_slot_bytes"])),
         ("experts", f"{_fmt_bytes(d['expert_bytes'])} each, stored as {' + '.join(d['expert_dtypes'])}"
