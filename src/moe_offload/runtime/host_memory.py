@@ -89,9 +89,12 @@ def memory_limit_bytes() -> int:
     path, version = _own_cgroup()
     try:
         used = int((path / ("memory.usage_in_bytes" if version == 1 else "memory.current")).read_text())
-        used -= reclaimable_file_bytes((path / "memory.stat").read_text(), version)
     except (OSError, ValueError, TypeError):
         used = 0
+    try:
+        used -= reclaimable_file_bytes((path / "memory.stat").read_text(), version)
+    except (OSError, ValueError):
+        pass
     return max(0, min(avail, limit - used))
 
 
