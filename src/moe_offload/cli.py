@@ -228,7 +228,7 @@ def _generate_graph(args, path, prompts, diffusion) -> int:
 
 def _cmd_generate(args) -> int:
     from .generation.generate import run
-    from .models.loader import PREDICTOR_POLICIES
+    from .models.engine_build import PREDICTOR_POLICIES
     from .generation.report import offload_notes, stats_dict
 
     if args.temperature < 0 or not (0 <= args.top_p <= 1):

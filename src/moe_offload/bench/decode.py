@@ -80,7 +80,7 @@ def bench_decode(path: Path, prompts: list[str], residencies: list[float], *, ma
             an emulated link or without a measured disk (``bench link --disk``).
     """
     from ..errors import MoeOffloadError
-    from ..models.loader import PREDICTOR_POLICIES
+    from ..models.engine_build import PREDICTOR_POLICIES
 
     policies = [p.strip() for p in policy.split(",") if p.strip()]
     if any(p in PREDICTOR_POLICIES for p in policies) and not predictor:
@@ -179,7 +179,7 @@ def _measure_policy(path, prompts, max_new_tokens, pol, r, device, dtype, progre
     """Load the offloaded model with policy ``pol`` at residency ``r`` (the predictor attached when it needs one,
     the link emulated when ``spe``), measure it, and return its row (``ratio`` left for the caller) and its
     time breakdown."""
-    from ..models.loader import FORECAST_RUNTIME_POLICIES, PREDICTOR_POLICIES
+    from ..models.engine_build import FORECAST_RUNTIME_POLICIES, PREDICTOR_POLICIES
     from ..predictor.cross_layer import attach_forecasts
     from ..predictor.model import load_predictor
 
@@ -239,7 +239,7 @@ def _simulate_rows(rows: list[DecodeRow], trace, link_epl: float, predictor: str
                    lag: int | None = None) -> None:
     """Fill each row's ``simulated``: the replay of ``trace`` with the row's policy and slot count under the link
     model of ``sim.prefetch_sim`` at ``link_epl``, the predictor's forecasts replayed with the runtime's settings."""
-    from ..models.loader import PREDICTOR_POLICIES
+    from ..models.engine_build import PREDICTOR_POLICIES
     from ..sim.forecasts import forecast_stream, xl_stream
     from ..sim.prefetch_sim import replay_policy
     from ..sim.simulator import layer_needs

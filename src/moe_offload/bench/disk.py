@@ -36,6 +36,7 @@ from __future__ import annotations
 import json
 import sys
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 from ..errors import MoeOffloadError
@@ -89,8 +90,6 @@ class DiskBench:
             limit (0: the limits as defined; tests give tiny checkpoints room for the run-to-run spread of a
             process's own peak, which there is larger than the share of their experts); llama_prompt: ``prompt`` in the chat template, as llama.cpp is given it (ours applies
             the template itself).
-        expert_ranges: ``{file: [(offset, nbytes)]}`` of the expert tensors of the checkpoint and the GGUF (filled by
-            ``run_bench``): what each cell finds of them in the page cache when it ends.
     """
 
     model_dir: Path
@@ -107,7 +106,14 @@ class DiskBench:
     llama_prompt: str | None = None
     peers: bool = True
     headroom_bytes: int = 0
-    expert_ranges: dict = field(default_factory=dict)
+    @cached_property
+    def expert_ranges(self) -> dict[Path, list[tuple[int, int]]]:
+        """``{file: [(offset, nbytes)]}`` of the expert tensors of the checkpoint and the GGUF (read from their
+        headers once): what each cell finds of them in the page cache when it ends."""
+        out = checkpoint_expert_ranges(self.model_dir)
+        if self.gguf is not None:
+            out[self.gguf] = gguf_expert_ranges(self.gguf)
+        return out
 
     def files(self) -> list[Path]:
         out = sorted(self.model_dir.glob("*.safetensors"))
@@ -136,7 +142,7 @@ def _measured_cell(bench: DiskBench, row: str, fraction, limit, cmd, ok, beside=
     cached = sum(resident_in_ranges(f, rs) for f, rs in bench.expert_ranges.items())  # the others were dropped
     cell = Cell(row, fraction, limit, peak_bytes=r["peak_bytes"], wall_s=r["wall_s"],
                 cached_before_bytes=r["cached_before_bytes"], peak_beside_bytes=r["peak_beside_bytes"],
-                page_cached_expert_bytes=cached if bench.expert_ranges else None)
+                page_cached_expert_bytes=cached)
     lines = r["stderr"].strip().splitlines()
     if r["timed_out"]:
         cell.status = f"timeout: not done in {bench.timeout_s:.0f} s"
@@ -190,9 +196,6 @@ def run_bench(bench: DiskBench, say=print) -> dict:
         MoeOffloadError: no child memory cgroup can be made here; our FullLoad or baseline run fails.
     """
     expert_bytes, n_experts = expert_bytes_of_checkpoint(bench.model_dir)
-    bench.expert_ranges = checkpoint_expert_ranges(bench.model_dir)
-    if bench.gguf is not None:
-        bench.expert_ranges[bench.gguf] = gguf_expert_ranges(bench.gguf)
     say(f"{n_experts} experts, {expert_bytes / 1e9:.3f} GB; reference runs")
     full = _ours_cell(bench, "FullLoad (ours, in memory)", None, None, bench.ours(None))
     if full.status != "ok":
@@ -210,7 +213,7 @@ def run_bench(bench: DiskBench, say=print) -> dict:
     cells = [full]
     base_llama = gguf_experts = None
     if bench.peers and bench.llama_bin is not None and bench.gguf is not None:
-        ranges = gguf_expert_ranges(bench.gguf)
+        ranges = bench.expert_ranges[bench.gguf]
         gguf_experts = sum(n for _, n in ranges)
         unl = _llama_cell(bench, None, None)
         unl.row = "llama.cpp (mmap, unlimited)"

@@ -16,8 +16,6 @@ from pathlib import Path
 
 import torch
 
-from ..core.policies import make_policy
-from ..core.slots import SlotTable
 from ..errors import MoeOffloadError
 from ..runtime.engine import OffloadEngine
 from ..runtime.formats import ExpertFormat
@@ -27,6 +25,7 @@ from ..runtime.store import FILE_BACKED, HostStore, MmapHostStore
 from .accounting import validate_checkpoint
 from .capability import expert_params, experts_modules, generation_class, inspect_model, top_k as _top_k
 from .checkpoint import Checkpoint, quantization, read_config
+from .engine_build import check_policy, make_engine
 from .expert_map import build_format, fill_store, map_checkpoint
 from .fp8_full import fullload_kwargs
 from .registry import Architecture
@@ -154,42 +153,6 @@ def num_slots_for(num_experts_total: int, top_k: int, residency: float | None, s
     return min(slots, num_experts_total)
 
 
-def is_refresh_policy(policy: str) -> bool:
-    """Whether ``policy`` names a diffusion refresh planner (``reactive``, ``tide-fixed[-T<n>]``, ``tide``)."""
-    p = policy.lower()
-    return p in ("reactive", "tide") or p.startswith("tide-fixed")
-
-
-# runtime policy names driven by a predictor's forecasts -> their prefetch scheduler (None: no prefetching)
-FORECAST_RUNTIME_POLICIES = {"seqmoe-cacheonly": None, "seqmoe": "jsd", "seqmoe-infinity": "moe-infinity",
-                             "xl": "jsd", "seqmoe-xl": "jsd"}
-#: of those, the ones a trained predictor must drive (``xl`` runs on the model's own routers, predictor.cross_layer)
-PREDICTOR_POLICIES = ("seqmoe-cacheonly", "seqmoe", "seqmoe-infinity", "seqmoe-xl")
-
-
-def _check_policy(policy: str, arch: Architecture, interval: int) -> bool:
-    """Reject an unknown, simulator-only or misplaced policy before any work; True for a refresh planner."""
-    refresh = is_refresh_policy(policy)
-    if refresh and not arch.diffusion:
-        raise MoeOffloadError(f"--policy {policy} refreshes experts per diffusion step: it is for diffusion models "
-                              f"(e.g. llada2_moe), not {arch.name}")
-    if refresh:
-        from ..core.refresh import make_refresh_planner
-
-        if policy.lower() != "tide":
-            make_refresh_planner(policy, 1, 1, 1, interval=interval)
-    elif policy not in FORECAST_RUNTIME_POLICIES and policy != "auto":
-        try:
-            make_policy(policy, num_slots=1, top_k=1)
-        except MoeOffloadError as e:
-            if "only available in the simulator" in str(e):
-                raise
-            raise MoeOffloadError(f"unknown policy {policy!r}; choose one of: auto, lru, lfu, lfru[-H], prefill-hot, "
-                                  f"{', '.join(FORECAST_RUNTIME_POLICIES)} (with a predictor); diffusion models: "
-                                  "reactive, tide-fixed-T<n>, tide") from None
-    return refresh
-
-
 def _build_meta(config, dt: torch.dtype):
     """The model on the meta device, its experts modules ``[(name, module)]`` (one per MoE layer) and the experts'
     ``[(param, per-expert shape)]``.
@@ -266,7 +229,7 @@ def load_offloaded(model_dir: str | Path, *, device: str | None = None, dtype: s
     dt = resolve_dtype(dtype, config)
     if policy == "auto" and arch.diffusion:  # the chooser simulates autoregressive decode steps
         policy = "lru"
-    refresh = _check_policy(policy, arch, interval)
+    refresh = check_policy(policy, arch, interval)
     ckpt = Checkpoint(path)
     ckpt.random_access = host_store == "disk"
     model, mods, shapes = _build_meta(config, dt)
@@ -306,7 +269,7 @@ def load_offloaded(model_dir: str | Path, *, device: str | None = None, dtype: s
     model.eval()
     model.requires_grad_(False)
     pool = SlotPool(fmt, num_slots, n_total, dev)
-    engine = _make_engine(policy, refresh, store, pool, mods, num_slots, top_k, num_experts,
+    engine = make_engine(policy, refresh, store, pool, mods, num_slots, top_k, num_experts,
                           budget if refresh else None, dict(link_epl=link_epl, link_gbps=link_gbps,
                           seconds_per_expert=seconds_per_expert, interval=interval,
                           host_seconds_per_token_expert=host_seconds_per_token_expert,
@@ -330,57 +293,6 @@ def _host_cache_rows(gb: float, expert_bytes: int) -> int:
     if rows < 1:
         raise MoeOffloadError(f"--host-cache {gb:g} GB holds no expert of {expert_bytes:,d} B")
     return rows
-
-
-def _make_engine(policy: str, refresh: bool, store, pool: SlotPool, mods: list, num_slots: int, top_k: int,
-                 num_experts: int, budget: int | None, opts: dict):
-    """The engine that runs the experts: a ``RefreshEngine`` (TIDE planners) or an ``OffloadEngine`` with the
-    policy's slot table (and, for ``seqmoe``/``seqmoe-infinity``, a ``Prefetcher``)."""
-    from ..runtime.transfer import make_transfer_engine
-
-    L, n_total = len(mods), len(mods) * num_experts
-    if refresh:
-        from ..core.refresh import make_refresh_planner
-        from ..runtime.refresh_calibrate import calibrate_costs
-        from ..runtime.refresh_engine import RefreshEngine
-
-        transfer = make_transfer_engine(store, pool, link_gbps=opts["link_gbps"],
-                                        seconds_per_expert=opts["seconds_per_expert"])
-        host = dict(host_seconds_per_token_expert=opts["host_seconds_per_token_expert"],
-                    host_seconds_per_expert=opts["host_seconds_per_expert"])
-        costs = None
-        if policy.lower() == "tide":
-            costs = calibrate_costs(mods[0][1], store, pool, transfer, L, num_experts, top_k, **host)
-        planner = make_refresh_planner(policy, L, num_experts, budget, costs=costs, interval=opts["interval"])
-        return RefreshEngine(store, pool, planner, L, num_experts, transfer, **host)
-    if policy in FORECAST_RUNTIME_POLICIES:  # SeqMoE §7.1 eviction; forecasts come from a predictor (ForecastFeed)
-        from ..core.prob_belady import ProbabilisticBelady
-
-        policy_obj = ProbabilisticBelady(num_experts, horizon=8, lam=0.5)
-        policy_obj.name = policy
-    else:  # "auto" starts as LRU; its chooser swaps in the best history policy after the first prefill
-        policy_obj = make_policy("lru" if policy == "auto" else policy, num_slots=num_slots, top_k=top_k,
-                                 num_moe_layers=L)
-        policy_obj.name = policy
-    scheduler = FORECAST_RUNTIME_POLICIES.get(policy)
-    table = SlotTable(num_slots, n_total, policy_obj, experts_per_layer=num_experts if scheduler else None)
-    engine = OffloadEngine(store, pool, table, num_experts)
-    if policy == "auto":
-        from ..sim.auto_policy import AutoPolicyChooser
-
-        engine.auto_policy = AutoPolicyChooser(table, L, num_experts, top_k)
-        engine.observers.append(engine.auto_policy)
-    if scheduler:
-        from ..core.prefetch import make_scheduler
-        from ..runtime.prefetcher import Prefetcher
-
-        engine.prefetcher = Prefetcher(store, pool, table,
-                                       make_scheduler(scheduler, num_moe_layers=L, b_avg=opts["link_epl"],
-                                                      auto_ema=False),
-                                       make_transfer_engine(store, pool, link_gbps=opts["link_gbps"],
-                                                            seconds_per_expert=opts["seconds_per_expert"]),
-                                       L, num_experts, top_k)
-    return engine
 
 
 def load_full(model_dir: str | Path, *, device: str | None = None, dtype: str | None = None) -> LoadedModel:

@@ -145,7 +145,8 @@ def load_for_generate(path, memory_budget: float | str, load: dict, max_context:
             positions.
     """
     from ..models.checkpoint import read_config
-    from ..models.loader import is_refresh_policy, resolve_device
+    from ..models.engine_build import is_refresh_policy
+    from ..models.loader import resolve_device
     from .memory import MemoryPlan
 
     _, config, _ = read_config(path)

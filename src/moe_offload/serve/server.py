@@ -149,7 +149,8 @@ def load_for_serving(cfg: ServeConfig, log=_log):
         MoeOffloadError: a bad checkpoint or option, a policy the server cannot run, ``max_context`` above the
             model's positions, or a budget too small for top-k slots.
     """
-    from ..models.loader import is_refresh_policy, load_offloaded, read_config, resolve_device
+    from ..models.engine_build import is_refresh_policy
+    from ..models.loader import load_offloaded, read_config, resolve_device
     from .state import ServeState
 
     path, config, arch = read_config(cfg.model_dir)
@@ -199,7 +200,7 @@ def load_for_serving(cfg: ServeConfig, log=_log):
 def _check_policy(cfg: ServeConfig) -> None:
     """Raises MoeOffloadError for a policy the server does not run, or a predictor given without its policy or
     missing for it."""
-    from ..models.loader import PREDICTOR_POLICIES
+    from ..models.engine_build import PREDICTOR_POLICIES
 
     if cfg.policy in ("xl", "seqmoe-xl"):
         raise MoeOffloadError(f"--policy {cfg.policy} is not served: cross-layer forecasts run in generate and bench "
