@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 model=${1:-testbed-sparse}
 runs=${2:-2}
 py=.venv/bin/python
-dir=$($py -c "from moe_offload.models.resolve import resolve_model; print(resolve_model('$model', progress=False))")
+dir=$($py -c "from moe_offload.testbed.resolve import resolve_model; print(resolve_model('$model', progress=False))")
 for i in $(seq "$runs"); do
   for store in mmap disk; do
     $py -c "import sys, pathlib; from moe_offload.runtime.page_cache import drop

@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from moe_offload.models.loader import load_offloaded
-from moe_offload.models.resolve import resolve_model
+from moe_offload.testbed.resolve import resolve_model
 
 
 def main() -> None:

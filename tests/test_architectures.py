@@ -1,5 +1,5 @@
 """The architecture sweep (issue 16): every MoE model type of the installed transformers, found by scanning its
-modeling files for ``@use_experts_implementation`` (``models.verify.sweep_types``), gets a tiny random checkpoint
+modeling files for ``@use_experts_implementation`` (``architectures.verify.sweep_types``), gets a tiny random checkpoint
 from a generic shrink of its default configuration; served ones must give the offloaded greedy tokens of FullLoad at
 residency 0.3 (with misses), one intra-op thread, and a routing trace; the others must be refused (or fail to build
 tiny) with a one-line reason. The statuses must equal the record behind ``moe-offload models`` and
@@ -19,9 +19,9 @@ from moe_offload.cli import main
 from moe_offload.generation.generate import encode_prompt, generate_ids, run
 from moe_offload.models.capability import experts_modules, inspect_model, text_config
 from moe_offload.models.loader import load_full, load_offloaded
-from moe_offload.models.supported import load_record
+from moe_offload.architectures.supported import load_record
 from moe_offload.models.tiny import make_tiny, tiny_config
-from moe_offload.models.verify import PROMPTS, TypeResult, families, sweep_types, verify
+from moe_offload.architectures.verify import PROMPTS, TypeResult, families, sweep_types, verify
 
 TYPES = sweep_types()
 _REC = load_record()

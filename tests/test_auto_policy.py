@@ -4,7 +4,7 @@ import numpy as np
 
 from moe_offload.generation.generate import encode_prompt, generate_ids
 from moe_offload.models.loader import load_full, load_offloaded
-from moe_offload.sim.auto_policy import DECODE_SAMPLE, choose_policy, token_needs
+from moe_offload.core.auto_policy import DECODE_SAMPLE, choose_policy, token_needs
 
 
 def test_token_needs_prefill_half_then_one_decode_step_per_token():

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from moe_offload.errors import MoeOffloadError
-from moe_offload.predictor.cross_layer import CrossLayerForecaster, xl_probabilities
+from moe_offload.runtime.cross_layer import CrossLayerForecaster, xl_probabilities
 
 SERVED = []
 try:
-    from moe_offload.models.supported import load_record
+    from moe_offload.architectures.supported import load_record
 
     SERVED = [r["model_type"] for r in load_record()["types"] if r["status"] == "served"]
 except Exception:  # noqa: BLE001 - no record: the sweep test below is skipped

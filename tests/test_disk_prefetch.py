@@ -111,7 +111,7 @@ def test_demand_efficiency_hand_worked():
 
 def test_disk_gbps_between_measured_depths():
     """Depth 3 lies halfway between QD 2 (1.6) and QD 4 (1.8): 1.7; beyond QD 4: QD 4's figure."""
-    from moe_offload.sim.disk_link import disk_gbps
+    from moe_offload.core.disk_link import disk_gbps
 
     disk = {"table_gbps": {"64": {"1": 1.0, "2": 1.6, "4": 1.8}}}
     assert disk_gbps(disk, 64 * 1024, 3) == pytest.approx(1.7)

@@ -218,7 +218,7 @@ def test_copy_many_reads_concurrently_equal_bytes(tiny_dirs):
 
 
 def test_measure_disk_table(tmp_path):
-    from moe_offload.sim.disk_link import measure_disk
+    from moe_offload.bench.disk_link import measure_disk
 
     e = measure_disk(tmp_path, file_mb=8, seconds=0.02, sizes_kib=(4, 64), depths=(1, 2))
     assert list(tmp_path.iterdir()) == []  # the scratch file is gone
@@ -231,8 +231,8 @@ def test_over_disk_replaces_the_link_by_the_disk():
     """``simulate --link disk``: the profile's link becomes its disk at one expert's read size (QD 1)."""
     import dataclasses
 
-    from moe_offload.sim.disk_link import over_disk
-    from moe_offload.sim.profiles import load_hardware
+    from moe_offload.core.disk_link import over_disk
+    from moe_offload.core.profiles import load_hardware
     from moe_offload.sim.timemodel import OnDemandTimeModel
 
     hw = over_disk(load_hardware("rtx4090"), 4 * 2**20)
@@ -247,7 +247,7 @@ def test_over_disk_replaces_the_link_by_the_disk():
 def test_disk_gbps_interpolates_on_log_size_and_picks_readers(monkeypatch):
     """Hand-worked: 64 KiB -> 1.0 GB/s and 256 KiB -> 2.0 GB/s at QD 1; 128 KiB lies halfway on a log scale: 1.5.
     At 128 KiB QD 2 gives 1.9, QD 4 gives 2.0: the smallest depth within 5% of the best is 2."""
-    from moe_offload.sim import disk_link
+    from moe_offload.core import disk_link
 
     disk = {"table_gbps": {"64": {"1": 1.0, "2": 1.6, "4": 1.8}, "256": {"1": 2.0, "2": 2.2, "4": 2.2}},
             "best": {"64": [4, 1.8], "256": [2, 2.2]}, "gbps": 2.2}
@@ -267,7 +267,7 @@ def test_cli_disk_store_and_memory_budget(tiny_dirs, refs, capsys, monkeypatch, 
     import json
 
     from moe_offload.cli import main
-    from moe_offload.sim import disk_link
+    from moe_offload.core import disk_link
 
     d = str(tiny_dirs["qwen3_moe"])
     args = ["generate", "--model", d, "--prompt", PROMPT, "--max-new-tokens", str(NEW), "--quiet"]

@@ -14,7 +14,7 @@ from filelock import FileLock
 
 from moe_offload.common import cache, progress, threads
 from moe_offload.models import tiny
-from moe_offload.testbed import build
+from moe_offload.testbed import build, llada2_medium
 
 
 def _fake_builder(calls: list):
@@ -242,13 +242,13 @@ def test_llada2_medium_first_use_announces_and_builds_once(monkeypatch, tmp_path
         return out, [1.0]
 
     monkeypatch.setattr(tiny, "make_llada2_medium", fake)
-    path = tiny.ensure_llada2_medium(progress=True)
+    path = llada2_medium.ensure_llada2_medium(progress=True)
     assert path == tmp_path / "llada2-medium" and (path / "balance.json").is_file() and calls == [32]
     err = capsys.readouterr().err
     assert err.count("first use of llada2-medium") == 1
-    assert f"about {progress.fmt_duration(tiny.LLADA2_MEDIUM_REFERENCE_S)} on this machine" in err
+    assert f"about {progress.fmt_duration(llada2_medium.LLADA2_MEDIUM_REFERENCE_S)} on this machine" in err
     assert "[1/1] balancing the routers" in err and f"{tiny.BALANCE_PASSES}/{tiny.BALANCE_PASSES}" in err
-    assert tiny.ensure_llada2_medium() == path and calls == [32]
+    assert llada2_medium.ensure_llada2_medium() == path and calls == [32]
 
 
 def test_commands_keep_the_default_threads_unless_one_is_clearly_faster(monkeypatch, capsys):

@@ -16,7 +16,7 @@ import torch
 from moe_offload.generation.batching import generate_batch_ids
 from moe_offload.cli import main
 from moe_offload.errors import MoeOffloadError
-from moe_offload.generation.generate import _eos_ids, encode_prompt, generate_ids
+from moe_offload.generation.generate import eos_ids, encode_prompt, generate_ids
 from moe_offload.models.gen_limits import eos_token_ids, new_token_budget, position_limit
 from moe_offload.models.loader import load_full, load_offloaded
 
@@ -45,7 +45,7 @@ def eos_ckpt(tiny_dirs, tmp_path_factory):
     src = tiny_dirs["qwen3_moe"]
     full = load_full(src, device="cpu")
     refs = [generate_ids(full, encode_prompt(full.tokenizer, p), NEW)[0] for p in PROMPTS]
-    assert not set(_eos_ids(full)) & set(refs[0] + refs[1])  # the unmodified model runs to NEW tokens
+    assert not set(eos_ids(full)) & set(refs[0] + refs[1])  # the unmodified model runs to NEW tokens
     pos = next(i for i in range(STOP, NEW) if refs[0][i] not in refs[0][:i])
     made = set(refs[0] + refs[1])
     never, other = [t for t in range(256) if t not in made][:2]
@@ -70,7 +70,7 @@ def test_generation_config_list_stops_full_and_offloaded(eos_ckpt):
     d, stop_id, refs = eos_ckpt
     full = load_full(d, device="cpu")
     off = load_offloaded(d, device="cpu", residency=0.5, progress=False)
-    assert stop_id in _eos_ids(off) and _eos_ids(off) == _eos_ids(full)
+    assert stop_id in eos_ids(off) and eos_ids(off) == eos_ids(full)
     assert off.model.generation_config.eos_token_id == full.model.generation_config.eos_token_id
     ids = encode_prompt(full.tokenizer, PROMPTS[0])
     want = refs[0][:refs[0].index(stop_id) + 1]
@@ -207,7 +207,7 @@ def test_position_limit_stops_diffusion(tmp_path):
 
 def test_graph_decode_stops_at_eos_list_and_position_limit(eos_ckpt, limit_ckpt):
     """Graph mode (aot_eager, the eager kernels) shares the EOS ids and the position limit."""
-    from moe_offload.runtime.graph.decode import GraphDecoder, load_graph
+    from moe_offload.graph.decode import GraphDecoder, load_graph
 
     d, stop_id, refs = eos_ckpt
     lm = load_graph(d, policy="lru", residency=0.5, device="cpu")

@@ -9,7 +9,7 @@ import pytest
 
 from moe_offload.cli import main
 from moe_offload.errors import MoeOffloadError
-from moe_offload.models.gguf_export import export_gguf, find_converter, first_difference, router_near_ties, router_ulp_control
+from moe_offload.bench.gguf_export import export_gguf, find_converter, first_difference, router_near_ties, router_ulp_control
 
 
 def test_refusals(tiny_dirs, tmp_path, capsys, monkeypatch):
@@ -42,7 +42,7 @@ def test_converts_testbed_sparse(tmp_path):
 
     from gguf import GGUFReader
 
-    from moe_offload.models.resolve import resolve_model
+    from moe_offload.testbed.resolve import resolve_model
 
     model = resolve_model("testbed-sparse", progress=False)
     out = export_gguf(model, tmp_path / "ts.gguf")

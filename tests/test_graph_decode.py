@@ -9,7 +9,7 @@ import torch
 from moe_offload.errors import MoeOffloadError
 from moe_offload.generation.generate import run
 from moe_offload.models.loader import load_full
-from moe_offload.runtime.graph.decode import GraphDecoder, load_graph, run_graph
+from moe_offload.graph.decode import GraphDecoder, load_graph, run_graph
 
 PROMPTS = ["hello there", "the sea and the wind"]
 
@@ -76,7 +76,7 @@ def test_graph_predictor_same_decisions_as_python_runtime(tiny_dirs, one_thread,
     as the Python runtime's ForecastFeed at rollout every step, and FullLoad's tokens."""
     from moe_offload.models.loader import load_offloaded
     from moe_offload.predictor.attach import attach_predictor
-    from moe_offload.runtime.graph.predictor import GraphPredictor
+    from moe_offload.graph.predictor import GraphPredictor
 
     path = tiny_dirs["qwen3_moe"]
     ref = [o.token_ids for o in run(load_full(path, device="cpu"), PROMPTS, 8)[0]]

@@ -120,7 +120,7 @@ def test_generate_from_a_hub_name_matches_the_directory(capsys, hub, tiny_dirs, 
 @pytest.mark.parametrize("revision", [COMMIT_A, "v1"])
 def test_a_revision_is_pinned(capsys, hub, tiny_dirs, revision):
     """(b) ``@COMMIT`` and ``@TAG`` give that snapshot, not main."""
-    from moe_offload.models.resolve import resolve_model
+    from moe_offload.testbed.resolve import resolve_model
 
     assert resolve_model(f"org/tiny@{revision}", progress=False) == hub / "models--org--tiny/snapshots" / COMMIT_A
     assert _tokens(capsys, f"org/tiny@{revision}") == _tokens(capsys, str(tiny_dirs["qwen3_moe"]))
@@ -179,7 +179,7 @@ def test_models_config_reads_config_json_alone(capsys, hub, tiny_dirs):
 def test_a_local_directory_named_like_a_hub_name_wins(capsys, hub, tiny_dirs, tiny_b):
     """(f) ``org/tiny`` as a directory relative to the working directory is used instead of the cache (which holds
     other weights under that name)."""
-    from moe_offload.models.resolve import resolve_model
+    from moe_offload.testbed.resolve import resolve_model
 
     local = Path("org/tiny")
     shutil.copytree(tiny_dirs["qwen3_moe"], local)
@@ -265,7 +265,8 @@ def test_every_command_taking_model_resolves_hub_names(capsys, hub, command):
 
 def test_trace_collect_from_a_hub_name(capsys, hub, tiny_dirs):
     """trace collect runs on the cached snapshot (tag v1) and records the routing of that checkpoint."""
-    from moe_offload.trace.format import load_trace, model_fingerprint
+    from moe_offload.models.checkpoint import model_fingerprint
+    from moe_offload.trace.format import load_trace
 
     assert main(COMMANDS["trace collect"]("org/tiny@v1")) == 0
     trace = load_trace("t.trace")

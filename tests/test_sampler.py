@@ -1,4 +1,4 @@
-"""The shared sampler (``moe_offload.generation.sampling``: ``pick``, re-exported as ``generate._pick``, and ``choose``, its
+"""The shared sampler (``moe_offload.generation.sampling``: ``pick`` and ``choose``, its
 decision with a confidence for block diffusion) at the edges of its settings (issue 34): a temperature below
 ``GREEDY_TEMPERATURE`` is greedy and never NaN; ``top_p`` 0 / tiny keeps only the most probable token; ``top_k`` keeps
 exactly k tokens (1: greedy; 0, negative, >= V: off); non-finite settings are a clear ValueError."""
@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from moe_offload.generation.generate import GREEDY_TEMPERATURE, _pick
+from moe_offload.generation.generate import GREEDY_TEMPERATURE
+from moe_offload.generation.sampling import pick as _pick
 from moe_offload.generation.sampling import choose, pick
 
 

@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 
 from moe_offload.errors import MoeOffloadError
-from moe_offload.sim import profiles
-from moe_offload.sim.profiles import HardwareProfile, ModelProfile
-from moe_offload.sim.simulator import StepCounts, replay
+from moe_offload.core import profiles
+from moe_offload.core.profiles import HardwareProfile, ModelProfile
+from moe_offload.core.replay import StepCounts
+from moe_offload.sim.simulator import replay
 from moe_offload.sim.timemodel import OnDemandTimeModel, calibration_check
 from moe_offload.trace.format import load_trace
 from moe_offload.trace.synthetic import synthetic_trace

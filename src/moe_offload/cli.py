@@ -19,7 +19,7 @@ from .common.cliargs import (OneLineErrorParser, add_diffusion_args, add_host_st
                              add_model_args, add_predictor_lag_arg, finite_float, float_, nonneg_int, positive_int,
                              seed)
 from .errors import MoeOffloadError
-from .models.resolve import BUILTIN_MODELS, resolve_model
+from .testbed.resolve import BUILTIN_MODELS, resolve_model
 from .testbed.prompts import load_prompts
 
 __all__ = ["BUILTIN_MODELS", "build_parser", "load_prompts", "main", "resolve_model"]
@@ -101,8 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench_sub = add_bench_parsers(sub)
     add_predictor_parser(sub, positive_int, nonneg_int, float_)
     add_serve_parsers(sub, bench_sub, positive_int, nonneg_int, float_)
-    from .models.gguf_export import add_parser as add_export_parser
-    from .models.supported import add_parser as add_models_parser
+    from .bench.gguf_export import add_parser as add_export_parser
+    from .architectures.supported import add_parser as add_models_parser
 
     add_models_parser(sub)
     add_export_parser(sub)
@@ -180,10 +180,10 @@ def _print_outputs(args, path, outputs, info) -> bool:
 
 
 def _generate_graph(args, path, prompts, diffusion) -> int:
-    """``generate --graph``: graph mode (``runtime.graph.decode``); the same report as ``generate``."""
+    """``generate --graph``: graph mode (``graph.decode``); the same report as ``generate``."""
     from .models.loader import load_full
     from .generation.report import offload_notes, stats_dict
-    from .runtime.graph.decode import GraphDecoder, load_graph, run_graph
+    from .graph.decode import GraphDecoder, load_graph, run_graph
 
     if args.memory_budget is not None:
         raise MoeOffloadError("--graph sizes its pool from --residency or --slots, not --memory-budget")
@@ -323,9 +323,9 @@ def _dispatch(args) -> int:
     elif args.cmd == "predictor":
         from .predictor.cli import run
     elif args.cmd == "models":
-        from .models.supported import run
+        from .architectures.supported import run
     elif args.cmd == "export":
-        from .models.gguf_export import run
+        from .bench.gguf_export import run
     else:
         from .bench.cli import run
     return run(args)

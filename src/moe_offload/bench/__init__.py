@@ -7,7 +7,7 @@ engine they measure (nothing in the engine imports from here).
 - ``serve_load``, ``serve_compare``, ``serve_replicas``: ``bench serve`` (the streaming load test, batch 1 vs
   continuous batching) and ``bench replicas``;
 - ``link``: ``bench link`` (host->device copies and compute rates: the ``this-machine`` profile; ``--disk``:
-  ``sim.disk_link``);
+  ``disk_link``; the model of the disk as a link: ``core.disk_link``);
 - ``replay_speed``: ``bench replay`` (the simulator's speed);
 - ``gpu_check``, ``gpu_check_graph``: the GPU check (``scripts/gpu-check.sh``).
 """

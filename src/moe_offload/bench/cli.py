@@ -10,7 +10,7 @@ from pathlib import Path
 from ..common.cliargs import (add_model_args, add_predictor_lag_arg, add_prompt_args, float_, int_in, parse_intervals,
                               positive_int, split_floats)
 from ..errors import MoeOffloadError
-from ..models.resolve import resolve_model
+from ..testbed.resolve import resolve_model
 from ..predictor.runtime import ROLLOUT_EVERY
 from ..runtime.emulated_clock import WAIT_MODES
 from ..testbed.prompts import load_prompts
@@ -118,11 +118,12 @@ def add_waits_arg(p) -> None:
 
 
 def _link(args) -> int:
-    from ..sim.profiles import this_machine_path
+    from ..core.profiles import this_machine_path
     from .link import measure_link
 
     if args.disk:
-        from ..sim.disk_link import disk_table, measure_disk, save_disk
+        from ..core.disk_link import save_disk
+        from .disk_link import disk_table, measure_disk
 
         entry = measure_disk(args.disk, file_mb=args.file_mb)
         print(f"direct reads on the filesystem of {entry['directory']}, GB/s (1e9 B/s), "

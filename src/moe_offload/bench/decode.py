@@ -65,7 +65,7 @@ def bench_decode(path: Path, prompts: list[str], residencies: list[float], *, ma
             (``runtime.emulated_clock``; CPU only): every timer, tok/s included, reads that clock.
         host_store: "pinned" or "disk" (``runtime.disk_store``: every miss and prefetch a real direct read of the
             checkpoint; the simulated column then models the disk as the link, at the bandwidth the this-machine
-            profile's disk entry gives for one expert's read at queue depth 1, ``sim.disk_link.disk_gbps``).
+            profile's disk entry gives for one expert's read at queue depth 1, ``core.disk_link.disk_gbps``).
         predictor_lag: None: the predictor runs inside the decode step; else in a process of its own, each forecast
             used this many MoE layers after its trigger layer (``predictor.lagged``; the seqmoe policies but seqmoe-xl), and
             the simulator replays the same hand-over positions.
@@ -140,7 +140,7 @@ def _disk_entry(host_store: str, link_epl: float | None) -> dict | None:
         MoeOffloadError: an unknown store, disk with an emulated link, or a disk never measured.
     """
     from ..errors import MoeOffloadError
-    from ..sim.disk_link import this_machine_disk
+    from ..core.disk_link import this_machine_disk
 
     if host_store not in ("pinned", "disk"):
         raise MoeOffloadError(f"bench decode --host-store is pinned or disk, not {host_store}")
@@ -159,7 +159,7 @@ def _disk_link_epl(disk: dict, expert_bytes: int, t_layer: float) -> tuple[float
     """``(experts per FullLoad layer time, the regime's words)`` of the measured disk for ``expert_bytes`` reads at
     queue depth 1 (FullLoad's expert bytes: a quantized checkpoint's stored experts are smaller, so its model is
     conservative)."""
-    from ..sim.disk_link import disk_gbps
+    from ..core.disk_link import disk_gbps
 
     gbps = disk_gbps(disk, expert_bytes, 1)
     epl = t_layer * gbps * 1e9 / expert_bytes
@@ -222,7 +222,7 @@ def _record_routing(path, prompts, max_new_tokens, device, dtype, xl: bool = Fal
     """The routing of every measured run — the warm-up request, then the prompts — recorded once on an unmeasured
     offloaded run at residency 1.0 (a lossless run routes identically at any residency and policy); with ``xl`` also
     the cross-layer forecasts (``trace collect --xl-forecasts``)."""
-    from ..predictor.cross_layer import XL_DEPTH
+    from ..runtime.cross_layer import XL_DEPTH
     from ..trace.collect import TraceRecorder
 
     lm = load_offloaded(path, device=device, dtype=dtype, residency=1.0, policy="lru", progress=False)

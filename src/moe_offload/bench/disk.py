@@ -262,7 +262,7 @@ def _cell_line(c: Cell) -> str:
 def _finish(cells: list[Cell], full: Cell, one_expert: int) -> None:
     """Fill the derived columns: vs own unlimited, the physical limit (the disk's best measured GB/s at reads of
     ``one_expert`` bytes), tokens == FullLoad."""
-    from ..sim.disk_link import disk_gbps, this_machine_disk
+    from ..core.disk_link import disk_gbps, this_machine_disk
 
     disk = this_machine_disk()
     unl_llama = next((c.decode_tok_s for c in cells if c.row == "llama.cpp (mmap, unlimited)"), None)
@@ -299,8 +299,8 @@ def _llama_paths(arg: str | None) -> tuple[Path | None, Path | None]:
 
 def main(args) -> int:
     """``moe-offload bench disk``: resolve the inputs, run, write and print the table; exit 0."""
-    from ..models.gguf_export import export_gguf
-    from ..models.resolve import resolve_model
+    from .gguf_export import export_gguf
+    from ..testbed.resolve import resolve_model
     from ..runtime.host_memory import child_cgroup_problem
     from ..testbed.sharegpt import human_turns
 

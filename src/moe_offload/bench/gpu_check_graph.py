@@ -23,7 +23,7 @@ GRAPH_ROWS = (("lru", 1.0), ("lru", 0.45), ("lfu", 0.45), ("seqmoe-cacheonly", 0
 
 def _tokens(lm, prompts, new_tokens, decoder=None):
     from ..generation.generate import run
-    from ..runtime.graph.decode import run_graph
+    from ..graph.decode import run_graph
 
     if decoder is None:
         return [o.token_ids for o in run(lm, prompts, new_tokens)[0]]
@@ -36,7 +36,7 @@ def graph_lines(root: Path, device: str, dry_run: bool, prompts: list[str]) -> l
     from ..models.loader import load_full
     from ..models.tiny import make_tiny
     from ..runtime.graph.cache import GRAPH_PREDICTOR_POLICIES
-    from ..runtime.graph.decode import GraphDecoder, load_graph
+    from ..graph.decode import GraphDecoder, load_graph
 
     ckpt = make_tiny("qwen3_moe", root / "graph-qwen3")
     new = 6 if dry_run else 16
@@ -71,7 +71,7 @@ def graph_lines(root: Path, device: str, dry_run: bool, prompts: list[str]) -> l
 def _random_predictor(ckpt: Path, out: Path, device: str) -> str:
     """An untrained two-range predictor set for the checkpoint (seed 0), saved to ``out``; returns its path."""
     from ..predictor.model import PredictorHeader, PredictorSet, PredictorSpec, default_ranges
-    from ..runtime.graph.decode import load_graph
+    from ..graph.decode import load_graph
 
     lm = load_graph(ckpt, policy="lru", device=device)
     h = PredictorHeader(model_id=lm.model_id, model_type=lm.model.config.model_type, num_moe_layers=lm.num_moe_layers,

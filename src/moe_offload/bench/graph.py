@@ -35,7 +35,7 @@ import torch
 from ..generation.generate import run
 from ..models.loader import load_full
 from ..runtime.graph.cache import GRAPH_PREDICTOR_POLICIES
-from ..runtime.graph.decode import GraphDecoder, load_graph, run_graph
+from ..graph.decode import GraphDecoder, load_graph, run_graph
 
 #: steps over which the management (the plan of every layer) is timed
 MGMT_STEPS = 50

@@ -1,5 +1,5 @@
 """``moe-offload bench link``: this machine's host->device copy bandwidth and compute rates, measured and written
-as the ``this-machine`` hardware profile (``sim.profiles``), which ``simulate``, ``bench decode`` and the TIDE cost
+as the ``this-machine`` hardware profile (``core.profiles``), which ``simulate``, ``bench decode`` and the TIDE cost
 model (``core.costs``) read with ``--hardware this-machine``."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import statistics
 import time
 
 from ..errors import MoeOffloadError
-from ..sim.profiles import THIS_MACHINE, this_machine_path
+from ..core.profiles import THIS_MACHINE, this_machine_path
 
 
 def _median_time(fn, repeats: int, sync=None) -> float:

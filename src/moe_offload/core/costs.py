@@ -21,7 +21,7 @@ non-expert work, one step   ``nonexpert_step_s`` (attention, routers, shared exp
 Two ways to build one:
 
 * :meth:`TideCosts.from_profiles` derives every number from a hardware profile and a model profile
-  (``sim.profiles``; the JSON files name the source of each input, or list it as unsourced). The derivations are
+  (``core.profiles``; the JSON files name the source of each input, or list it as unsourced). The derivations are
   written next to each field below; every efficiency factor and host-side rate is an assumption (listed in the
   profiles' ``unsourced``), so numbers built this way are modelled, not measured;
 * :meth:`TideCosts.from_numbers` takes explicit numbers, e.g. the runtime's calibration on this machine.
@@ -169,8 +169,8 @@ class TideCosts:
           plus a per-layer launch overhead; attention over the cached prefix is not modelled).
 
         Args:
-            hardware: a ``HardwareProfile`` or its name (``sim.profiles.load_hardware``).
-            model: a ``ModelProfile`` or its name (``sim.profiles.load_model_profile``).
+            hardware: a ``HardwareProfile`` or its name (``core.profiles.load_hardware``).
+            model: a ``ModelProfile`` or its name (``core.profiles.load_model_profile``).
             tokens_per_step: tokens of one diffusion step's forward (default the model profile's block_length).
             overlap_host: see the class attributes.
             **overrides: any field to replace after the derivation (recorded as "given").
@@ -179,7 +179,7 @@ class TideCosts:
             MoeOffloadError: a profile lacks a key listed in ``HW_KEYS`` / ``MODEL_KEYS`` (the message names it), or
                 a derived number is invalid.
         """
-        from ..sim.profiles import load_hardware, load_model_profile
+        from .profiles import load_hardware, load_model_profile
 
         hw = load_hardware(hardware) if isinstance(hardware, str) else hardware
         m = load_model_profile(model) if isinstance(model, str) else model

@@ -6,5 +6,5 @@
   block-prefix KV cache, per-block / per-request results;
 - ``sampling``: the one sampler of every loop; ``report``: a run's stats as a dict, a table and notes.
 
-Graph mode's loop is ``runtime.graph.decode``.
+Graph mode's loop is ``graph.decode``.
 """

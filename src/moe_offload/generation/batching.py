@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .generate import _eos_ids, _pick, token_budget
+from .generate import eos_ids, token_budget
+from .sampling import pick
 from ..models.loader import LoadedModel
 from ..runtime.batch_cache import BatchCache, unsupported_reason
 from ..common.seeds import make_generator
@@ -104,7 +105,7 @@ class BatchDecoder:
         self.lm = lm
         self.max_batch = max_batch
         self.keep_logits = keep_logits
-        self.eos = _eos_ids(lm)
+        self.eos = eos_ids(lm)
         params = inspect.signature(lm.model.forward).parameters
         self.cache_kw = "cache" if "cache" in params else "past_key_values"
         self.keep_last = "logits_to_keep" in params
@@ -128,7 +129,7 @@ class BatchDecoder:
 
     def _choose(self, seq: Sequence, logits: torch.Tensor) -> int:
         """Token of ``seq`` from its ``logits [1, V]`` with its own settings and generator."""
-        tok = int(_pick(logits, seq.temperature, seq.top_p, seq.gen, seq.top_k))
+        tok = int(pick(logits, seq.temperature, seq.top_p, seq.gen, seq.top_k))
         if self.keep_logits:
             seq.logits.append(logits[0].float().cpu())
         seq.new.append(tok)

@@ -190,12 +190,12 @@ def diffusion_generate_ids(lm: LoadedModel, prompt_ids: list[int], max_new_token
     check_params(max_new_tokens, block_length, steps, threshold)
     if not prompt_ids:
         raise MoeOffloadError("the prompt encodes to no token")
-    from .generate import _eos_ids, token_budget
+    from .generate import eos_ids, token_budget
     from ..common.seeds import make_generator
 
     max_new_tokens = token_budget(lm, len(prompt_ids), max_new_tokens, block_length)
     mask_id = _mask_token_id(lm)
-    eos = _eos_ids(lm)
+    eos = eos_ids(lm)
     dev = lm.device
     prompt_len = len(prompt_ids)
     num_blocks = -(-(prompt_len + max_new_tokens) // block_length)
@@ -242,7 +242,7 @@ class _BlockLoop:
 
     def run_block(self, start: int, end: int) -> BlockStats:
         """Refine block ``[start, end)`` until no mask token is left (at most ``len(schedule)`` steps)."""
-        from .generate import _sync
+        from .generate import sync_device
 
         block = self.x[0, start:end]  # a view: commits write into x
         stats = BlockStats(index=len(self.blocks), start=start, masks=int((block == self.mask_id).sum()))
@@ -268,7 +268,7 @@ class _BlockLoop:
             stats.forward_tokens.append(self.forward.tokens)
             if self.on_step_end is not None:
                 self.on_step_end(stats.index, s, self.global_step)
-            _sync(self.lm.device)
+            sync_device(self.lm.device)
             if engine is not None and hasattr(engine, "end_diffusion_step"):
                 engine.end_diffusion_step()
             self.step_seconds.append(now() - t0)

@@ -17,7 +17,7 @@ from ..models.loader import LoadedModel
 from ..runtime.emulated_clock import now
 from ..runtime.engine import EngineStats
 from .sampling import GREEDY_TEMPERATURE  # noqa: F401 (re-exported: the servers and tests read it here)
-from .sampling import pick as _pick
+from .sampling import pick
 from ..common.seeds import make_generator
 
 
@@ -75,7 +75,7 @@ def encode_prompt(tokenizer, prompt: str) -> list[int]:
     return tokenizer(prompt)["input_ids"]
 
 
-def _eos_ids(lm: LoadedModel) -> frozenset[int]:
+def eos_ids(lm: LoadedModel) -> frozenset[int]:
     """The ids that end ``lm``'s generations, the one resolution every loop uses (``models.gen_limits``): the
     loader's ``lm.eos_ids``, else resolved from the model's generation config, config and tokenizer."""
     if lm.eos_ids is not None:
@@ -98,13 +98,13 @@ def finish_reason(lm: LoadedModel, new: list[int], prompt_len: int, max_new_toke
     """Why a generation of ``new`` ids (EOS included) after a ``prompt_len``-token prompt ended:
     ``("stop", None)`` at an EOS id, ``("length", limit)`` when the model's position limit ``limit`` cut it short
     of ``max_new_tokens``, else ``("length", None)``."""
-    if new and new[-1] in _eos_ids(lm):
+    if new and new[-1] in eos_ids(lm):
         return "stop", None
     budget = token_budget(lm, prompt_len, max_new_tokens, block_length)
     return "length", lm.max_positions if budget < max_new_tokens and len(new) >= budget else None
 
 
-def _sync(device: torch.device) -> None:
+def sync_device(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -137,7 +137,7 @@ def generate_ids(lm: LoadedModel, prompt_ids: list[int], max_new_tokens: int, *,
     dev = lm.device
     cache_kw = "cache" if "cache" in inspect.signature(lm.model.forward).parameters else "past_key_values"
     gen = make_generator(seed)
-    eos = _eos_ids(lm)
+    eos = eos_ids(lm)
     engine = lm.engine
 
     def forward(step: int, **kw):
@@ -151,19 +151,19 @@ def generate_ids(lm: LoadedModel, prompt_ids: list[int], max_new_tokens: int, *,
     ids = torch.tensor([prompt_ids], dtype=torch.long, device=dev)
     t0 = now()
     out = forward(0, input_ids=ids)
-    tok = _pick(out.logits[:, -1], temperature, top_p, gen, top_k)
+    tok = pick(out.logits[:, -1], temperature, top_p, gen, top_k)
     past = out.get(cache_kw)
     new = [int(tok)]
-    _sync(dev)
+    sync_device(dev)
     t1 = now()
     stop = on_token is not None and bool(on_token(new[-1]))
     while not stop and len(new) < max_new_tokens and new[-1] not in eos:
         out = forward(len(new), input_ids=tok.view(1, 1), **{cache_kw: past})
         past = out.get(cache_kw)
-        tok = _pick(out.logits[:, -1], temperature, top_p, gen, top_k)
+        tok = pick(out.logits[:, -1], temperature, top_p, gen, top_k)
         new.append(int(tok))
         stop = on_token is not None and bool(on_token(new[-1]))
-    _sync(dev)
+    sync_device(dev)
     if engine is not None and hasattr(engine, "end_step"):
         engine.end_step()
     return new, t1 - t0, now() - t1

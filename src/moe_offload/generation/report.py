@@ -95,7 +95,7 @@ def tier_stats(lm) -> dict:
 def _demand_vs_measured(st) -> float | None:
     """``DiskReadStats.demand_efficiency`` against this machine's ``bench link --disk`` measurement (None: no
     measurement, or no on-demand read)."""
-    from ..sim.disk_link import disk_gbps, this_machine_disk
+    from ..core.disk_link import disk_gbps, this_machine_disk
 
     disk = this_machine_disk()
     if not disk or "table_gbps" not in disk:

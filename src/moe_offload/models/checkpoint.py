@@ -8,6 +8,7 @@ parameter) — no memory map stays resident while loading, so the load never hol
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -55,6 +56,27 @@ CHECKPOINT_DIR = "a Hugging Face checkpoint directory (config.json + *.safetenso
 _GGUF_MAGIC = b"GGUF"
 _FILE_KINDS = {".safetensors": "a safetensors file", ".bin": "a PyTorch weights file", ".pt": "a PyTorch weights file",
                ".pth": "a PyTorch weights file", ".json": "a JSON file"}
+
+
+def model_fingerprint(config_json: dict) -> str:
+    """A model's identity for traces: ``model_type`` + 12 hex digits of the SHA-256 of its config.json (keys sorted,
+    transformers' bookkeeping keys dropped), so a trace cannot be replayed against another model by mistake."""
+    skip = {"transformers_version", "_name_or_path", "architectures", "dtype", "torch_dtype", "_experts_implementation"}
+    canon = json.dumps({k: v for k, v in config_json.items() if k not in skip}, sort_keys=True)
+    return f"{config_json.get('model_type', 'unknown')}-{hashlib.sha256(canon.encode()).hexdigest()[:12]}"
+
+
+def checkpoint_model_id(model_dir: str | Path) -> str:
+    """The identity of the checkpoint in ``model_dir`` that traces and predictors carry: ``model_fingerprint`` of its
+    config.json; a checkpoint made from another with the same routers (``testbed-sparse-wide``: ``routing_model_id``
+    in its ``testbed.json``) has that one's, so traces and predictors move between them."""
+    model_dir = Path(model_dir)
+    tb = model_dir / "testbed.json"
+    if tb.is_file():
+        rid = json.loads(tb.read_text()).get("routing_model_id")
+        if rid:
+            return rid
+    return model_fingerprint(json.loads((model_dir / "config.json").read_text()))
 
 
 def _is_gguf(path: Path) -> bool:

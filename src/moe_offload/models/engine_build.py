@@ -88,7 +88,7 @@ def make_engine(policy: str, refresh: bool, store, pool: SlotPool, mods: list, n
     table = SlotTable(num_slots, n_total, policy_obj, experts_per_layer=num_experts if scheduler else None)
     engine = OffloadEngine(store, pool, table, num_experts)
     if policy == "auto":
-        from ..sim.auto_policy import AutoPolicyChooser
+        from ..runtime.auto_policy import AutoPolicyChooser
 
         engine.auto_policy = AutoPolicyChooser(table, L, num_experts, top_k)
         engine.observers.append(engine.auto_policy)

@@ -24,7 +24,7 @@ from ..runtime.route_rows import watch_routers
 from ..runtime.store import FILE_BACKED, HostStore, MmapHostStore
 from .accounting import validate_checkpoint
 from .capability import expert_params, experts_modules, generation_class, inspect_model, top_k as _top_k
-from .checkpoint import Checkpoint, quantization, read_config
+from .checkpoint import Checkpoint, checkpoint_model_id, quantization, read_config
 from .engine_build import check_policy, make_engine
 from .expert_map import build_format, fill_store, map_checkpoint
 from .fp8_full import fullload_kwargs
@@ -96,17 +96,8 @@ class LoadedModel:
 
     @property
     def model_id(self) -> str:
-        """Fingerprint of the checkpoint's config.json (``trace.format.model_fingerprint``); a checkpoint made from
-        another with the same routers (``testbed-sparse-wide``: ``routing_model_id`` in its ``testbed.json``) has
-        that one's, so traces and predictors move between them."""
-        from ..trace.format import model_fingerprint
-
-        tb = self.path / "testbed.json"
-        if tb.is_file():
-            rid = json.loads(tb.read_text()).get("routing_model_id")
-            if rid:
-                return rid
-        return model_fingerprint(json.loads((self.path / "config.json").read_text()))
+        """The checkpoint's identity for traces and predictors (``models.checkpoint.checkpoint_model_id``)."""
+        return checkpoint_model_id(self.path)
 
 
 def _with_limits(lm: LoadedModel, config) -> LoadedModel:
@@ -253,7 +244,7 @@ def load_offloaded(model_dir: str | Path, *, device: str | None = None, dtype: s
         store = MmapHostStore(fmt.layout, n_total)
     elif host_store == "disk":
         from ..runtime.disk_store import DEFAULT_READERS, DiskStore
-        from ..sim.disk_link import readers_for
+        from ..core.disk_link import readers_for
 
         store = DiskStore(fmt.layout, n_total, readers=readers_for(fmt.layout.expert_bytes, DEFAULT_READERS))
     else:

@@ -251,7 +251,7 @@ def measure_overhead(model: str, pset: PredictorSet, num_prompts: int = 4, max_n
     Raises:
         MoeOffloadError: as ``load_offloaded``, or if the predictor was trained for another model.
     """
-    from ..models.resolve import resolve_model
+    from ..testbed.resolve import resolve_model
     from ..errors import MoeOffloadError
     from ..generation.generate import run
     from ..models.loader import load_offloaded

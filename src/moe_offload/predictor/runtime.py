@@ -6,10 +6,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from ..errors import MoeOffloadError
+from ..core.forecast import Forecast
 from .features import psi
 from .model import PredictorSet
 
@@ -20,29 +20,6 @@ ROLLOUT = 7
 # docs/notes/benchmark-history.md, "Runtime decode under the emulated link"): the simulator's hit rate against the
 # rollout's cost per step.
 ROLLOUT_EVERY = 4
-
-
-@dataclass
-class Forecast:
-    """One predictor's latest forecast.
-
-    Attributes:
-        request: request index.
-        step: the generation step whose activations were consumed last (0 = prefill, i = decode step i).
-        layers: ``(l, l')``, the MoE layers forecast.
-        probs: float32 ``[1 + c, n, e]``: row j is the per-layer probability of each expert being activated at
-            step ``step + 1 + j`` (row 0 is the one-step prediction, rows 1.. the recursive rollout). A tensor on
-            the model's device; a numpy array for cross-layer forecasts (``predictor.blend``, made on the host).
-        cross_layer: made inside step ``step + 1`` by the later layers' routers (``predictor.cross_layer``): row 0
-            forecasts the current step's next layers; its prefetch tasks replace the queued ones of the same
-            deadlines (``core.prefetch.submit_forecast``).
-    """
-
-    request: int
-    step: int
-    layers: tuple[int, int]
-    probs: torch.Tensor | np.ndarray
-    cross_layer: bool = False
 
 
 @dataclass

@@ -103,7 +103,7 @@ def add_parsers(sub, bench_sub, positive_int, nonneg_int, float_) -> None:
 
 
 def _config(args):
-    from ..models.resolve import resolve_model
+    from ..testbed.resolve import resolve_model
     from .server import ServeConfig
 
     path = resolve_model(args.model, progress=not args.quiet)

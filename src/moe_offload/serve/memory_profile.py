@@ -157,7 +157,7 @@ def _profile_autoregressive(lm, max_context: int) -> int:
     """Prefill ``max_context - 1`` tokens and one sampled decode step; returns the KV cache bytes at the end."""
     import inspect
 
-    from ..generation.generate import _pick
+    from ..generation.sampling import pick
 
     cache_kw = "cache" if "cache" in inspect.signature(lm.model.forward).parameters else "past_key_values"
     gen = torch.Generator().manual_seed(0)
@@ -166,14 +166,14 @@ def _profile_autoregressive(lm, max_context: int) -> int:
     if eng is not None:
         eng.begin_step(-1, 0)
     out = lm.model(input_ids=ids, use_cache=True)
-    tok = _pick(out.logits[:, -1], 1.0, 0.5, gen)
+    tok = pick(out.logits[:, -1], 1.0, 0.5, gen)
     past = out.get(cache_kw)
     del out
     if eng is not None:
         eng.begin_step(-1, 1)
     out = lm.model(input_ids=tok.view(1, 1), use_cache=True, **{cache_kw: past})
     past = out.get(cache_kw)
-    _pick(out.logits[:, -1], 1.0, 0.5, gen)
+    pick(out.logits[:, -1], 1.0, 0.5, gen)
     return cache_bytes(past, lm.device)
 
 

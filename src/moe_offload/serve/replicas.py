@@ -102,7 +102,7 @@ def build(args: dict):
     replica (default 1), and any ``server.ServeConfig`` field (``residency``, ``memory_budget_gb``,
     ``max_context``, ``max_batch``, ``device``, ``policy``, ...), as strings.
     """
-    from ..models.resolve import resolve_model
+    from ..testbed.resolve import resolve_model
     from .server import ServeConfig
 
     args = dict(args)

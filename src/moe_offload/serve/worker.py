@@ -22,7 +22,7 @@ import traceback
 
 import torch
 
-from ..generation.generate import _eos_ids, generate_ids
+from ..generation.generate import eos_ids, generate_ids
 from .jobs import Delta, Detokenizer, Done, Failed, Job, ServerStats, shutdown_event
 
 SCHEDULING = "queued: one worker runs requests one at a time in arrival (FIFO) order, batch 1"
@@ -43,7 +43,7 @@ class Worker:
         self.diffusion = diffusion
         self.tracker = tracker
         self.stats = ServerStats()
-        self.eos = _eos_ids(lm)
+        self.eos = eos_ids(lm)
         self._queue: collections.deque[Job] = collections.deque()
         self._cv = threading.Condition()
         self._stopping = False

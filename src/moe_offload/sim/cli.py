@@ -4,7 +4,6 @@ that match the trace when they are known, and say which ones were used."""
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -59,7 +58,7 @@ def choose_profiles(args, traces: list) -> tuple:
     """The hardware and model profiles for ``traces`` and a line saying which were used and why: named ones, else
     the model profile matching the (first) trace's model type and geometry (``profiles.model_profile_for``) or
     qwen3-30b-a3b-fp8, and ``profiles.default_hardware`` for it. Returns ``(hardware, model_profile, line)``."""
-    from .profiles import default_hardware, load_hardware, load_model_profile, model_profile_for
+    from ..core.profiles import default_hardware, load_hardware, load_model_profile, model_profile_for
 
     h = traces[0][1].header
     geo = (int(h["num_moe_layers"]), int(h["num_experts"]), int(h["top_k"]))
@@ -116,14 +115,14 @@ def run(args) -> int:
         raise MoeOffloadError(f"{out} already exists and is not an empty directory; choose a new --out")
     model_id = None
     if args.model:
-        from ..models.resolve import resolve_model
-        from ..trace.format import model_fingerprint
+        from ..models.checkpoint import checkpoint_model_id
+        from ..testbed.resolve import resolve_model
 
-        model_id = model_fingerprint(json.loads((resolve_model(args.model) / "config.json").read_text()))
+        model_id = checkpoint_model_id(resolve_model(args.model))
     traces = [(t, load_trace(t)) for t in args.trace]
     hw, mp, used = choose_profiles(args, traces)
     if args.link == "disk":
-        from .disk_link import over_disk
+        from ..core.disk_link import over_disk
 
         hw = over_disk(hw, mp.expert_bytes)
         used += f"; link: {hw.link} at {hw.link_gbps:.2f} GB/s"
@@ -209,7 +208,7 @@ def _host_tier(args, hw, mp, policies) -> tuple[float, float] | None:
     frac = args.host_cache_frac
     if frac is None:
         return None
-    from .disk_link import disk_gbps
+    from ..core.disk_link import disk_gbps
     from .prefetch_sim import PREFETCH_POLICIES
 
     if not 0 < frac <= 1:

@@ -36,7 +36,7 @@ def run(args) -> int:
     from ..trace.diffusion import load_diffusion_trace
     from ..trace.diffusion_synthetic import synthetic_diffusion_trace
     from .diffusion_sim import profile_costs_on_trace, run_diffusion_sweep, write_diffusion_report
-    from .profiles import load_model_profile
+    from ..core.profiles import load_model_profile
 
     budgets = split_floats(args.budget, "--budget")
     if any(not (0 < b <= 1) for b in budgets):

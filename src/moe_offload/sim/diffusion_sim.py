@@ -137,7 +137,7 @@ def profile_costs_on_trace(trace: DiffusionTrace, hardware, model_profile, overl
     Raises:
         MoeOffloadError: unknown profiles, or a profile lacking a TIDE key.
     """
-    from .profiles import load_model_profile
+    from ..core.profiles import load_model_profile
 
     mp = load_model_profile(model_profile) if isinstance(model_profile, str) else model_profile
     prof = TideCosts.from_profiles(hardware, mp, tokens_per_step=max(1, int(round(float(trace.tokens.mean())))),

@@ -35,7 +35,8 @@ from ..core.prefill_prefetch import PrefillPrefetch
 from ..core.slots import SlotTable
 from ..errors import MoeOffloadError
 from ..trace.format import Trace
-from .simulator import ReplayResult, build_policy, layer_needs
+from ..core.replay import ReplayResult
+from .simulator import build_policy, layer_needs
 
 
 # policy names of the full SeqMoE pipeline in ``simulate``: (eviction policy, prefetch scheduler)

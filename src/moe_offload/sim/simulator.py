@@ -8,49 +8,12 @@ separate, replaceable time model (``sim.timemodel``) from the per-step counts co
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import numpy as np
 
 from ..core.eviction import EvictionPolicy
 from ..core.policies import make_policy
-from ..core.slots import SlotTable
+from ..core.replay import ReplayResult, replay_needs
 from ..trace.format import Trace
-
-
-@dataclass
-class StepCounts:
-    """Per-step counts of one replay, arrays of length ``num_steps`` (replay order): ``request``, ``step`` (0 =
-    prefill), ``hits``, ``misses`` (distinct experts per layer execution summed over the step's layers)."""
-
-    request: np.ndarray
-    step: np.ndarray
-    hits: np.ndarray
-    misses: np.ndarray
-
-
-@dataclass
-class ReplayResult:
-    """Totals of one replay (hit rate = hits / (hits + misses)), split by phase, plus per-step counts."""
-
-    policy: str
-    num_slots: int
-    hits: int = 0
-    misses: int = 0
-    decode_hits: int = 0
-    decode_misses: int = 0
-    accesses: int = 0
-    per_step: StepCounts | None = field(default=None, repr=False)
-
-    @property
-    def hit_rate(self) -> float:
-        n = self.hits + self.misses
-        return self.hits / n if n else 1.0
-
-    @property
-    def decode_hit_rate(self) -> float:
-        n = self.decode_hits + self.decode_misses
-        return self.decode_hits / n if n else 1.0
 
 
 def layer_needs(trace: Trace) -> list[tuple[int, int, list[list[int]], list[list[int]]]]:
@@ -115,36 +78,4 @@ def replay(trace: Trace, num_slots: int, policy: str | EvictionPolicy, needs=Non
     """
     needs = needs if needs is not None else layer_needs(trace)
     pol = build_policy(policy, trace, num_slots, needs) if isinstance(policy, str) else policy
-    if forecasts is None and hasattr(pol, "observe"):
-        from ..errors import MoeOffloadError
-
-        raise MoeOffloadError(f"policy {pol.name} needs a predictor's forecasts (simulate --predictor DIR)")
-    if forecasts is not None and len(forecasts) != len(needs):
-        raise ValueError("forecasts must have one entry per step of the trace")
-    table = SlotTable(num_slots, trace.num_moe_layers * trace.num_experts, pol)
-    res = ReplayResult(policy=pol.name, num_slots=num_slots)
-    n = len(needs)
-    req_a, step_a = np.zeros(n, np.int32), np.zeros(n, np.int32)
-    hits_a, miss_a = np.zeros(n, np.int64), np.zeros(n, np.int64)
-    for i, (req, step, needed, tokens) in enumerate(needs):
-        table.begin_step(req, step)
-        h = m = 0
-        events = forecasts[i] if forecasts is not None else ()
-        for layer, (ids, cnt) in enumerate(zip(needed, tokens)):
-            for trig, f in events:
-                if trig == layer:
-                    pol.observe(f)
-            plan = table.plan_layer(ids, cnt)
-            h += plan.hits
-            m += plan.misses
-            if on_loads is not None:
-                on_loads(step, [ld.eid for rnd in plan.rounds for ld in rnd.loads])
-        req_a[i], step_a[i], hits_a[i], miss_a[i] = req, step, h, m
-        res.hits += h
-        res.misses += m
-        if step > 0:
-            res.decode_hits += h
-            res.decode_misses += m
-    res.accesses = res.hits + res.misses
-    res.per_step = StepCounts(req_a, step_a, hits_a, miss_a)
-    return res
+    return replay_needs(needs, trace.num_moe_layers, trace.num_experts, num_slots, pol, forecasts, on_loads)

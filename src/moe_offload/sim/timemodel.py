@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import MoeOffloadError
-from .profiles import HardwareProfile, ModelProfile, load_hardware, load_model_profile
+from ..core.profiles import HardwareProfile, ModelProfile, load_hardware, load_model_profile
 
 
 @dataclass(frozen=True)

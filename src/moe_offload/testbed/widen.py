@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from ..errors import MoeOffloadError
-from ..trace.format import model_fingerprint
+from ..models.checkpoint import model_fingerprint
 
 #: the widened intermediate size: Qwen3-30B-A3B's ``moe_intermediate_size``
 WIDE_INTERMEDIATE = 768

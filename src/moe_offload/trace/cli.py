@@ -9,7 +9,7 @@ from pathlib import Path
 from ..common.cliargs import (add_diffusion_args, add_host_store_arg, add_model_args, float_, positive_int, seed,
                               split_floats)
 from ..errors import MoeOffloadError
-from ..models.resolve import resolve_model
+from ..testbed.resolve import resolve_model
 from ..testbed.prompts import load_prompts
 
 
@@ -147,7 +147,7 @@ def _collect(args) -> int:
     if args.xl_depth and args.xl_depth > lm.num_moe_layers - 1:
         raise MoeOffloadError(f"--xl-depth {args.xl_depth}: the model's {lm.num_moe_layers} MoE layers have at most "
                               f"{lm.num_moe_layers - 1} later layers to forecast")
-    from ..predictor.cross_layer import XL_DEPTH
+    from ..runtime.cross_layer import XL_DEPTH
 
     xl_depth = (args.xl_depth or XL_DEPTH) if args.xl_forecasts else 0
     with TraceRecorder(lm, router_probs=args.router_probs, source=f"moe-offload trace collect on {path}",

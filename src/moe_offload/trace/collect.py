@@ -5,7 +5,7 @@
 module (``gate``/``router`` beside the experts module; transformers' routers return
 ``(router_logits [T, E], weights, indices)``) and keeps ``softmax(router_logits)``; a router with classes past the
 E experts (Zaya's skip expert, index E, which computes nothing) keeps the experts' columns of that softmax. With ``xl_depth = d > 0`` it also records, per decode step and MoE layer, the cross-layer
-forecast of the next d layers (``predictor.cross_layer.CrossLayerForecaster``, the very computation the ``xl`` and
+forecast of the next d layers (``runtime.cross_layer.CrossLayerForecaster``, the very computation the ``xl`` and
 ``seqmoe-xl`` policies run), so the simulator replays what the runtime saw.
 """
 
@@ -52,7 +52,7 @@ class TraceRecorder(HookedRecorder):
         self._layer_xl: list[torch.Tensor | None] = [None] * self.L
         self._rows_xl: list[np.ndarray] = []
         if xl_depth:
-            from ..predictor.cross_layer import CrossLayerForecaster
+            from ..runtime.cross_layer import CrossLayerForecaster
 
             self.xl = CrossLayerForecaster(lm.model, experts_modules(lm.model), self.E, xl_depth)
         lm.engine.observers.append(self._observe)

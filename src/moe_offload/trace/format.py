@@ -10,21 +10,20 @@ Arrays (one row per token position the model processed, requests in order, each 
 | ``step`` | int32 | ``[N]`` | 0 for the prompt's tokens (prefill), i >= 1 for the i-th decode step |
 | ``prompt_ids`` | int32 | ``[sum of prompt lengths]`` | the prompts' token ids, requests concatenated (tokenizer-free) |
 | ``router_probs`` | float16 | ``[N, L, E]`` | optional: softmax of the router logits (``--router-probs``) |
-| ``xl_probs`` | float32 | ``[D, L, d, E]`` | optional (``--xl-forecasts``): per decode row (the D rows with step >= 1, in order), per MoE layer l, the cross-layer forecast of layer ``l + 1 + j`` (``predictor.cross_layer``; zeros past the last layer) |
+| ``xl_probs`` | float32 | ``[D, L, d, E]`` | optional (``--xl-forecasts``): per decode row (the D rows with step >= 1, in order), per MoE layer l, the cross-layer forecast of layer ``l + 1 + j`` (``runtime.cross_layer``; zeros past the last layer) |
 
 One *step* is one forward pass: the prefill of a request (all its prompt tokens, one layer execution per MoE
 layer) or one decode token. The runtime and the simulator process a trace step by step and, inside a step,
 MoE layer by MoE layer.
 
 Header (safetensors metadata key ``moe_offload_trace``, JSON):
-``format``, ``version``, ``model_id`` (fingerprint of the model's config.json, see ``model_fingerprint``),
+``format``, ``version``, ``model_id`` (fingerprint of the model's config.json, see ``models.checkpoint.model_fingerprint``),
 ``model_type``, ``num_moe_layers``, ``num_experts``, ``top_k``, ``synthetic`` (true for generated traces),
 ``router_probs`` (bool), ``xl_depth`` (d of ``xl_probs``, 0 without), ``requests`` (``[{"prompt_tokens": P, "decode_steps": D}]``), ``source`` (free text).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,14 +35,6 @@ from ..errors import MoeOffloadError
 FORMAT = "moe-offload-trace"
 VERSION = 1
 META_KEY = "moe_offload_trace"
-
-
-def model_fingerprint(config_json: dict) -> str:
-    """A model's identity for traces: ``model_type`` + 12 hex digits of the SHA-256 of its config.json (keys sorted,
-    transformers' bookkeeping keys dropped), so a trace cannot be replayed against another model by mistake."""
-    skip = {"transformers_version", "_name_or_path", "architectures", "dtype", "torch_dtype", "_experts_implementation"}
-    canon = json.dumps({k: v for k, v in config_json.items() if k not in skip}, sort_keys=True)
-    return f"{config_json.get('model_type', 'unknown')}-{hashlib.sha256(canon.encode()).hexdigest()[:12]}"
 
 
 class HeaderGeometry:

@@ -9,7 +9,7 @@ per layer distance, so ``simulate --policy xl,seqmoe-xl`` and ``predictor eval``
 pipeline do on a model whose cross-layer forecasts are this accurate?" on a recorded routing. The routing itself is
 untouched; the header says ``synthetic: true`` and names the rates, so every report made from it says so.
 
-Each forecast row keeps the form of ``predictor.cross_layer.xl_probabilities``:
+Each forecast row keeps the form of ``runtime.cross_layer.xl_probabilities``:
 
     p = (1 - eps) * onehot(S) / k + eps * tail        eps = 1 / (2(k + 1))
 

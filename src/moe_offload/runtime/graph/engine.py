@@ -91,7 +91,7 @@ class GraphEngine:
 
     Drop-in for ``OffloadEngine`` where ``generate`` and the reports use it (``attach``, ``begin_step``,
     ``end_step``, ``stats``, ``reset_stats``, ``close``, ``policy_name``, ``pool``, ``store``); no observers; a
-    ``predictor`` (``runtime.graph.predictor.GraphPredictor``) runs inside the step, and a ``prefetcher``
+    ``predictor`` (``graph.predictor.GraphPredictor``) runs inside the step, and a ``prefetcher``
     (``runtime.graph.prefetch.GraphPrefetcher``, with a ``FetchingGraphCache``) beside it.
 
     Args:
@@ -107,7 +107,7 @@ class GraphEngine:
         self._views: dict[str, torch.Tensor] = {}  # field -> [S, *shape] compute view of the whole pool
         self.prefetcher = None  # runtime.graph.prefetch.GraphPrefetcher: a CPU worker and the control region
         self.observers: list = []
-        self.predictor = None  # runtime.graph.predictor.GraphPredictor: forecasts inside the step
+        self.predictor = None  # graph.predictor.GraphPredictor: forecasts inside the step
         self.lookup_only = False  # set_lookup_only: no cache decisions in the step (the A/B baseline)
         self.preloaded = False  # preload_all: every expert in the slot of its global id
         dev = cache.lookup.device

@@ -49,7 +49,7 @@ import torch
 
 from ...core.prefetch import PrefetchScheduler, position, submit_forecast
 from ...errors import MoeOffloadError
-from ...predictor.runtime import Forecast
+from ...core.forecast import Forecast
 from .fetch_cache import FetchingGraphCache
 
 #: ``grant = tag << GRANT_SHIFT | expert``: one int64 store per reservation (experts < 2**24, tags < 2**39)

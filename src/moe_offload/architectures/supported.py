@@ -1,6 +1,6 @@
 """``moe-offload models``: every MoE model type of the installed transformers and whether it is served.
 
-The statuses come from the architecture sweep (``models.verify``): the recorded one
+The statuses come from the architecture sweep (``architectures.verify``): the recorded one
 (``data/architectures.json``, written by ``moe-offload models --verify --record FILE``) when it was made with the
 installed transformers version, else (and for model types the record does not have) a static check: the model
 type's tiny configuration is built and checked on the meta device (``capability.inspect_model``), which tells
@@ -41,8 +41,8 @@ def save_record(results: list[TypeResult], path: str | Path, command: str) -> No
 def static_check(family: str, model_type: str) -> TypeResult:
     """``builds`` (its tiny model passes the capability check on the meta device; not run), ``refused`` with the
     reason, or ``untested`` (no tiny configuration builds)."""
-    from .registry import REFUSED
-    from .tiny import tiny_config
+    from ..models.registry import REFUSED
+    from ..models.tiny import tiny_config
     from .verify import describe
 
     res = TypeResult(model_type, family, "builds")
@@ -175,9 +175,9 @@ def describe_config(path: str | Path) -> str:
 
     import transformers
 
-    from .capability import expert_params, inspect_model
-    from .checkpoint import not_a_checkpoint, quantization, read_config_json
-    from .loader import resolve_dtype
+    from ..models.capability import expert_params, inspect_model
+    from ..models.checkpoint import not_a_checkpoint, quantization, read_config_json
+    from ..models.loader import resolve_dtype
 
     p = Path(path)
     if p.is_dir() and not (p / "config.json").is_file():
@@ -215,7 +215,7 @@ def config_source(name: str) -> Path:
         MoeOffloadError: a Hub name that cannot be fetched (``hub.config_file``: malformed, unknown, gated, offline
             and not cached, no config.json); a path that does not exist is left to ``describe_config``.
     """
-    from .hub import config_file, looks_like_hub_name
+    from ..models.hub import config_file, looks_like_hub_name
 
     path = Path(name)
     return config_file(name) if not path.exists() and looks_like_hub_name(name) else path

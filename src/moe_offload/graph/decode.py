@@ -16,9 +16,9 @@ import time
 
 import torch
 
-from ...errors import MoeOffloadError
-from .cache import GRAPH_PREFETCH_POLICIES, GraphCache, check_graph_policy
-from .engine import GraphEngine
+from ..errors import MoeOffloadError
+from ..runtime.graph.cache import GRAPH_PREFETCH_POLICIES, GraphCache, check_graph_policy
+from ..runtime.graph.engine import GraphEngine
 
 #: static KV cache lengths are multiples of this many positions
 CACHE_BUCKET = 256
@@ -42,7 +42,7 @@ def load_graph(model_dir, *, policy: str = "lru", residency: float | None = None
             ``runtime.graph.fetch_cache``, ``runtime.graph.prefetch``).
         residency, slots, device, dtype, progress: as ``load_offloaded``.
         predictor: a trained predictor directory (``seqmoe-cacheonly``, ``seqmoe``: required): run inside the
-            step (``runtime.graph.predictor``, rollout every step).
+            step (``graph.predictor``, rollout every step).
         link_epl: with ``seqmoe``: the JSD scheduler's transfer budget B_avg, experts per layer time (as
             ``load_offloaded``).
     Returns:
@@ -53,8 +53,8 @@ def load_graph(model_dir, *, policy: str = "lru", residency: float | None = None
         ``seqmoe-cacheonly``/``seqmoe`` or one that does not fit the model; ``seqmoe`` without a predictor, with
         fewer slots than one layer's experts plus one, or on CUDA (``runtime.graph.prefetch.GraphPrefetcher``).
     """
-    from ...models.capability import experts_modules
-    from ...models.loader import load_offloaded
+    from ..models.capability import experts_modules
+    from ..models.loader import load_offloaded
 
     kind = check_graph_policy(policy, 1 << 30, 1)  # the policy first, before loading anything
     scheduler = GRAPH_PREFETCH_POLICIES.get(policy)
@@ -73,7 +73,7 @@ def load_graph(model_dir, *, policy: str = "lru", residency: float | None = None
         raise MoeOffloadError(f"--graph --policy {policy} needs at least {lm.num_experts + 1} slots (one MoE layer's "
                               f"{lm.num_experts} experts + 1 to prefetch into), got {old.pool.num_slots}")
     if scheduler:
-        from .fetch_cache import FetchingGraphCache
+        from ..runtime.graph.fetch_cache import FetchingGraphCache
 
         cache = FetchingGraphCache(old.pool.num_slots, lm.num_experts, lm.num_moe_layers, kind, device=old.pool.device)
     else:
@@ -90,7 +90,7 @@ def _attach_forecasts(lm, engine: GraphEngine, cache, predictor: str | None, sch
     """``load_graph``'s predictor (run inside the step) and prefetcher (a CPU worker with ``scheduler``) for
     ``engine``; closes ``lm`` before re-raising when either cannot be built."""
     if predictor:
-        from ...predictor.model import load_predictor
+        from ..predictor.model import load_predictor
         from .predictor import GraphPredictor
 
         try:
@@ -99,8 +99,8 @@ def _attach_forecasts(lm, engine: GraphEngine, cache, predictor: str | None, sch
             lm.close()
             raise
     if scheduler:
-        from ...core.prefetch import make_scheduler
-        from .prefetch import GraphPrefetcher
+        from ..core.prefetch import make_scheduler
+        from ..runtime.graph.prefetch import GraphPrefetcher
 
         try:
             engine.prefetcher = GraphPrefetcher(engine, make_scheduler(scheduler, num_moe_layers=lm.num_moe_layers,
@@ -128,7 +128,7 @@ class GraphDecoder:
         if backend not in BACKENDS:
             raise MoeOffloadError(f"unknown graph backend {backend!r}; choose one of: {', '.join(BACKENDS)}")
         if lm.engine is not None and not isinstance(lm.engine, GraphEngine):
-            raise MoeOffloadError("graph mode needs a model loaded with runtime.graph.decode.load_graph")
+            raise MoeOffloadError("graph mode needs a model loaded with graph.decode.load_graph")
         self.lm, self.backend = lm, backend
         self.cache = None
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, DECODER_GRAPHS)
@@ -179,30 +179,31 @@ class GraphDecoder:
 
         Raises:
             MoeOffloadError: the prompt leaves no room for a new token within the model's position limit."""
-        from ...generation.generate import _eos_ids, _pick, _sync, token_budget
-        from ...common.seeds import make_generator
+        from ..generation.generate import eos_ids, sync_device, token_budget
+        from ..generation.sampling import pick
+        from ..common.seeds import make_generator
 
         lm, engine = self.lm, self.lm.engine
         max_new_tokens = token_budget(lm, len(prompt_ids), max_new_tokens)
-        dev, gen, eos = lm.device, make_generator(seed), _eos_ids(lm)
+        dev, gen, eos = lm.device, make_generator(seed), eos_ids(lm)
         cache = self._static_cache(len(prompt_ids) + max_new_tokens)
         ids = torch.tensor([prompt_ids], dtype=torch.long, device=dev)
         t0 = time.perf_counter()
         if engine is not None:
             engine.begin_step(request, 0)
         out = lm.model(input_ids=ids, cache=cache, use_cache=True)
-        tok = _pick(out.logits[:, -1], temperature, top_p, gen, top_k)
+        tok = pick(out.logits[:, -1], temperature, top_p, gen, top_k)
         new = [int(tok)]
-        _sync(dev)
+        sync_device(dev)
         t1 = time.perf_counter()
         while len(new) < max_new_tokens and new[-1] not in eos:
             if engine is not None:
                 engine.begin_step(request, len(new))
             pos = torch.tensor([[len(prompt_ids) + len(new) - 1]], dtype=torch.long, device=dev)
             logits = self._compiled_step(tok.view(1, 1), pos, cache)
-            tok = _pick(logits, temperature, top_p, gen, top_k)
+            tok = pick(logits, temperature, top_p, gen, top_k)
             new.append(int(tok))
-        _sync(dev)
+        sync_device(dev)
         return new, t1 - t0, time.perf_counter() - t1
 
 
@@ -210,7 +211,7 @@ def run_graph(lm, prompts: list[str], max_new_tokens: int, *, decoder: GraphDeco
               temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
               progress: bool = False):
     """``generation.generate.run`` in graph mode: ``(outputs, RunStats)``; ``decoder`` reuses a compiled step."""
-    from ...generation.generate import run_requests
+    from ..generation.generate import run_requests
 
     dec = decoder or GraphDecoder(lm)
 

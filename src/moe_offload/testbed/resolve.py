@@ -29,7 +29,7 @@ def resolve_model(name: str | None, progress: bool = True) -> Path:
             or a Hub name that cannot be fetched (``hub.snapshot``: malformed, unknown, gated, offline and not cached,
             no safetensors).
     """
-    from .checkpoint import not_a_checkpoint
+    from ..models.checkpoint import not_a_checkpoint
 
     name = name or "testbed"
     path = Path(name)
@@ -38,18 +38,18 @@ def resolve_model(name: str | None, progress: bool = True) -> Path:
             raise MoeOffloadError(not_a_checkpoint(path))
         return path
     if name == "llada2-medium":
-        from .tiny import ensure_llada2_medium
+        from .llada2_medium import ensure_llada2_medium
 
         return ensure_llada2_medium(progress=progress)
     if name == "testbed-sparse-wide":
-        from ..testbed.widen import ensure_wide
+        from .widen import ensure_wide
 
         return ensure_wide(progress=progress)
     if name in BUILTIN_MODELS:
-        from ..testbed.build import ensure_testbed
+        from .build import ensure_testbed
 
         return ensure_testbed(name, progress=progress)
-    from .hub import looks_like_hub_name, snapshot
+    from ..models.hub import looks_like_hub_name, snapshot
 
     if looks_like_hub_name(name):
         return snapshot(name, progress=progress)

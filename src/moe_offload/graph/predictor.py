@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import torch
 
-from ...errors import MoeOffloadError
-from ...predictor.features import psi
-from ...predictor.model import PredictorSet, restore_state, snapshot_state
-from ...predictor.runtime import ROLLOUT, PredictorRunner
+from ..errors import MoeOffloadError
+from ..predictor.features import psi
+from ..predictor.model import PredictorSet, restore_state, snapshot_state
+from ..predictor.runtime import ROLLOUT, PredictorRunner
 
 
 class GraphPredictor:

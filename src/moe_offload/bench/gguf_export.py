@@ -118,7 +118,7 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     """``moe-offload export gguf``: convert, print the file written; exit 0."""
-    from .resolve import resolve_model
+    from ..testbed.resolve import resolve_model
 
     if args.check and not Path(args.check).is_file():
         raise MoeOffloadError(f"--check {args.check}: no such file")
@@ -241,7 +241,7 @@ def check_tokens(model_dir: Path, gguf: Path, llama_bin: Path, prompts: list[str
     import torch
 
     from ..generation.generate import encode_prompt, generate_ids
-    from .loader import load_full
+    from ..models.loader import load_full
 
     torch.set_num_threads(1)
     lm = load_full(model_dir, device="cpu")

@@ -130,7 +130,7 @@ def verify(model_type: str, workdir: str | Path, *, family: str = "", keep: bool
     Returns:
         The ``TypeResult`` (never raises for a model-type problem: it is the result).
     """
-    from .registry import REFUSED
+    from ..models.registry import REFUSED
 
     t0 = time.perf_counter()
     res = TypeResult(model_type, family or model_type, "failed")
@@ -161,10 +161,10 @@ def _check_tiny(model_type: str, path: Path, res: TypeResult) -> None:
     """Build the tiny checkpoint, compare offloaded with FullLoad tokens, record a trace; fills ``res``."""
     from ..generation.generate import encode_prompt, generate_ids, run
     from ..trace.collect import TraceRecorder
-    from .checkpoint import read_config
+    from ..models.checkpoint import read_config
     from ..generation.diffusion import is_diffusion
-    from .loader import load_full, load_offloaded
-    from .tiny import make_tiny
+    from ..models.loader import load_full, load_offloaded
+    from ..models.tiny import make_tiny
 
     res.status = "untested"  # until the tiny checkpoint is written (a refusal is a NotServedError: see verify)
     make_tiny(model_type, path, overwrite=True)
@@ -198,7 +198,7 @@ def _check_tiny(model_type: str, path: Path, res: TypeResult) -> None:
 
 def describe(config, res: TypeResult) -> None:
     """Fill ``res``'s geometry from the model built from ``config`` (meta device)."""
-    from .capability import inspect_model, text_config
+    from ..models.capability import inspect_model, text_config
 
     model, mods, geo = inspect_model(config)
     res.layers, res.moe_layers, res.experts, res.top_k = geo.num_layers, len(mods), geo.num_experts, geo.top_k
@@ -213,7 +213,7 @@ def _check_diffusion(path: Path, res: TypeResult) -> None:
     """Diffusion models: the block-diffusion loop offloaded equals FullLoad's."""
     from ..generation.generate import encode_prompt
     from ..generation.diffusion import diffusion_generate_ids
-    from .loader import load_full, load_offloaded
+    from ..models.loader import load_full, load_offloaded
 
     full = load_full(path, device="cpu")
     ids = [encode_prompt(full.tokenizer, p) for p in PROMPTS]

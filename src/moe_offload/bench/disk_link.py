@@ -1,20 +1,16 @@
-"""The disk as a link: direct-read bandwidth by request size and queue depth (``bench link --disk DIR``, issue 35).
+"""``bench link --disk DIR``: direct-read bandwidth of the disk by request size and queue depth (issue 35).
 
 ``measure_disk`` writes a scratch file in DIR (so the filesystem and device measured are the checkpoint's), drops
 it from the page cache, and reads it with ``O_DIRECT`` at random aligned offsets: for each request size, with 1, 2,
 4 and 8 threads each issuing ``os.preadv`` (which releases the GIL), for a fixed time. The result is stored as the
-``disk`` entry of the ``this-machine`` hardware profile (``sim.profiles``); shipped profiles carry published figures
-of other disks. ``disk_gbps`` reads a profile's entry at a request size (log-size interpolation between measured
-sizes) and ``readers_for`` picks the queue depth of ``runtime.disk_store.DiskStore`` from it.
+``disk`` entry of the ``this-machine`` hardware profile (``core.disk_link.save_disk``), which the disk link model
+(``core.disk_link``) reads. ``disk_table`` shows a measured entry.
 
 Units: bytes (KiB = 1024 bytes), seconds, GB/s = 1e9 bytes per second.
 """
 
 from __future__ import annotations
 
-import bisect
-import json
-import math
 import mmap
 import os
 import random
@@ -118,108 +114,6 @@ def measure_disk(directory: str | Path, file_mb: int = 512, seconds: float = 0.4
             "best": {str(k): [d, v] for k, (d, v) in best.items()},
             "gbps": max((v for k, (_, v) in best.items() if k >= 1024), default=max(v for _, v in best.values())),
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-
-
-def _interp(points: dict, request_bytes: int) -> float:
-    """Log-size interpolation of ``{size_kib (str): GB/s}`` at ``request_bytes`` (clamped to the measured range)."""
-    xs = sorted((int(k), float(v)) for k, v in points.items())
-    kib = max(request_bytes / 1024, 1e-9)
-    if kib <= xs[0][0]:
-        return xs[0][1]
-    if kib >= xs[-1][0]:
-        return xs[-1][1]
-    i = bisect.bisect_left([x for x, _ in xs], kib)
-    (x0, y0), (x1, y1) = xs[i - 1], xs[i]
-    w = (math.log(kib) - math.log(x0)) / (math.log(x1) - math.log(x0))
-    return y0 + w * (y1 - y0)
-
-
-def disk_gbps(disk: dict, request_bytes: int, depth: int | None = 1) -> float:
-    """GB/s of a profile's ``disk`` entry at ``request_bytes`` per request: at queue depth ``depth`` (None: the best
-    measured depth; a depth between two measured ones: linear between them, beyond the measured ones: the nearest);
-    a published entry without a table gives its one ``gbps`` figure for every size.
-
-    Raises:
-        MoeOffloadError: a ``disk`` entry without ``gbps``, or a depth < 1.
-    """
-    if "table_gbps" not in disk:
-        if "gbps" not in disk:
-            raise MoeOffloadError("the hardware profile's disk entry has no gbps")
-        return float(disk["gbps"])
-    if depth is None:
-        return _interp({k: v[1] for k, v in disk["best"].items()}, request_bytes)
-    if depth < 1:
-        raise MoeOffloadError(f"a queue depth is at least 1, got {depth}")
-    depths = sorted({int(d) for row in disk["table_gbps"].values() for d in row})
-    if depth in depths or depth < depths[0] or depth > depths[-1]:
-        d = min(depths, key=lambda x: abs(x - depth))
-        return _interp({k: row[str(d)] for k, row in disk["table_gbps"].items() if str(d) in row}, request_bytes)
-    lo = max(d for d in depths if d < depth)
-    hi = min(d for d in depths if d > depth)
-    w = (depth - lo) / (hi - lo)
-    return (1 - w) * disk_gbps(disk, request_bytes, lo) + w * disk_gbps(disk, request_bytes, hi)
-
-
-def over_disk(hw, expert_bytes: int):
-    """``hw`` (a ``sim.profiles.HardwareProfile``) with its link replaced by its disk (``disk`` entry): the
-    bandwidth of ``expert_bytes`` reads at queue depth 1 (a published entry: its one figure). The projection of
-    ``simulate --link disk``: experts streamed from disk straight into the device tier (two tiers).
-
-    Raises:
-        MoeOffloadError: the profile has no disk entry.
-    """
-    import dataclasses
-
-    disk = hw.extra.get("disk")
-    if not disk:
-        raise MoeOffloadError(f"hardware profile {hw.name} has no disk entry (this machine: `moe-offload bench link "
-                              "--disk DIR`; shipped: rtx4090)")
-    gbps = disk_gbps(disk, expert_bytes, 1)
-    what = disk.get("device") or f"measured in {disk.get('directory', '?')}"
-    return dataclasses.replace(hw, link=f"disk ({what}), {expert_bytes / 2**20:.2f} MiB reads", link_gbps=gbps,
-                               link_theoretical_gbps=None, link_efficiency=None)
-
-
-def this_machine_disk() -> dict | None:
-    """The ``disk`` entry of the ``this-machine`` profile (``bench link --disk``), or None when not measured."""
-    from .profiles import this_machine_path
-
-    path = this_machine_path()
-    try:
-        return json.loads(path.read_text()).get("disk")
-    except (OSError, ValueError):
-        return None
-
-
-def readers_for(request_bytes: int, default: int) -> int:
-    """Reader threads for ``request_bytes`` requests: the smallest measured depth within 5% of the best there
-    (``this_machine_disk``), else ``default``."""
-    disk = this_machine_disk()
-    if not disk or "table_gbps" not in disk:
-        return default
-    depths = sorted(int(d) for d in next(iter(disk["table_gbps"].values())))
-    rates = {d: disk_gbps(disk, request_bytes, d) for d in depths}
-    top = max(rates.values())
-    return next(d for d in depths if rates[d] >= 0.95 * top)
-
-
-def save_disk(entry: dict) -> Path:
-    """Store ``entry`` as the ``disk`` of the ``this-machine`` profile (other keys kept; a profile that did not
-    exist gets only a name and this entry: ``bench link`` fills the rest)."""
-    from .profiles import THIS_MACHINE, this_machine_path
-
-    path = this_machine_path()
-    try:
-        profile = json.loads(path.read_text())
-    except (OSError, ValueError):
-        profile = {"name": THIS_MACHINE}
-    profile["disk"] = entry
-    profile.setdefault("sources", {})["disk"] = f"measured by sim.disk_link.measure_disk at {entry['time']}"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".partial")
-    tmp.write_text(json.dumps(profile, indent=2) + "\n")
-    tmp.replace(path)
-    return path
 
 
 def disk_table(entry: dict) -> str:

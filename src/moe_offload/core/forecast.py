@@ -1,0 +1,32 @@
+"""A forecast of expert activations, the type every forecaster hands the decision core (SeqMoE §6.1, §7.1): the
+seq2seq predictor (``predictor.runtime``), the cross-layer forecasts (``predictor.cross_layer``) and graph mode's
+prefetch worker make one; probabilistic Belady (``core.prob_belady``) and the prefetch schedulers
+(``core.prefetch_queue.submit_forecast``) read it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class Forecast:
+    """One predictor's latest forecast.
+
+    Attributes:
+        request: request index.
+        step: the generation step whose activations were consumed last (0 = prefill, i = decode step i).
+        layers: ``(l, l')``, the MoE layers forecast.
+        probs: float32 ``[1 + c, n, e]``: row j is the per-layer probability of each expert being activated at
+            step ``step + 1 + j`` (row 0 is the one-step prediction, rows 1.. the recursive rollout). A torch tensor on
+            the model's device; a numpy array for cross-layer forecasts (``predictor.blend``, made on the host).
+        cross_layer: made inside step ``step + 1`` by the later layers' routers (``predictor.cross_layer``): row 0
+            forecasts the current step's next layers; its prefetch tasks replace the queued ones of the same
+            deadlines (``core.prefetch.submit_forecast``).
+    """
+
+    request: int
+    step: int
+    layers: tuple[int, int]
+    probs: Any
+    cross_layer: bool = False
