@@ -10,4 +10,4 @@ cd "$(dirname "$0")/.."
 PY=python3
 [ -x .venv/bin/python ] && PY=.venv/bin/python
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" TRANSFORMERS_VERBOSITY=error PYTHONUNBUFFERED=1
-exec "$PY" -m moe_offload.bench.gpu_check "$@"
+exec "$PY" -m moe_offload.cli bench gpu-check "$@"

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from moe_offload.bench import disk as bench_disk
+from moe_offload.bench import disk_report
 from moe_offload.errors import MoeOffloadError
 from moe_offload.runtime.host_memory import child_cgroup_problem
 
@@ -60,15 +61,15 @@ def test_markdown_and_files(tmp_path):
 
     result = {"cells": [asdict(c) for c in cells], "baselines": {"ours": 1e9, "llama.cpp": None},
               "expert_bytes": 4e9, "gguf_expert_bytes": None, "max_new_tokens": 8, "reverse": False}
-    md = bench_disk.markdown(result)
+    md = disk_report.markdown(result)
     assert "| disk lru (ours) | 25% | 25% | 2.00 | 6.00 | 0.600 | 0.700 | 30.0 | 0.200 | 10.00 | yes | ok |" in md
     assert "| mmap (ours, half the share in slots) | 45% | 60% | 2.00 | 1.00 |" in md  # slots + page cache held
     assert "| llama.cpp (mmap) | 25% |  | none |" in md and "not installed" in md
     assert "| mmap (ours, half the share in slots) | 25% |  | 2.00 |  |  |  | >= 412.5 |" in md  # a lower bound
-    files = bench_disk.write_results(result, tmp_path / "out")
+    files = disk_report.write_results(result, tmp_path / "out")
     assert all(f.is_file() and f.stat().st_size > 0 for f in files)
     with pytest.raises(MoeOffloadError, match="already exists"):
-        bench_disk.write_results(result, tmp_path / "out")
+        disk_report.write_results(result, tmp_path / "out")
 
 
 @pytest.mark.skipif(child_cgroup_problem() is not None, reason=f"no child memory cgroup: {child_cgroup_problem()}")

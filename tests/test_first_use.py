@@ -259,7 +259,7 @@ def test_commands_keep_the_default_threads_unless_one_is_clearly_faster(monkeypa
     assert threads.choose_threads({1: [1.0] * 3, 2: [0.95, 1.2, 1.4]}, prefer_most=True) == 2  # 1.0 !< 0.8 * 1.2
     assert threads.choose_threads({1: [0.04] * 3, 2: [0.9] * 3}, prefer_most=True) == 1  # the busy-core case
     assert threads.command_threads({"OMP_NUM_THREADS": "2"}) is None
-    from moe_offload import cli
+    from moe_offload.cli import entry as cli
 
     before = torch.get_num_threads()
     monkeypatch.setattr(threads, "command_threads", lambda: (1, 2))

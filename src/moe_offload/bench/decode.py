@@ -7,9 +7,10 @@ import gc
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..core.policy_spec import PolicySpec, parse_policies, parse_policy, require_predictor
 from ..generation.generate import run
 from ..models.loader import load_full, load_offloaded
-from ..predictor.runtime import ROLLOUT_EVERY
+from ..core.forecast import ROLLOUT_EVERY
 from ..runtime.emulated_clock import check_skip_device, now, skipping_waits, wait_until
 
 
@@ -18,7 +19,8 @@ class DecodeRow:
     """One measured configuration of ``bench decode``: FullLoad, or a policy at a residency.
 
     Attributes:
-        policy: the policy's name (``auto``: its choice, e.g. ``auto:lfu``); requested: the name asked for.
+        policy: the policy's name (``auto``: its choice, e.g. ``auto:lfu``); requested: the policy asked for (a
+            ``PolicySpec``; ``FullLoad`` for the reference row).
         residency: fraction of the experts in the slot pool (None for FullLoad); slots: slot count (None: all).
         tok_s: decode tokens per second; ratio: ``tok_s`` / FullLoad's in the same run.
         hit_rate: expert hit rate (prefill included; None for FullLoad); bytes_loaded: host->device bytes.
@@ -29,7 +31,7 @@ class DecodeRow:
     """
 
     policy: str
-    requested: str
+    requested: PolicySpec | str
     residency: float | None
     slots: int | None
     tok_s: float
@@ -43,14 +45,15 @@ class DecodeRow:
 
 
 def bench_decode(path: Path, prompts: list[str], residencies: list[float], *, max_new_tokens: int = 64,
-                 device: str | None = None, dtype: str | None = None, policy: str = "lru",
+                 device: str | None = None, dtype: str | None = None, policy: list | str = "lru",
                  progress: bool = True, predictor: str | None = None, link_epl: float | None = None,
                  rollout_every: int = ROLLOUT_EVERY, skip_waits: bool = False, predictor_lag: int | None = None,
                  host_store: str = "pinned") -> str:
     """Run FullLoad and then the offloaded model at each residency and policy on the same prompts (greedy).
 
     Args:
-        policy: one policy name or several, comma-separated (``seqmoe*`` policies need ``predictor``).
+        policy: the policies (``core.policy_spec.PolicySpec``s; a string is parsed by ``parse_policies``: one name or
+            several, comma-separated); those a predictor drives need ``predictor``.
         predictor: a trained predictor directory, run with the forecast-driven policies (its time is included).
         rollout_every: decode steps between the predictor's recursive rollouts (``PredictorRunner``).
         link_epl: emulate the link regime in which one layer's FullLoad compute overlaps the transfer of this many
@@ -80,13 +83,10 @@ def bench_decode(path: Path, prompts: list[str], residencies: list[float], *, ma
             an emulated link or without a measured disk (``bench link --disk``).
     """
     from ..errors import MoeOffloadError
-    from ..models.engine_build import PREDICTOR_POLICIES
 
-    policies = [p.strip() for p in policy.split(",") if p.strip()]
-    if any(p in PREDICTOR_POLICIES for p in policies) and not predictor:
-        raise MoeOffloadError("--policy " + ",".join(p for p in policies if p in PREDICTOR_POLICIES)
-                              + " needs --predictor DIR")
-    if predictor_lag is not None and (not predictor or {"xl", "seqmoe-xl"} & set(policies)):
+    policies = parse_policies(policy) if isinstance(policy, str) else [parse_policy(p) for p in policy]
+    require_predictor(policies, predictor)
+    if predictor_lag is not None and (not predictor or any(p.cross_layer for p in policies)):
         raise MoeOffloadError("--predictor-lag needs --predictor and runs the SeqMoE predictor alone (seqmoe, "
                               "seqmoe-cacheonly), not with --policy xl or seqmoe-xl")
     disk = _disk_entry(host_store, link_epl)
@@ -119,12 +119,12 @@ def bench_decode(path: Path, prompts: list[str], residencies: list[float], *, ma
                   + ("skipped on a virtual clock" if skip_waits else "slept"))
     if link_epl:
         trace = _record_routing(path, prompts, max_new_tokens, device, dtype,
-                                xl=any(p in ("xl", "seqmoe-xl") for p in policies))
+                                xl=any(p.cross_layer for p in policies))
         _simulate_rows(rows[1:], trace, link_epl, predictor, rollout_every, predictor_lag)
     lag = ("" if predictor_lag is None else
            f"; in a process of its own, forecasts used {predictor_lag} MoE layers after their trigger layer")
     pred = f", predictor {predictor} (rollout every {rollout_every} steps{lag})" if predictor else ""
-    if predictor and any(p.lower() == "seqmoe-xl" for p in policies):
+    if predictor and any(p.cross_layer and p.needs_predictor for p in policies):  # seqmoe-xl
         from ..predictor.model import load_predictor
         from ..predictor.xl_weights import describe_xl_weights
 
@@ -179,22 +179,20 @@ def _measure_policy(path, prompts, max_new_tokens, pol, r, device, dtype, progre
     """Load the offloaded model with policy ``pol`` at residency ``r`` (the predictor attached when it needs one,
     the link emulated when ``spe``), measure it, and return its row (``ratio`` left for the caller) and its
     time breakdown."""
-    from ..models.engine_build import FORECAST_RUNTIME_POLICIES, PREDICTOR_POLICIES
     from ..predictor.cross_layer import attach_forecasts
     from ..predictor.model import load_predictor
 
     lm = load_offloaded(path, device=device, dtype=dtype, residency=r, policy=pol, progress=False,
                         link_epl=link_epl or 2.0, seconds_per_expert=spe, host_store=host_store)
     try:
-        if pol in FORECAST_RUNTIME_POLICIES:
-            pset = load_predictor(predictor, model_id=lm.model_id, device=lm.device) if pol in PREDICTOR_POLICIES \
-                else None
+        if pol.forecast_driven:
+            pset = load_predictor(predictor, model_id=lm.model_id, device=lm.device) if pol.needs_predictor else None
             attach_forecasts(lm, pol, pset, rollout_every=rollout_every, lag=lag)
         if spe is not None and lm.engine.prefetcher is None:  # a prefetcher's TransferEngine paces its copies
             _emulate_on_demand(lm, spe)
         outs, s = _measure(lm, prompts, max_new_tokens, progress)
         eng = lm.engine
-        row = DecodeRow(eng.policy_name if pol == "auto" else pol, pol, r, eng.pool.num_slots,
+        row = DecodeRow(eng.policy_name if pol.family == "auto" else pol.name, pol, r, eng.pool.num_slots,
                         s.decode_tokens_per_s, 0.0, s.offload.hit_rate, s.offload.bytes_loaded,
                         sum(s.ttft_s) / len(s.ttft_s), [o.token_ids for o in outs] == ref_tokens, eng.pool.nbytes)
         return row, eng.breakdown.as_dict()
@@ -239,7 +237,6 @@ def _simulate_rows(rows: list[DecodeRow], trace, link_epl: float, predictor: str
                    lag: int | None = None) -> None:
     """Fill each row's ``simulated``: the replay of ``trace`` with the row's policy and slot count under the link
     model of ``sim.prefetch_sim`` at ``link_epl``, the predictor's forecasts replayed with the runtime's settings."""
-    from ..models.engine_build import PREDICTOR_POLICIES
     from ..sim.forecasts import forecast_stream, xl_stream
     from ..sim.prefetch_sim import replay_policy
     from ..sim.simulator import layer_needs
@@ -247,18 +244,18 @@ def _simulate_rows(rows: list[DecodeRow], trace, link_epl: float, predictor: str
     needs = layer_needs(trace)
     streams, pset = {}, None
     wanted = {r.requested for r in rows}
-    if wanted & set(PREDICTOR_POLICIES):
+    if any(p.needs_predictor for p in wanted):
         from ..predictor.model import load_predictor
 
         pset = load_predictor(predictor, model_id=trace.header["model_id"])
-        streams = dict.fromkeys(wanted & set(PREDICTOR_POLICIES) - {"seqmoe-xl"},
+        streams = dict.fromkeys({p for p in wanted if p.needs_predictor and not p.cross_layer},
                                 forecast_stream(pset, trace, rollout_every=rollout_every, lag=lag))
-    for p in wanted & {"xl", "seqmoe-xl"}:
-        streams[p] = xl_stream(trace, pset if p == "seqmoe-xl" else None, rollout_every=rollout_every)
+    for p in {p for p in wanted if p.cross_layer}:
+        streams[p] = xl_stream(trace, pset if p.needs_predictor else None, rollout_every=rollout_every)
     for row in rows:
-        if row.requested == "auto" or not row.same:  # auto starts from its own simulation's state
+        if row.requested.family == "auto" or not row.same:  # auto starts from its own simulation's state
             continue
-        popularity = pset.header.prefill_popularity if pset is not None and row.requested != "xl" else None
+        popularity = pset.header.prefill_popularity if pset is not None and row.requested.needs_predictor else None
         _, row.simulated = replay_policy(trace, row.requested, row.slots, link_epl,
                                          forecasts=streams.get(row.requested), prefill_popularity=popularity,
                                          needs=needs)

@@ -8,6 +8,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..core.policy_spec import PolicySpec
 from ..models.loader import load_full, load_offloaded
 from ..runtime.emulated_clock import check_skip_device, now, skipping_waits
 
@@ -60,7 +61,7 @@ class Row:
     counters equal the simulator's for a planner whose decisions do not depend on time; None otherwise)."""
 
     loop: str
-    policy: str
+    policy: PolicySpec | str
     budget: str
     tps: float
     spread: float
@@ -96,10 +97,10 @@ def _measure(lm, prompts, max_new_tokens, kw, repeats, progress, recorder=None, 
     return outs, stats, results, rates
 
 
-def _replayed(name: str, st, sim) -> bool | None:
+def _replayed(spec: PolicySpec, st, sim) -> bool | None:
     """Whether the runtime ran as the simulator replays it: same host / device token-experts and copies (planners
     whose decisions depend on measured time, i.e. tide, are not compared: None)."""
-    if name == "tide":
+    if spec.family == "tide":
         return None
     return (st.host_tokens, st.device_tokens, st.blocking_loads, st.prefetches) == (
         sim.fallback_token_experts, sim.device_token_experts, sim.blocking_swaps, sim.prefetch_swaps)
@@ -136,11 +137,12 @@ def _bench_loop(path, prompts, budgets, intervals, loop, kw, opts) -> tuple[list
     for b in budgets:
         per_layer = budget_experts(b, trace.num_experts)
         reactive_tps = None
-        for name in ["reactive"] + [f"tide-fixed-T{t}" for t in intervals] + ["tide"]:
-            lm = load_offloaded(path, device=opts["device"], dtype=opts["dtype"], progress=False, policy=name,
+        for spec in ([PolicySpec("reactive")] + [PolicySpec("tide-fixed", interval=t) for t in intervals]
+                     + [PolicySpec("tide")]):
+            lm = load_offloaded(path, device=opts["device"], dtype=opts["dtype"], progress=False, policy=spec,
                                 slots=per_layer * trace.num_moe_layers, **emulate)
             def planner():
-                return make_refresh_planner(name, trace.num_moe_layers, trace.num_experts, per_layer, costs=costs)
+                return make_refresh_planner(spec, trace.num_moe_layers, trace.num_experts, per_layer, costs=costs)
 
             try:
                 with skipping_waits(opts["skip_waits"]):
@@ -148,12 +150,12 @@ def _bench_loop(path, prompts, budgets, intervals, loop, kw, opts) -> tuple[list
             finally:
                 lm.engine.close()
             st, tps = stats.offload, statistics.median(rates)
-            reactive_tps = tps if name == "reactive" else reactive_tps
+            reactive_tps = tps if spec.family == "reactive" else reactive_tps
             sim = replay_diffusion(trace, planner(), costs)
-            rows.append(Row(loop, name, f"{per_layer} ({b:.0%})", tps, _spread(rates), tps / full_tps,
+            rows.append(Row(loop, spec, f"{per_layer} ({b:.0%})", tps, _spread(rates), tps / full_tps,
                             tps / reactive_tps, sim.ratio, st.host_tokens / max(1, st.host_tokens + st.device_tokens),
                             st.blocking_loads, st.prefetches, [o.token_ids for o in outs] == ref_tokens,
-                            _replayed(name, st, sim)))
+                            _replayed(spec, st, sim)))
             del lm
             gc.collect()
     tpf = float(trace.tokens.mean())
@@ -248,12 +250,12 @@ def bench_diffusion(path: Path, prompts: list[str], budgets: list[float], interv
               "| loop | policy | experts per layer | tok/s (spread) | vs FullLoad | vs reactive | modelled vs FullLoad | "
               "host token-experts | blocking copies | prefetches | same tokens | replayed |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    lines += [_line(r, r.policy, True) for r in rows]
+    lines += [_line(r, str(r.policy), True) for r in rows]
     lines.append(f"\n{len(prompts)} prompts x {max_new_tokens} new tokens (block {block_length}, {steps} steps per "
                  f"block, threshold {threshold}; median of {repeats} timed run{'s' if repeats > 1 else ''} per row), "
                  f"model {path}.")
     lines += [f"- {f}" for f in footers]
-    full = {r.loop: r.tps for r in rows if r.policy == "FullLoad"}
+    full = {r.loop: r.tps for r in rows if str(r.policy) == "FullLoad"}
     if len(full) == 2:
         lines.append(f"- prefix cache: FullLoad {full['prefix-cache']:.2f} vs {full['recompute']:.2f} tok/s "
                      f"({full['prefix-cache'] / full['recompute']:.2f}x); tokens per forward "
@@ -269,10 +271,10 @@ def _summary(rows: list[Row]) -> list[tuple[Row, str]]:
         out.append((mine[0], "FullLoad"))
         for bud in dict.fromkeys(r.budget for r in mine[1:]):
             group = [r for r in mine if r.budget == bud]
-            fixed = [r for r in group if r.policy.startswith("tide-fixed")]
+            fixed = [r for r in group if r.policy.family == "tide-fixed"]
             best, worst = max(fixed, key=lambda r: r.tps), min(fixed, key=lambda r: r.tps)
-            out += [(group[0], "reactive"), (best, f"tide-fixed, best T (T={best.policy[len('tide-fixed-T'):]})"),
-                    (worst, f"tide-fixed, worst T (T={worst.policy[len('tide-fixed-T'):]})"),
+            out += [(group[0], "reactive"), (best, f"tide-fixed, best T (T={best.policy.interval})"),
+                    (worst, f"tide-fixed, worst T (T={worst.policy.interval})"),
                     (group[-1], "**tide**")]
     return out
 

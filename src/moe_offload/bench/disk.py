@@ -39,14 +39,14 @@ from dataclasses import asdict, dataclass, field
 from functools import cached_property
 from pathlib import Path
 
+from ..core.policy_spec import PolicySpec, parse_policy
 from ..errors import MoeOffloadError
 from .disk_measure import (checkpoint_expert_ranges, expert_bytes_of_checkpoint, gguf_expert_ranges, measured,
                            parse_llama_decode, resident_in_ranges)
-from .disk_report import markdown, write_results
 
 #: shares of the expert bytes in memory, each limit = baseline + share x expert bytes (1.0: all of them)
 DEFAULT_FRACTIONS = (1.0, 0.45, 0.25, 0.10)
-DEFAULT_POLICIES = ("lru", "lfu", "auto", "xl", "seqmoe")
+DEFAULT_POLICIES = tuple(parse_policy(p) for p in ("lru", "lfu", "auto", "xl", "seqmoe"))
 
 
 @dataclass
@@ -84,7 +84,8 @@ class DiskBench:
         llama_bin: llama.cpp's ``llama-completion`` (None: its rows say "not installed").
         prompt: the prompt text (chat template applied), the same for every engine.
         max_new_tokens: tokens generated per cell; threads: llama.cpp's ``-t`` (ours: torch's default).
-        policies: our disk-store rows; predictor: for the ``seqmoe*`` rows.
+        policies: our disk-store rows (``core.policy_spec.PolicySpec``s; names are parsed); predictor: for the rows
+            a predictor drives.
         fractions: shares of the expert bytes in memory; reverse: rows and limits in the opposite order.
         timeout_s: per cell; peers: False leaves out the mmap and llama.cpp rows; headroom_bytes: added to every
             limit (0: the limits as defined; tests give tiny checkpoints room for the run-to-run spread of a
@@ -119,14 +120,15 @@ class DiskBench:
         out = sorted(self.model_dir.glob("*.safetensors"))
         return out + ([self.gguf] if self.gguf is not None else [])
 
-    def ours(self, store: str | None, residency: float = 1.0, policy: str = "lru") -> list[str]:
+    def ours(self, store: str | None, residency: float = 1.0, policy: PolicySpec | str = "lru") -> list[str]:
         """Our ``generate --json`` command: FullLoad (``store`` None) or offloaded."""
         cmd = [sys.executable, "-m", "moe_offload.cli", "generate", "--model", str(self.model_dir), "--prompt",
                self.prompt, "--max-new-tokens", str(self.max_new_tokens), "--json", "--quiet"]
         if store is None:
             return cmd + ["--full-load"]
-        cmd += ["--host-store", store, "--residency", f"{residency:.4f}", "--policy", policy]
-        return cmd + (["--predictor", self.predictor] if policy.startswith("seqmoe") and self.predictor else [])
+        spec = parse_policy(policy)
+        cmd += ["--host-store", store, "--residency", f"{residency:.4f}", "--policy", spec.name]
+        return cmd + (["--predictor", self.predictor] if spec.needs_predictor and self.predictor else [])
 
     def llama(self) -> list[str]:
         """llama.cpp's greedy completion of the same prompt (default mmap, no warm-up, no conversation mode)."""
@@ -278,7 +280,7 @@ def _finish(cells: list[Cell], full: Cell, one_expert: int) -> None:
             c.tokens_equal_full_load = c.token_ids == full.token_ids
 
 
-def _llama_paths(arg: str | None) -> tuple[Path | None, Path | None]:
+def llama_paths(arg: str | None) -> tuple[Path | None, Path | None]:
     """``(llama-completion, convert_hf_to_gguf.py or None)`` from ``--llama-cpp`` (a binary or a llama.cpp folder).
 
     Raises:
@@ -295,79 +297,3 @@ def _llama_paths(arg: str | None) -> tuple[Path | None, Path | None]:
             conv = p / "convert_hf_to_gguf.py"
             return cand, conv if conv.is_file() else None
     raise MoeOffloadError(f"--llama-cpp {arg}: no llama-completion there (nor in bin/ or build/bin/)")
-
-
-def main(args) -> int:
-    """``moe-offload bench disk``: resolve the inputs, run, write and print the table; exit 0."""
-    from .gguf_export import export_gguf
-    from ..testbed.resolve import resolve_model
-    from ..runtime.host_memory import child_cgroup_problem
-    from ..testbed.sharegpt import human_turns
-
-    out = Path(args.out)
-    if out.exists():
-        raise MoeOffloadError(f"{out} already exists; choose a new --out")
-    problem = child_cgroup_problem()
-    if problem is not None:
-        raise MoeOffloadError(f"bench disk runs each engine in a child memory cgroup: {problem}")
-    fractions = tuple(float(x) for x in args.fractions.split(","))
-    if any(not 0 < f <= 1 for f in fractions):
-        raise MoeOffloadError(f"--fractions values must be in (0, 1], got {args.fractions}")
-    policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
-    if any(p.startswith("seqmoe") for p in policies) and not args.predictor:
-        raise MoeOffloadError("a seqmoe row needs --predictor DIR (or leave seqmoe out of --policies)")
-    model = resolve_model(args.model, progress=not args.quiet)
-    llama_bin, converter = _llama_paths(args.llama_cpp)
-    gguf = Path(args.gguf) if args.gguf else None
-    if gguf is not None and not gguf.is_file():
-        raise MoeOffloadError(f"--gguf {gguf}: no such file")
-    if gguf is None and llama_bin is not None:
-        gguf = Path(str(out) + f".{args.gguf_type}.gguf")
-        if not gguf.exists():
-            export_gguf(model, gguf, args.gguf_type, converter)
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(model)
-    text = human_turns(1, offset=args.sharegpt_offset)[0]
-    templated = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                        tokenize=False)
-    bench = DiskBench(model, gguf, llama_bin, text, args.max_new_tokens, args.threads, policies, args.predictor,
-                      fractions, args.reverse, timeout_s=args.cell_timeout, llama_prompt=templated,
-                      peers=not args.no_peers)
-    result = run_bench(bench, say=(lambda m: None) if args.quiet else (lambda m: print(m, file=sys.stderr)))
-    files = write_results(result, out)
-    print(markdown(result))
-    print(f"wrote {', '.join(str(f) for f in files)}")
-    return 0
-
-
-def add_parser(bsub) -> None:
-    """Register ``moe-offload bench disk`` on ``bench``'s subparsers."""
-    from ..common.cliargs import int_in, positive_int
-
-    bk = bsub.add_parser("disk", help="the disk regime side by side with llama.cpp: each engine in a memory cgroup "
-                         "holding its baseline plus a share of the expert bytes; one table, csv and plot")
-    bk.add_argument("--model", default="testbed-sparse-wide", help="checkpoint directory or built-in name (testbed "
-                    "family; default: testbed-sparse-wide)")
-    bk.add_argument("--out", required=True, help="new folder for results.md / .csv / .json and tok_s.png")
-    bk.add_argument("--llama-cpp", metavar="PATH", help="llama.cpp's llama-completion binary, or a llama.cpp folder "
-                    "holding it (build/bin); its convert_hf_to_gguf.py exports the GGUF when --gguf is not given "
-                    "(default: no llama.cpp rows)")
-    bk.add_argument("--gguf", help="the checkpoint as GGUF (default: exported into --out with `export gguf`)")
-    bk.add_argument("--gguf-type", default="bf16", choices=["f32", "bf16", "f16"],
-                    help="tensor type of an exported GGUF (default bf16)")
-    bk.add_argument("--policies", default="lru,lfu,auto,xl,seqmoe", help="our disk-store rows (default: "
-                    "lru,lfu,auto,xl,seqmoe; seqmoe* rows need --predictor)")
-    bk.add_argument("--predictor", help="a predictor trained on the model's routing (testbed-sparse traces serve "
-                    "testbed-sparse-wide: the same routers; default: none)")
-    bk.add_argument("--fractions", default="1.0,0.45,0.25,0.1", help="shares of the expert bytes in memory "
-                    "(default 1.0,0.45,0.25,0.1)")
-    bk.add_argument("--max-new-tokens", type=positive_int, default=128, help="per cell (default 128)")
-    bk.add_argument("--sharegpt-offset", type=int_in(0, 10**6), default=600, help="the prompt: this ShareGPT human "
-                    "turn (default 600: unseen by predictors trained on the first 500)")
-    bk.add_argument("--threads", type=positive_int, default=2, help="llama.cpp's threads (default 2)")
-    bk.add_argument("--reverse", action="store_true", help="run rows and limits in the opposite order")
-    bk.add_argument("--no-peers", action="store_true", help="only our disk-store rows (no mmap, no llama.cpp)")
-    bk.add_argument("--cell-timeout", type=positive_int, default=900, help="seconds a cell may run; one that does "
-                    "not finish is reported as a timeout without a speed (default 900)")
-    bk.add_argument("--quiet", action="store_true", help="no progress lines")

@@ -6,20 +6,22 @@ Lossless rows: each checkpoint is written here (tiny, random, in its published l
 FP8 block Qwen3 and DeepSeek-V3 layouts, gpt-oss MXFP4, LLaDA2 for the diffusion planners), generated greedily by
 transformers' own FullLoad and by the offloaded engine at a residency with misses, and compared token for token.
 ``seqmoe`` / ``seqmoe-infinity`` / ``seqmoe-cacheonly`` run with a small predictor trained here on a trace of the
-same checkpoint (through the CLI, as a user would).
+same checkpoint (``trace.collect.collect_trace`` and ``predictor.train.train_on_traces``, what ``trace collect``
+and ``predictor train`` run).
 """
 
 from __future__ import annotations
 
-import argparse
 import os
-import sys
 import tempfile
 import time
 import traceback
 from pathlib import Path
 
 import torch
+
+from ..core.policy_spec import parse_policy
+from ..errors import MoeOffloadError
 
 PROMPTS = ["Hello there, how are you today? The slot pool is shared by all MoE layers.", "Explain KV caches."]
 AR_POLICIES = ("lru", "lfu", "seqmoe-cacheonly", "seqmoe", "seqmoe-infinity")
@@ -43,18 +45,21 @@ def _checkpoints(root: Path) -> dict[str, Path]:
 
 
 def _predictor(ckpt: Path, root: Path, device: str) -> Path:
-    """Train a small predictor on a trace of ``ckpt`` through the CLI (trace collect + predictor train)."""
-    from ..cli import main
+    """Train a small predictor on a trace of ``ckpt``, as ``trace collect`` + ``predictor train`` would (12 ShareGPT
+    prompts x 16 tokens, router probabilities; one epoch of each phase, hidden size 32)."""
+    from ..models.loader import load_offloaded
+    from ..predictor.train import TrainConfig, train_on_traces
+    from ..testbed.sharegpt import human_turns
+    from ..trace.collect import collect_trace
 
     out = root / f"pred-{ckpt.name}"
     if not out.exists():
-        tr = root / f"{ckpt.name}.trace"
-        for argv in (["trace", "collect", "--model", str(ckpt), "--sharegpt", "12", "--max-new-tokens", "16",
-                      "--router-probs", "--out", str(tr), "--quiet", "--device", device],
-                     ["predictor", "train", "--traces", str(tr), "--out", str(out), "--epochs", "1",
-                      "--ss-epochs", "1", "--hidden-size", "32", "--quiet"]):
-            if main(argv) != 0:
-                raise RuntimeError(f"moe-offload {' '.join(argv[:2])} failed")
+        lm = load_offloaded(ckpt, device=device, progress=False)
+        prompts = [t for t in human_turns(12) if len(t) <= 2000]
+        tr = collect_trace(lm, prompts, 16, router_probs=True, source=f"gpu check on {ckpt}")
+        lm.close()
+        pset, _ = train_on_traces([tr], [f"{ckpt.name}.trace"], TrainConfig(epochs=1, ss_epochs=1), hidden_size=32)
+        pset.save(out)
     return out
 
 
@@ -90,7 +95,7 @@ def lossless_rows(root: Path, device: str, new_tokens: int) -> list[str]:
             try:
                 lm = load_offloaded(d, device=device, residency=0.5 if diffusion else 0.3, policy=policy,
                                     progress=False, host_store=store)
-                if policy.startswith("seqmoe"):
+                if parse_policy(policy).needs_predictor:
                     attach_predictor(lm.engine, load_predictor(_predictor(d, root, device), device=lm.device))
                 got = _generate(lm, new_tokens, diffusion)
                 st = lm.engine.stats
@@ -125,34 +130,29 @@ def link_lines(device: str, dry_run: bool) -> list[str]:
     return [f"host->device link ({res.get('link')}): {res['link_gbps']:.2f} GB/s on {res.get('device_name')}"]
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``scripts/gpu-check.sh``. Returns 0 when every lossless check passed."""
-    ap = argparse.ArgumentParser(prog="gpu-check")
-    ap.add_argument("--dry-run", action="store_true", help="run on the CPU, smaller (tests the script)")
-    ap.add_argument("--out", default="gpu-check.md", help="markdown report to write (default gpu-check.md)")
-    args = ap.parse_args(argv)
-    if not args.dry_run and not torch.cuda.is_available():
-        print("gpu-check: no CUDA device; use --dry-run to run the CPU-safe parts", file=sys.stderr)
-        return 2
-    device = "cpu" if args.dry_run else "cuda"
+def run_gpu_check(dry_run: bool, out: str | Path) -> int:
+    """The GPU check (``moe-offload bench gpu-check``, ``scripts/gpu-check.sh``): writes the markdown report to
+    ``out`` and prints it. Returns 0 when every lossless check passed, else 1.
+
+    Raises:
+        MoeOffloadError: no CUDA device and not ``dry_run``."""
+    if not dry_run and not torch.cuda.is_available():
+        raise MoeOffloadError("bench gpu-check: no CUDA device; use --dry-run to run the CPU-safe parts")
+    device = "cpu" if dry_run else "cuda"
     torch.manual_seed(0)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         os.environ["MOE_OFFLOAD_CACHE"] = str(root / "cache")  # bench link writes its profile here, not the user's
         name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
-        lines = [f"# GPU check ({'dry run on the CPU' if args.dry_run else name}), torch {torch.__version__}", ""]
-        lines += lossless_rows(root, device, 6 if args.dry_run else 16)
-        lines += ["", "## bench decode", ""] + speed_lines(root, device, args.dry_run)
-        lines += ["", "## bench link", ""] + link_lines(device, args.dry_run)
+        lines = [f"# GPU check ({'dry run on the CPU' if dry_run else name}), torch {torch.__version__}", ""]
+        lines += lossless_rows(root, device, 6 if dry_run else 16)
+        lines += ["", "## bench decode", ""] + speed_lines(root, device, dry_run)
+        lines += ["", "## bench link", ""] + link_lines(device, dry_run)
         from .gpu_check_graph import graph_lines
 
-        lines += ["", "## graph mode (issue 20)", ""] + graph_lines(root, device, args.dry_run, PROMPTS)
+        lines += ["", "## graph mode (issue 20)", ""] + graph_lines(root, device, dry_run, PROMPTS)
     lines += ["", f"total {time.perf_counter() - t0:.0f} s"]
-    Path(args.out).write_text("\n".join(lines) + "\n")
+    Path(out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 1 if any("FAIL" in ln for ln in lines) else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -16,9 +16,12 @@ from pathlib import Path
 
 import torch
 
+from ..core.policy_spec import parse_policy
+
 #: (policy, residency) of the lossless graph-mode rows (the seqmoe ones run an untrained predictor: the forecasts
 #: are arbitrary, the tokens must still be FullLoad's)
-GRAPH_ROWS = (("lru", 1.0), ("lru", 0.45), ("lfu", 0.45), ("seqmoe-cacheonly", 0.45), ("seqmoe", 0.45))
+GRAPH_ROWS = tuple((parse_policy(p), r) for p, r in (("lru", 1.0), ("lru", 0.45), ("lfu", 0.45),
+                                                     ("seqmoe-cacheonly", 0.45), ("seqmoe", 0.45)))
 
 
 def _tokens(lm, prompts, new_tokens, decoder=None):
@@ -35,7 +38,6 @@ def graph_lines(root: Path, device: str, dry_run: bool, prompts: list[str]) -> l
     ``bench graph`` table. A row that crashes is reported as FAIL with its error."""
     from ..models.loader import load_full
     from ..models.tiny import make_tiny
-    from ..runtime.graph.cache import GRAPH_PREDICTOR_POLICIES
     from ..graph.decode import GraphDecoder, load_graph
 
     ckpt = make_tiny("qwen3_moe", root / "graph-qwen3")
@@ -46,7 +48,7 @@ def graph_lines(root: Path, device: str, dry_run: bool, prompts: list[str]) -> l
     rows = ["| policy | residency | mode | result | s |", "|---|---|---|---|---|"]
     modes = [("eager", None), ("compiled", False)] + ([] if device == "cpu" else [("cuda graphs", True)])
     for policy, r in GRAPH_ROWS:
-        if policy == "seqmoe" and device != "cpu":
+        if policy.prefetch and device != "cpu":
             rows.append(f"| {policy} | {r:.2f} | - | not built on CUDA: the prefetch worker's control region needs "
                         "pinned, mapped host memory | 0 |")
             continue
@@ -54,7 +56,7 @@ def graph_lines(root: Path, device: str, dry_run: bool, prompts: list[str]) -> l
             t0 = time.perf_counter()
             try:
                 lm = load_graph(ckpt, policy=policy, residency=r, device=device,
-                                predictor=pred if policy in GRAPH_PREDICTOR_POLICIES else None)
+                                predictor=pred if policy.needs_predictor else None)
                 dec = None if graphs is None else GraphDecoder(lm, backend=backend, cuda_graphs=graphs)
                 got = _tokens(lm, prompts, new, dec)
                 result = "pass" if got == ref else "FAIL (tokens differ from FullLoad eager)"

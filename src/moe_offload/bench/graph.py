@@ -34,7 +34,7 @@ import torch
 
 from ..generation.generate import run
 from ..models.loader import load_full
-from ..runtime.graph.cache import GRAPH_PREDICTOR_POLICIES
+from ..core.policy_spec import parse_policies, parse_policy
 from ..graph.decode import GraphDecoder, load_graph, run_graph
 
 #: steps over which the management (the plan of every layer) is timed
@@ -109,13 +109,14 @@ def _time(fn, steps: int = MGMT_STEPS) -> float:
     return (time.perf_counter() - t0) / steps
 
 
-def bench_graph(path, prompts: list[str], residencies: list[float], *, policy: str = "lru",
+def bench_graph(path, prompts: list[str], residencies: list[float], *, policy: list | str = "lru",
                 max_new_tokens: int = 32, rounds: int = 3, backend: str = "inductor", device: str | None = None,
                 dtype: str | None = None, predictor: str | None = None) -> str:
     """Compiled FullLoad vs graph mode at each residency and policy (greedy), in ``rounds`` interleaved rounds.
 
-    ``policy``: one or several comma-separated graph-mode policies (``seqmoe-cacheonly`` and ``seqmoe`` run
-    ``predictor`` inside the step; ``seqmoe`` also prefetches through the CPU worker, ``runtime.graph.prefetch``).
+    ``policy``: graph-mode policies (``core.policy_spec.PolicySpec``s; a string is parsed: one name or several,
+    comma-separated; those a predictor drives, ``seqmoe-cacheonly`` and ``seqmoe``, run ``predictor`` inside the step;
+    ``seqmoe`` also prefetches through the CPU worker, ``runtime.graph.prefetch``).
 
     Returns a markdown table: configuration, residency, decode tok/s, ratio to compiled FullLoad, hit rate, whether
     the tokens equal FullLoad eager's; then the graph-mode step breakdown (ms per step and share).
@@ -164,14 +165,14 @@ def bench_graph(path, prompts: list[str], residencies: list[float], *, policy: s
                             ""] + lines)
 
 
-def _graph_rows(path, policy: str, residencies: list[float], backend: str, device, dtype, predictor) -> list[GraphRow]:
+def _graph_rows(path, policy: list | str, residencies: list[float], backend: str, device, dtype, predictor) -> list[GraphRow]:
     """``bench_graph``'s graph-mode rows, loaded: each policy at each residency, and at residency 1.0 without a
     predictor also its lookup-only twin (the A/B pair, module docstring)."""
     rows = []
-    for pol in [p.strip() for p in policy.split(",") if p.strip()]:
+    for pol in parse_policies(policy) if isinstance(policy, str) else [parse_policy(p) for p in policy]:
         for r in residencies:
             lm = load_graph(path, policy=pol, residency=r, device=device, dtype=dtype,
-                            predictor=predictor if pol in GRAPH_PREDICTOR_POLICIES else None)
+                            predictor=predictor if pol.needs_predictor else None)
             row = GraphRow(f"graph {pol}", r, GraphDecoder(lm, backend=backend), lm)
             rows.append(row)
             if r == 1.0 and lm.engine.predictor is None:

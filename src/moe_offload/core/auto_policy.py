@@ -15,10 +15,11 @@ from __future__ import annotations
 import numpy as np
 
 from .policies import make_policy
+from .policy_spec import PolicySpec, parse_policy
 from .replay import replay_needs
 
 #: candidates in tie-break order (LRU first)
-CANDIDATES = ("lru", "lfu", "lfru-2", "lfru-8", "lfru-32", "prefill-hot")
+CANDIDATES = tuple(parse_policy(n) for n in ("lru", "lfu", "lfru-2", "lfru-8", "lfru-32", "prefill-hot"))
 #: most prompt tokens replayed as decode steps (one per token); the earlier ones form the prefill step
 DECODE_SAMPLE = 32
 
@@ -42,13 +43,14 @@ def token_needs(routing: list[np.ndarray], num_experts: int) -> list:
 
 
 def choose_policy(routing: list[np.ndarray], num_experts: int, top_k: int, num_slots: int,
-                  candidates: tuple[str, ...] = CANDIDATES) -> tuple[str, dict[str, float]]:
-    """The candidate with the highest simulated decode hit rate on ``routing`` (see the module docstring) and every
-    candidate's decode hit rate. ``routing[l]``: ``[T, k]`` expert ids per MoE layer, ``T >= 1``."""
+                  candidates: tuple[PolicySpec, ...] = CANDIDATES) -> tuple[str, dict[str, float]]:
+    """The name of the candidate with the highest simulated decode hit rate on ``routing`` (see the module
+    docstring) and every candidate's decode hit rate by name. ``routing[l]``: ``[T, k]`` expert ids per MoE layer,
+    ``T >= 1``."""
     needs = token_needs(routing, num_experts)
     rates = {}
-    for name in candidates:
-        pol = make_policy(name, num_slots=num_slots, top_k=top_k, num_moe_layers=len(routing))
-        rates[name] = replay_needs(needs, len(routing), num_experts, num_slots, pol).decode_hit_rate
-    best = max(candidates, key=lambda n: (rates[n], -candidates.index(n)))
-    return best, rates
+    for spec in candidates:
+        pol = make_policy(spec, num_slots=num_slots, top_k=top_k, num_moe_layers=len(routing))
+        rates[spec.name] = replay_needs(needs, len(routing), num_experts, num_slots, pol).decode_hit_rate
+    best = max(candidates, key=lambda c: (rates[c.name], -candidates.index(c)))
+    return best.name, rates

@@ -8,6 +8,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+#: recursive steps after each one-step prediction for the forecast-driven policies: with the one-step row, the c = 8
+#: CacheScore rows of SeqMoE §7.1 (§9.1)
+ROLLOUT = 7
+#: decode steps between recursive rollouts (``PredictorRunner.rollout_every``), chosen by measurement (issue 17,
+#: docs/notes/benchmark-history.md, "Runtime decode under the emulated link"): the simulator's hit rate against the
+#: rollout's cost per step
+ROLLOUT_EVERY = 4
+
 
 @dataclass
 class Forecast:

@@ -1,5 +1,5 @@
 """Eviction policies over the global slot pool (DESIGN.md §5; SeqMoE §3.3): LRU, LFU, LFRU, prefill-hot, and
-``make_policy``, which also builds Belady's oracle (``core.belady``, simulator only). Their interface and the event
+``make_policy`` (over a ``core.policy_spec.PolicySpec``), which also builds Belady's oracle (``core.belady``, simulator only). Their interface and the event
 order the slot table guarantees: ``core.eviction.EvictionPolicy``.
 """
 
@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import heapq
 import math
-import re
 from abc import abstractmethod
 from collections import OrderedDict
 
 from ..errors import MoeOffloadError
 from .belady import Belady
 from .eviction import EvictionPolicy
+from .policy_spec import PolicySpec, parse_policy
 
 
 class LRU(EvictionPolicy):
@@ -239,45 +239,41 @@ class PrefillHot(LRU):
         self._cold.clear()
 
 
-POLICIES = ("lru", "lfu", "lfru", "lfru-H", "prefill-hot", "belady", "belady-K")
-#: LFRU's default half-life in decode steps
-LFRU_HALF_LIFE_STEPS = 8
-
-
-def make_policy(name: str, *, num_slots: int | None = None, top_k: int | None = None,
+def make_policy(policy: PolicySpec | str, *, num_slots: int | None = None, top_k: int | None = None,
                 future: list | None = None, num_moe_layers: int | None = None) -> EvictionPolicy:
-    """Build an eviction policy by name: ``lru``, ``lfu``, ``lfru`` / ``lfru-H`` (half-life H decode steps, default
-    ``LFRU_HALF_LIFE_STEPS``), ``prefill-hot``, ``belady`` or ``belady-K`` (K decode steps of future, e.g.
-    ``belady-8``).
+    """The eviction policy object of a history or oracle policy (``core.policy_spec``: ``lru``, ``lfu``, ``lfru``
+    with its half-life in decode steps, ``prefill-hot``, ``belady`` with its window of K decode steps). Its ``name``
+    is the spec's written form.
 
     Args:
+        policy: a ``PolicySpec`` (a name is parsed by ``parse_policy``).
         num_slots, top_k: pool size and top-k (``prefill-hot`` keeps ``num_slots - top_k`` hot experts).
         num_moe_layers: MoE layers (ticks per decode step; ``lfru`` and ``belady-K`` need it, default 1).
-        future, num_moe_layers: per-tick needed experts and layers per step (``belady*``, simulator only).
+        future: per-tick needed experts (``belady``, simulator only).
 
     Raises:
-        MoeOffloadError: unknown name, or a Belady policy without a future (the runtime cannot see the future).
+        MoeOffloadError: an unknown name, a policy that is not a history or oracle one (forecast-driven policies
+            are ``core.prob_belady.ProbabilisticBelady`` fed forecasts; refresh planners are ``core.refresh``), or
+            Belady without a future (the runtime cannot see the future).
     """
-    key = name.lower()
-    if key == "lru":
-        return LRU()
-    if key == "lfu":
-        return LFU()
-    m = re.fullmatch(r"lfru(?:-(\d+(?:\.\d+)?))?", key)
-    if m:
-        pol = LFRU(float(m.group(1) or LFRU_HALF_LIFE_STEPS) * (num_moe_layers or 1))
-        pol.name = key
-        return pol
-    if key == "prefill-hot":
+    spec = parse_policy(policy)
+    fam = spec.family
+    if fam == "lru":
+        pol = LRU()
+    elif fam == "lfu":
+        pol = LFU()
+    elif fam == "lfru":
+        pol = LFRU(spec.lfru_half_life * (num_moe_layers or 1))
+    elif fam == "prefill-hot":
         if num_slots is None or top_k is None:
             raise ValueError("prefill-hot needs num_slots and top_k")
-        return PrefillHot(num_slots - top_k)
-    m = re.fullmatch(r"belady(?:-(\d+))?", key)
-    if m:
+        pol = PrefillHot(num_slots - top_k)
+    elif fam == "belady":
         if future is None:
-            raise MoeOffloadError(f"policy {name!r} needs the future and is only available in the simulator")
-        window = None if m.group(1) is None else int(m.group(1)) * (num_moe_layers or 1)
-        pol = Belady(future, window)
-        pol.name = key
-        return pol
-    raise MoeOffloadError(f"unknown policy {name!r}; choose one of: {', '.join(POLICIES)}")
+            raise MoeOffloadError(f"policy {spec.name!r} needs the future and is only available in the simulator")
+        pol = Belady(future, None if spec.window is None else spec.window * (num_moe_layers or 1))
+    else:
+        raise MoeOffloadError(f"policy {spec.name!r} is not an eviction policy of its own (history: lru, lfu, "
+                              "lfru[-H], prefill-hot; simulator: belady[-K])")
+    pol.name = spec.name
+    return pol

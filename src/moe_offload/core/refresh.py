@@ -56,14 +56,15 @@ from ..errors import MoeOffloadError
 from .activation_tracker import ActivationTracker
 from .costs import TideCosts
 from .interval import IntervalChoice, IntervalOptimiser
+from .policy_spec import PolicySpec, parse_policy
 from .refresh_plan import LayerDecision, RefreshPlan, Round, Transfer, select_top
 from .refresh_planner import RefreshPlanner
 from .stability import StabilityEstimator
 from .tide_planner import TidePlanner
 
-__all__ = ["ActivationTracker", "IntervalChoice", "IntervalOptimiser", "LayerDecision", "PLANNERS",
-           "ReactivePlanner", "RefreshPlan", "RefreshPlanner", "Round", "StabilityEstimator", "TideFixedPlanner",
-           "TidePlanner", "Transfer", "make_refresh_planner", "select_top"]
+__all__ = ["ActivationTracker", "IntervalChoice", "IntervalOptimiser", "LayerDecision", "ReactivePlanner",
+           "RefreshPlan", "RefreshPlanner", "Round", "StabilityEstimator", "TideFixedPlanner", "TidePlanner",
+           "Transfer", "make_refresh_planner", "select_top"]
 
 
 class ReactivePlanner(RefreshPlanner):
@@ -144,29 +145,24 @@ class TideFixedPlanner(RefreshPlanner):
         return self._decision(layer, counts, before, tr)
 
 
-PLANNERS = ("reactive", "tide-fixed", "tide")
-
-
-def make_refresh_planner(name: str, num_layers: int, num_experts: int, budget: int, *, costs: TideCosts | None = None,
-                         interval: int = 1, tau_max: int = 16, **kw) -> RefreshPlanner:
-    """Build a planner by name: ``reactive``, ``tide-fixed`` (or ``tide-fixed-T<n>``; ``interval``) or ``tide``
-    (needs ``costs``; ``tau_max``, ``block_start``, ``estimator_kw`` in ``kw``).
+def make_refresh_planner(policy: PolicySpec | str, num_layers: int, num_experts: int, budget: int, *,
+                         costs: TideCosts | None = None, interval: int = 1, tau_max: int = 16, **kw) -> RefreshPlanner:
+    """The planner of a refresh policy (``core.policy_spec``): ``reactive``, ``tide-fixed`` (its own interval
+    ``tide-fixed-T<n>``, else ``interval``) or ``tide`` (needs ``costs``; ``tau_max``, ``block_start``,
+    ``estimator_kw`` in ``kw``). A name is parsed by ``parse_policy``.
 
     Raises:
-        MoeOffloadError: unknown name, ``tide`` without costs, or bad arguments.
+        MoeOffloadError: an unknown name or one that is not a refresh planner, ``tide`` without costs, or bad
+            arguments.
     """
-    key = name.lower()
-    if key == "reactive":
+    spec = parse_policy(policy)
+    if spec.family == "reactive":
         return ReactivePlanner(num_layers, num_experts, budget)
-    if key.startswith("tide-fixed"):
-        rest = key[len("tide-fixed"):]
-        if rest:
-            if not rest.startswith("-t") or not rest[2:].isdigit():
-                raise MoeOffloadError(f"unknown planner {name!r}; tide-fixed takes an interval as tide-fixed-T<n>")
-            interval = int(rest[2:])
-        return TideFixedPlanner(num_layers, num_experts, budget, interval=interval, **kw)
-    if key == "tide":
+    if spec.family == "tide-fixed":
+        return TideFixedPlanner(num_layers, num_experts, budget,
+                                interval=interval if spec.interval is None else spec.interval, **kw)
+    if spec.family == "tide":
         if costs is None:
             raise MoeOffloadError("the tide planner needs a cost model (core.costs.TideCosts)")
         return TidePlanner(num_layers, num_experts, budget, costs, tau_max=tau_max, **kw)
-    raise MoeOffloadError(f"unknown planner {name!r}; choose one of: {', '.join(PLANNERS)}")
+    raise MoeOffloadError(f"unknown planner {spec.name!r}; choose one of: reactive, tide-fixed[-T<n>], tide")

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from .generate import RunStats
+from ..core.policy_spec import parse_policy
+from ..errors import MoeOffloadError
 from ..models.loader import LoadedModel
+from .generate import RunStats
 
 #: what each runtime policy does, for the report's mode line
 POLICY_WORDS = {
@@ -19,6 +21,7 @@ POLICY_WORDS = {
     "xl": "evicts and prefetches by the next layers' routers applied to each layer's hidden state (cross-layer)",
     "seqmoe-xl": "SeqMoE with its next-layer forecasts blended with the next layers' routers (cross-layer)",
     "reactive": "per-layer budgets, on-demand loads at each diffusion step",
+    "tide-fixed": "per-layer budgets refreshed every fixed number of diffusion steps, misses computed on the host",
     "tide": "TIDE: per-layer budgets refreshed at I/O-aware intervals; a miss is computed on the host or swapped in",
 }
 #: below this hit rate an offloading run with LRU is reported as thrashing
@@ -127,13 +130,18 @@ def _auto_line(a: dict) -> str:
             f"prompt's routing: {rates})")
 
 
+def _family(policy: str | None) -> str | None:
+    """The family of the policy a run's stats name (``core.policy_spec``), None for FullLoad or ``auto:<choice>``."""
+    try:
+        return parse_policy(policy).family if policy else None
+    except MoeOffloadError:
+        return None
+
+
 def _mode(d: dict) -> str:
     if not d["policy"]:
         return d["mode"]
-    base = "tide-fixed" if d["policy"].startswith("tide-fixed") else d["policy"]
-    words = POLICY_WORDS.get(base)
-    if base == "tide-fixed":
-        words = "per-layer budgets refreshed every fixed number of diffusion steps, misses computed on the host"
+    words = POLICY_WORDS.get(_family(d["policy"]))
     return f"{d['mode']}, policy {d['policy']}" + (f" ({words})" if words else "")
 
 
@@ -208,7 +216,7 @@ def offload_notes(d: dict) -> list[str]:
              f"already in the {d['slots']} device slots; the {d['misses']} misses were copied from the host store "
              f"({_fmt_bytes(d['bytes_loaded'])})"]
     per_step = d["num_moe_layers"] * d["top_k"]
-    if d["policy"] == "lru" and d["hit_rate"] < THRASH_HIT_RATE and d["slots"] < per_step:
+    if _family(d["policy"]) == "lru" and d["hit_rate"] < THRASH_HIT_RATE and d["slots"] < per_step:
         notes.append(f"LRU evicts every expert before its reuse at this residency (a step needs up to {per_step} "
                      f"experts, {d['num_moe_layers']} layers x top-{d['top_k']}, and they cycle through "
                      f"{d['slots']} slots): try --policy lfu")

@@ -17,7 +17,8 @@ import time
 import torch
 
 from ..errors import MoeOffloadError
-from ..runtime.graph.cache import GRAPH_PREFETCH_POLICIES, GraphCache, check_graph_policy
+from ..core.policy_spec import PolicySpec, parse_policy
+from ..runtime.graph.cache import GraphCache, check_graph_policy
 from ..runtime.graph.engine import GraphEngine
 
 #: static KV cache lengths are multiples of this many positions
@@ -31,13 +32,14 @@ DECODER_GRAPHS = 64
 BACKENDS = ("inductor", "aot_eager")
 
 
-def load_graph(model_dir, *, policy: str = "lru", residency: float | None = None, slots: int | None = None,
-               device: str | None = None, dtype: str | None = None, progress: bool = False,
+def load_graph(model_dir, *, policy: PolicySpec | str = "lru", residency: float | None = None,
+               slots: int | None = None, device: str | None = None, dtype: str | None = None, progress: bool = False,
                predictor: str | None = None, link_epl: float = 1.39):
     """``models.loader.load_offloaded`` with a ``GraphEngine`` (graph mode) instead of the Python slot table.
 
     Args:
-        policy: ``lru``, ``lfu``, ``seqmoe-cacheonly`` (probabilistic Belady; ``runtime.graph.cache``) or
+        policy: a ``core.policy_spec.PolicySpec`` (a name is parsed) that graph mode runs: ``lru``, ``lfu``,
+            ``seqmoe-cacheonly`` (probabilistic Belady; ``runtime.graph.cache``) or
             ``seqmoe`` (probabilistic Belady plus JSD prefetching by a CPU worker through the control region:
             ``runtime.graph.fetch_cache``, ``runtime.graph.prefetch``).
         residency, slots, device, dtype, progress: as ``load_offloaded``.
@@ -56,21 +58,22 @@ def load_graph(model_dir, *, policy: str = "lru", residency: float | None = None
     from ..models.capability import experts_modules
     from ..models.loader import load_offloaded
 
-    kind = check_graph_policy(policy, 1 << 30, 1)  # the policy first, before loading anything
-    scheduler = GRAPH_PREFETCH_POLICIES.get(policy)
+    spec = parse_policy(policy)
+    kind = check_graph_policy(spec, 1 << 30, 1)  # the policy first, before loading anything
+    scheduler = spec.prefetch
     if scheduler and not predictor:
-        raise MoeOffloadError(f"--graph --policy {policy} needs --predictor DIR (its forecasts drive prefetching)")
+        raise MoeOffloadError(f"--graph --policy {spec.name} needs --predictor DIR (its forecasts drive prefetching)")
     lm = load_offloaded(model_dir, device=device, dtype=dtype, residency=residency, slots=slots,
                         policy="lru", progress=progress)
     old = lm.engine
     try:
-        check_graph_policy(policy, old.pool.num_slots, lm.num_experts)
+        check_graph_policy(spec, old.pool.num_slots, lm.num_experts)
     except MoeOffloadError:
         lm.close()
         raise
     if scheduler and old.pool.num_slots <= lm.num_experts:
         lm.close()
-        raise MoeOffloadError(f"--graph --policy {policy} needs at least {lm.num_experts + 1} slots (one MoE layer's "
+        raise MoeOffloadError(f"--graph --policy {spec.name} needs at least {lm.num_experts + 1} slots (one MoE layer's "
                               f"{lm.num_experts} experts + 1 to prefetch into), got {old.pool.num_slots}")
     if scheduler:
         from ..runtime.graph.fetch_cache import FetchingGraphCache
@@ -78,7 +81,7 @@ def load_graph(model_dir, *, policy: str = "lru", residency: float | None = None
         cache = FetchingGraphCache(old.pool.num_slots, lm.num_experts, lm.num_moe_layers, kind, device=old.pool.device)
     else:
         cache = GraphCache(old.pool.num_slots, lm.num_experts, lm.num_moe_layers, kind, device=old.pool.device)
-    engine = GraphEngine(old.store, old.pool, cache, lm.num_experts, policy)
+    engine = GraphEngine(old.store, old.pool, cache, lm.num_experts, spec.name)
     engine.attach([m for _, m in experts_modules(lm.model)])
     lm.engine = engine
     _attach_forecasts(lm, engine, cache, predictor, scheduler, link_epl)

@@ -26,6 +26,7 @@ from .accounting import validate_checkpoint
 from .capability import expert_params, experts_modules, generation_class, inspect_model, top_k as _top_k
 from .checkpoint import Checkpoint, checkpoint_model_id, quantization, read_config
 from .engine_build import check_policy, make_engine
+from ..core.policy_spec import PolicySpec, parse_policy
 from .expert_map import build_format, fill_store, map_checkpoint
 from .fp8_full import fullload_kwargs
 from .registry import Architecture
@@ -169,8 +170,8 @@ def _materialise(model: torch.nn.Module, mods: list, dev: torch.device, dt: torc
 
 
 def load_offloaded(model_dir: str | Path, *, device: str | None = None, dtype: str | None = None,
-                   residency: float | None = None, slots: int | None = None, policy: str = "lru",
-                   progress: bool = True, link_epl: float = 1.39, link_gbps: float | None = None,
+                   residency: float | None = None, slots: int | None = None,
+                   policy: PolicySpec | str = "lru", progress: bool = True, link_epl: float = 1.39, link_gbps: float | None = None,
                    seconds_per_expert: float | None = None, interval: int = 1,
                    host_seconds_per_token_expert: float = 0.0, host_seconds_per_expert: float = 0.0,
                    host_store: str | None = None, host_cache_gb: float | None = None) -> LoadedModel:
@@ -184,7 +185,8 @@ def load_offloaded(model_dir: str | Path, *, device: str | None = None, dtype: s
         dtype: compute dtype "float32" | "bfloat16" | "float16" | None (the checkpoint's).
         residency: slots as a fraction of all routed experts, in (0, 1].
         slots: number of slots (>= top-k). Default: residency 1.0.
-        policy: eviction policy name ("lru", "lfu", "prefill-hot", or "seqmoe-cacheonly": probabilistic Belady,
+        policy: a ``core.policy_spec.PolicySpec`` (a name is parsed by ``parse_policy``): a history policy
+            ("lru", "lfu", "lfru-H", "prefill-hot", "auto"), "seqmoe-cacheonly" (probabilistic Belady,
             which needs a predictor's forecasts fed through ``predictor.runtime.ForecastFeed``), or a full SeqMoE
             pipeline: "seqmoe" (probabilistic Belady + JSD prefetching, SeqMoE §6-§7) / "seqmoe-infinity" (with
             MoE-Infinity's task ordering) / "xl" (the same fed cross-layer forecasts, ``predictor.cross_layer``) /
@@ -218,9 +220,11 @@ def load_offloaded(model_dir: str | Path, *, device: str | None = None, dtype: s
     quant = quantization(json.loads((path / "config.json").read_text()))
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, config)
-    if policy == "auto" and arch.diffusion:  # the chooser simulates autoregressive decode steps
-        policy = "lru"
-    refresh = check_policy(policy, arch, interval)
+    spec = parse_policy(policy)
+    if spec.family == "auto" and arch.diffusion:  # the chooser simulates autoregressive decode steps
+        spec = parse_policy("lru")
+    check_policy(spec, arch, interval)
+    refresh = spec.refresh
     ckpt = Checkpoint(path)
     ckpt.random_access = host_store == "disk"
     model, mods, shapes = _build_meta(config, dt)
@@ -260,7 +264,7 @@ def load_offloaded(model_dir: str | Path, *, device: str | None = None, dtype: s
     model.eval()
     model.requires_grad_(False)
     pool = SlotPool(fmt, num_slots, n_total, dev)
-    engine = make_engine(policy, refresh, store, pool, mods, num_slots, top_k, num_experts,
+    engine = make_engine(spec, store, pool, mods, num_slots, top_k, num_experts,
                           budget if refresh else None, dict(link_epl=link_epl, link_gbps=link_gbps,
                           seconds_per_expert=seconds_per_expert, interval=interval,
                           host_seconds_per_token_expert=host_seconds_per_token_expert,

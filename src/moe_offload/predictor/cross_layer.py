@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from ..core.policy_spec import PolicySpec, parse_policy
 from ..errors import MoeOffloadError
 from ..runtime.cross_layer import XL_DEPTH, CrossLayerForecaster
 from .runtime import ForecastFeed
@@ -108,10 +109,11 @@ def attach_cross_layer(lm, pset=None, depth: int = XL_DEPTH, rollout_every: int 
     return feed
 
 
-def attach_forecasts(lm, policy: str, pset=None, rollout: int = 0, rollout_every: int | None = None,
+def attach_forecasts(lm, policy: PolicySpec | str, pset=None, rollout: int = 0, rollout_every: int | None = None,
                      xl_depth: int = XL_DEPTH, lag: int | None = None):
-    """What ``generate`` and ``bench decode`` attach for a runtime ``policy``: cross-layer forecasts for ``xl`` and
-    ``seqmoe-xl`` (``attach_cross_layer``), else ``pset`` through ``predictor.attach.attach_predictor`` (None when
+    """What ``generate`` and ``bench decode`` attach for a runtime ``policy`` (a ``core.policy_spec.PolicySpec``; a
+    name is parsed): cross-layer forecasts for the cross-layer policies, ``xl`` and ``seqmoe-xl`` (blended with
+    ``pset``'s) (``attach_cross_layer``), else ``pset`` through ``predictor.attach.attach_predictor`` (None when
     there is no ``pset``). Returns the ``PredictorRunner`` (None for ``xl``; with ``lag`` the ``LaggedFeed``).
 
     ``lag`` (MoE layers; None: inline): the predictor in a process of its own, each forecast used ``lag`` layers
@@ -123,11 +125,12 @@ def attach_forecasts(lm, policy: str, pset=None, rollout: int = 0, rollout_every
     from .attach import attach_predictor
     from .runtime import ROLLOUT_EVERY
 
-    if policy in ("xl", "seqmoe-xl"):
+    spec = parse_policy(policy)
+    if spec.cross_layer:
         if lag is not None:
-            raise MoeOffloadError("--predictor-lag runs the SeqMoE predictor alone (seqmoe, seqmoe-cacheonly, seqmoe-infinity), not "
-                                  f"--policy {policy}")
-        return attach_cross_layer(lm, pset if policy == "seqmoe-xl" else None, xl_depth, rollout_every).runner
+            raise MoeOffloadError("--predictor-lag runs the SeqMoE predictor alone (seqmoe, seqmoe-cacheonly, "
+                                  f"seqmoe-infinity), not --policy {spec.name}")
+        return attach_cross_layer(lm, pset if spec.needs_predictor else None, xl_depth, rollout_every).runner
     if pset is None:
         return None
     return attach_predictor(lm.engine, pset, rollout=rollout, rollout_every=rollout_every or ROLLOUT_EVERY, lag=lag)

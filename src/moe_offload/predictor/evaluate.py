@@ -289,3 +289,52 @@ def measure_overhead(model: str, pset: PredictorSet, num_prompts: int = 4, max_n
         modes.append({"mode": name, "predictor_ms_per_step": pms, "decode_ms_per_step": base_ms,
                       "share": pms / base_ms if base_ms else float("nan"), "same_tokens": toks == base_tokens})
     return {"model": str(path), "prompts": len(prompts), "max_new_tokens": max_new_tokens, "modes": modes}
+
+
+def eval_report(pset: PredictorSet, traces: list, *, control: PredictorSet | None = None, horizon: int = 8,
+                long_threshold: int = 256, xl_weights: tuple[float, ...] | None = None, model: str | None = None,
+                overhead_prompts: int = 4, max_new_tokens: int = 32, rollout: int = 8, progress: bool = False
+                ) -> tuple[dict, EvalResult, list[str], list[list[str]]]:
+    """``predictor eval``: the recall of ``pset``'s forecasts on ``traces`` (their held-out requests when they are
+    its training traces, ``features.eval_split``) against the Markov, Last, popularity and (with ``control``, a
+    step-shuffled predictor) control baselines; with ``model``, its time per decode step on that model
+    (``measure_overhead``).
+
+    Returns:
+        ``(report, result, table head, table rows)``: ``report`` is the JSON report (``requests`` says which,
+        ``recall`` per row, the predictor's memory, ``xl_blend_weights`` and ``synthetic`` where they apply,
+        ``overhead``), ``result`` the raw ``EvalResult``.
+
+    Raises:
+        MoeOffloadError: ``control`` with other layer ranges than ``pset``.
+    """
+    from ..errors import MoeOffloadError
+    from .features import eval_split
+
+    if control is not None and [s.layers for s in control.header.specs] != [s.layers for s in pset.header.specs]:
+        raise MoeOffloadError("--control must have the same layer ranges as --predictor")
+    seqs, train_idx, test_idx, note = eval_split(pset.header.training, traces)
+    test = [seqs[i] for i in test_idx]
+    h = pset.header
+    fit_on = [seqs[i] for i in train_idx] if train_idx else test
+    markov = MarkovPredictor(h.num_moe_layers, h.num_experts).fit(fit_on)
+    pop = popularity_counts(fit_on, h.num_moe_layers, h.num_experts)
+    res = evaluate_predictor(pset, test, horizon=horizon, long_threshold=long_threshold, markov=markov,
+                             popularity=pop, control=control, progress=progress, xl_weights=xl_weights)
+    head, rows = recall_table(res)
+    out = {"requests": note, "top_k": h.top_k, "num_experts": h.num_experts, "long_requests": res.long_requests,
+           "recall": {r[0]: {"top_k_plus_3": r[1], "top_k": r[2], "pairs": r[3]} for r in rows},
+           "markov_fitted_on": "training split" if train_idx else "the evaluated requests themselves (in-sample)",
+           "parameters": pset.num_parameters(), "parameter_bytes": pset.parameter_bytes(),
+           "state_bytes": pset.state_bytes()}
+    if any(t.xl_probs is not None for t in traces):
+        from .xl_weights import describe_xl_weights
+
+        out["xl_blend_weights"] = (", ".join(f"{w:g}" for w in xl_weights) + " (--xl-weights)" if xl_weights
+                                   else describe_xl_weights(pset))
+    synthetic = sorted({t.header.get("xl_forecasts") or "generated" for t in traces if t.header.get("synthetic")})
+    if synthetic:
+        out["synthetic"] = synthetic
+    if model:
+        out["overhead"] = measure_overhead(model, pset, overhead_prompts, max_new_tokens, rollout, progress=progress)
+    return out, res, head, rows

@@ -181,3 +181,40 @@ def training_split(training: dict, traces: list[Trace], keys: list[tuple[int, in
     if [t.get("digest") for t in split.get("traces", [])] != [trace_digest(t) for t in traces]:
         return None
     return split_requests(keys, split["test_fraction"], split["seed"])
+
+
+def load_traces(paths: list) -> list[Trace]:
+    """The trace files ``paths``, which must all come from one model.
+
+    Raises:
+        MoeOffloadError: an unreadable trace, or traces of different models (by their header's ``model_id``)."""
+    from ..errors import MoeOffloadError
+    from ..trace.format import load_trace
+
+    traces = [load_trace(p) for p in paths]
+    ids = {t.header.get("model_id") for t in traces}
+    if len(ids) > 1:
+        raise MoeOffloadError(f"the traces come from different models: {sorted(map(str, ids))}")
+    return traces
+
+
+def traces_sequences(traces: list[Trace]) -> list[Sequence]:
+    """Every request of ``traces`` as a ``Sequence`` (keys ``(trace index, request)``), traces in order."""
+    seqs: list[Sequence] = []
+    for i, t in enumerate(traces):
+        seqs += trace_sequences(t, i)
+    return seqs
+
+
+def eval_split(training: dict, traces: list[Trace]) -> tuple[list[Sequence], list[int], list[int], str]:
+    """``(requests, train indices, test indices, note)`` for evaluating a predictor (its header's ``training``) on
+    ``traces``: when they are its training traces, its own split (evaluate on the held-out requests), else no
+    training requests and every request to evaluate; ``note`` says which."""
+    seqs = traces_sequences(traces)
+    split = training_split(training, traces, [s.key for s in seqs])
+    if split is not None:
+        train_idx, test_idx = split
+        return seqs, train_idx, test_idx, \
+            f"held-out {len(test_idx)} of {len(seqs)} requests (the predictor's training split)"
+    return seqs, [], list(range(len(seqs))), \
+        f"all {len(seqs)} requests (these trace files are not the predictor's training trace files)"

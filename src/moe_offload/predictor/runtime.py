@@ -9,17 +9,10 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import MoeOffloadError
-from ..core.forecast import Forecast
+from ..core.forecast import ROLLOUT, ROLLOUT_EVERY, Forecast  # noqa: F401  (the runner's settings)
 from .features import psi
 from .model import PredictorSet
 
-# Recursive steps after each one-step prediction for the forecast-driven policies: with the one-step row, the c = 8
-# CacheScore rows of SeqMoE §7.1 (§9.1).
-ROLLOUT = 7
-# Decode steps between recursive rollouts (``PredictorRunner.rollout_every``), chosen by measurement (issue 17,
-# docs/notes/benchmark-history.md, "Runtime decode under the emulated link"): the simulator's hit rate against the
-# rollout's cost per step.
-ROLLOUT_EVERY = 4
 
 
 @dataclass

@@ -175,3 +175,47 @@ def train_predictors(header: PredictorHeader, seqs: list[Sequence], cfg: TrainCo
     header.training.update({"config": vars(cfg).copy(), "history": hist, "seconds": time.perf_counter() - t0,
                             "train_requests": len(seqs)})
     return pset.eval()
+
+
+def train_on_traces(traces: list, names: list[str], cfg: TrainConfig, *, predictors: int = 2, hidden_size: int = 128,
+                    mamba_layers: int = 1, input_skip: bool = True, test_fraction: float = 0.1,
+                    shuffle_steps: bool = False, progress: bool = False) -> tuple[PredictorSet, int]:
+    """``predictor train``: split the requests of ``traces`` (one model's, ``features.load_traces``; ``names``
+    their file names, recorded with their digests) 90/10 by request (``test_fraction``, ``cfg.seed``), train
+    ``predictors`` predictors over consecutive layer ranges on the training requests (SeqMoE §5.4), and record the
+    split and the prefill popularity (§8.4) in the header. ``shuffle_steps``: the step-shuffled control (§3.1).
+
+    Returns:
+        ``(trained predictor set, number of training requests)``.
+
+    Raises:
+        MoeOffloadError: ``test_fraction`` outside (0, 1), ``cfg.ss_max_prob`` outside [0, 1], fewer than 2
+            requests.
+    """
+    from ..errors import MoeOffloadError
+    from .features import prefill_popularity, split_requests, trace_digest, traces_sequences
+    from .model import PredictorSpec, default_ranges
+
+    if not 0 < test_fraction < 1:
+        raise MoeOffloadError(f"--test-fraction must be in (0, 1), got {test_fraction}")
+    if not 0 <= cfg.ss_max_prob <= 1:
+        raise MoeOffloadError(f"--ss-max-prob must be in [0, 1], got {cfg.ss_max_prob}")
+    h0 = traces[0].header
+    seqs = traces_sequences(traces)
+    if len(seqs) < 2:
+        raise MoeOffloadError("need at least 2 requests in the traces to split into train and test")
+    train_idx, test_idx = split_requests([s.key for s in seqs], test_fraction, cfg.seed)
+    train = [seqs[i] for i in train_idx]
+    if shuffle_steps:
+        train = [s.shuffled(cfg.seed + 1 + i) for i, s in enumerate(train)]
+    L, E = int(h0["num_moe_layers"]), int(h0["num_experts"])
+    specs = [PredictorSpec(layers=r, hidden_size=hidden_size, num_mamba_layers=mamba_layers, input_skip=input_skip)
+             for r in default_ranges(L, predictors)]
+    header = PredictorHeader(model_id=h0["model_id"], model_type=h0.get("model_type", ""), num_moe_layers=L,
+                             num_experts=E, top_k=int(h0["top_k"]), specs=specs, shuffled_control=shuffle_steps,
+                             training={"split": {"seed": cfg.seed, "test_fraction": test_fraction,
+                                                 "traces": [{"name": n, "digest": trace_digest(t)}
+                                                            for n, t in zip(names, traces)]},
+                                       "test_requests": len(test_idx)},
+                             prefill_popularity=prefill_popularity(traces, [seqs[i].key for i in train_idx], L, E))
+    return train_predictors(header, train, cfg, progress=progress), len(train)

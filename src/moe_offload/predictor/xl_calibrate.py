@@ -51,3 +51,52 @@ def calibrate_xl_weights(pset, seqs, grid=XL_GRID, progress: bool = False) -> tu
         table.setdefault(j, {})[w] = (r.wide, r.narrow, r.pairs)
     weights = tuple(max(table[j], key=lambda w: (table[j][w][1], table[j][w][0], -w)) for j in sorted(table))
     return weights, table
+
+
+def calibrate_on_traces(predictor: str, paths: list[str], grid: tuple[float, ...], *, replace: bool = False,
+                        allow_synthetic: bool = False, progress: bool = False) -> dict:
+    """``predictor calibrate-xl``: per layer distance, the grid weight with the best blended recall on the
+    requests of ``paths`` (traces collected with ``--xl-forecasts``; their held-out requests when they are the
+    predictor's training traces), stored as ``xl_weights.json`` in the predictor directory ``predictor``.
+
+    Returns:
+        ``{"weights", "table" ({distance: {weight: (recall@k+3, recall@k)}}), "grid", "note", "path",
+        "record" (what the file holds besides the weights), "top_k", "synthetic"}``.
+
+    Raises:
+        MoeOffloadError: a bad grid, an existing ``xl_weights.json`` without ``replace``, the same trace twice,
+            traces without cross-layer forecasts, synthetic traces without ``allow_synthetic``, an unreadable
+            predictor.
+    """
+    from pathlib import Path
+
+    from .features import eval_split, load_traces
+    from .model import load_predictor
+    from .xl_weights import XL_WEIGHTS_NAME, write_xl_weights
+
+    grid = tuple(sorted(set(check_xl_weights(grid, "--grid"))))
+    if (Path(predictor) / XL_WEIGHTS_NAME).exists() and not replace:
+        raise MoeOffloadError(f"{Path(predictor) / XL_WEIGHTS_NAME} already exists; pass --replace to "
+                              "recalibrate (nothing was overwritten)")
+    if len({Path(p).resolve() for p in paths}) < len(paths):
+        raise MoeOffloadError("--traces names the same file twice")
+    traces = load_traces(paths)
+    for p, t in zip(paths, traces):
+        if t.xl_probs is None:
+            raise MoeOffloadError(f"{p} has no cross-layer forecasts: calibration needs traces collected with "
+                                  "--xl-forecasts")
+    synthetic = [(p, t.header.get("xl_forecasts") or "a generated trace")
+                 for p, t in zip(paths, traces) if t.header.get("synthetic")]
+    if synthetic and not allow_synthetic:
+        raise MoeOffloadError(f"{synthetic[0][0]} is synthetic ({synthetic[0][1]}); weights fitted on it would drive "
+                              "real runs: pass --allow-synthetic if that is what you want")
+    pset = load_predictor(predictor, model_id=traces[0].header.get("model_id"))
+    seqs, _, test_idx, note = eval_split(pset.header.training, traces)
+    weights, table = calibrate_xl_weights(pset, [seqs[i] for i in test_idx], grid, progress=progress)
+    record = {"grid": list(grid), "requests": note, "traces": [str(Path(p).resolve()) for p in paths],
+              "synthetic": bool(synthetic),
+              "recall": {f"XL-{j}": {f"{w:g}": {"top_k": round(v[1], 6), "top_k_plus_3": round(v[0], 6)}
+                                     for w, v in t.items()} for j, t in table.items()}}
+    path = write_xl_weights(predictor, weights, record, replace=replace)
+    return {"weights": weights, "table": table, "grid": grid, "note": note, "path": path, "record": record,
+            "top_k": pset.header.top_k, "synthetic": bool(synthetic)}

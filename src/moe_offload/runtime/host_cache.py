@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from ..core.policies import make_policy
+from ..core.policy_spec import PolicySpec
 from ..errors import MoeOffloadError
 from .disk_store import DiskStore, copy_concurrently
 from .store import _pin_in_place, _unpin, gather_rows
@@ -57,7 +58,8 @@ class HostCache:
     Args:
         disk: the disk store (owned: closed with the cache).
         rows: experts the cache holds, >= 1.
-        policy: its eviction policy's name (``core.policies.make_policy``: ``lru``, ``lfu``, ``lfru[-H]``).
+        policy: its eviction policy, a history policy (``core.policies.make_policy``: ``lru``, ``lfu``, ``lfru[-H]``;
+            a name is parsed).
         pin: page-lock the rows (CUDA: host->device copies from them run at the link's speed).
 
     Raises:
@@ -66,7 +68,7 @@ class HostCache:
 
     mode = "disk"
 
-    def __init__(self, disk: DiskStore, rows: int, policy: str = "lru", pin: bool = False):
+    def __init__(self, disk: DiskStore, rows: int, policy: PolicySpec | str = "lru", pin: bool = False):
         if rows < 1:
             raise MoeOffloadError(f"a host cache needs at least one expert row, got {rows}")
         self.disk = disk

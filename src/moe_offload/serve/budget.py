@@ -145,7 +145,7 @@ def load_for_generate(path, memory_budget: float | str, load: dict, max_context:
             positions.
     """
     from ..models.checkpoint import read_config
-    from ..models.engine_build import is_refresh_policy
+    from ..core.policy_spec import parse_policy
     from ..models.loader import resolve_device
     from .memory import MemoryPlan
 
@@ -155,7 +155,7 @@ def load_for_generate(path, memory_budget: float | str, load: dict, max_context:
         raise MoeOffloadError(f"--max-context {max_context} exceeds the model's max_position_embeddings {max_pos}")
     max_context = max_context or min(DEFAULT_MAX_CONTEXT, max_pos)
     budget, source = resolve_budget(memory_budget, resolve_device(load.get("device")), False)
-    refresh = is_refresh_policy(load.get("policy", "lru"))
+    refresh = parse_policy(load.get("policy", "lru")).refresh
     lm, _, batch, _, kv, act, budget = load_within_budget(path, budget, source, load, max_context, block, refresh, 1,
                                                           lambda lm: None, log)
     lm.memory_plan = MemoryPlan(budget, source, non_expert_bytes(lm), lookup_bytes(lm), kv, act, lm.expert_bytes,

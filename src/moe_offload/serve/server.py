@@ -13,6 +13,7 @@ from pathlib import Path
 
 import uvicorn
 
+from ..core.policy_spec import PolicySpec, parse_policy, require_predictor
 from ..errors import MoeOffloadError
 from .batch_memory import plan_batch
 from .budget import DEFAULT_MAX_CONTEXT, load_within_budget, resolve_budget
@@ -28,8 +29,9 @@ class ServeConfig:
     Attributes:
         model_dir: checkpoint directory. model_name: the ``model`` clients pass (default: ``model_dir``).
         device / dtype: as ``generate`` (None: cuda when available / the checkpoint's dtype).
-        policy: eviction policy (``lru``, ``lfu``, ``prefill-hot``; diffusion models also ``reactive``,
-            ``tide-fixed[-T<n>]``, ``tide``).
+        policy: the policy (a ``core.policy_spec.PolicySpec``; a name is parsed): ``lru``, ``lfu``, ``lfru[-H]``,
+            ``prefill-hot``, ``auto``, with ``predictor`` the seqmoe policies; diffusion models also ``reactive``,
+            ``tide-fixed[-T<n>]``, ``tide``.
         residency / slots / memory_budget_gb: at most one: slots as a fraction of all routed experts / as a count /
             from a device-tier budget in GB (10^9 bytes). None of them: on CUDA a budget of 90% of the free device
             memory, on the CPU residency 1.0.
@@ -51,7 +53,7 @@ class ServeConfig:
     model_name: str | None = None
     device: str | None = None
     dtype: str | None = None
-    policy: str = "lru"
+    policy: PolicySpec = PolicySpec("lru")
     residency: float | None = None
     slots: int | None = None
     memory_budget_gb: float | None = None
@@ -67,6 +69,9 @@ class ServeConfig:
     max_batch: int | None = None
     predictor: str | None = None
     cors_origins: tuple[str, ...] = ("*",)
+
+    def __post_init__(self):
+        self.policy = parse_policy(self.policy)
 
 
 SHUTDOWN_GRACE_S = 2  # seconds a running request gets to finish after Ctrl-C / SIGTERM
@@ -149,7 +154,6 @@ def load_for_serving(cfg: ServeConfig, log=_log):
         MoeOffloadError: a bad checkpoint or option, a policy the server cannot run, ``max_context`` above the
             model's positions, or a budget too small for top-k slots.
     """
-    from ..models.engine_build import is_refresh_policy
     from ..models.loader import load_offloaded, read_config, resolve_device
     from .state import ServeState
 
@@ -165,7 +169,7 @@ def load_for_serving(cfg: ServeConfig, log=_log):
     t0 = time.perf_counter()
     if budget is not None:
         lm, pset, batch, note, kv, act, budget = load_within_budget(
-            path, budget, source, load, max_context, block, is_refresh_policy(cfg.policy), cfg.max_batch,
+            path, budget, source, load, max_context, block, cfg.policy.refresh, cfg.max_batch,
             lambda lm: _load_predictor(cfg, lm), log)
         pred_bytes = 0 if pset is None else pset.parameter_bytes()
     else:
@@ -200,16 +204,13 @@ def load_for_serving(cfg: ServeConfig, log=_log):
 def _check_policy(cfg: ServeConfig) -> None:
     """Raises MoeOffloadError for a policy the server does not run, or a predictor given without its policy or
     missing for it."""
-    from ..models.engine_build import PREDICTOR_POLICIES
-
-    if cfg.policy in ("xl", "seqmoe-xl"):
+    if cfg.policy.cross_layer:
         raise MoeOffloadError(f"--policy {cfg.policy} is not served: cross-layer forecasts run in generate and bench "
                               "decode (serve takes seqmoe-cacheonly, seqmoe, seqmoe-infinity with --predictor)")
-    if cfg.policy in PREDICTOR_POLICIES and not cfg.predictor:
-        raise MoeOffloadError(f"--policy {cfg.policy} needs --predictor DIR (a trained SeqMoE predictor)")
-    if cfg.predictor and cfg.policy not in PREDICTOR_POLICIES:
-        raise MoeOffloadError(f"--predictor is used by the forecast-driven policies "
-                              f"({', '.join(PREDICTOR_POLICIES)}), not --policy {cfg.policy}")
+    require_predictor(cfg.policy, cfg.predictor)
+    if cfg.predictor and not cfg.policy.needs_predictor:
+        raise MoeOffloadError("--predictor is used by the forecast-driven policies (seqmoe-cacheonly, seqmoe, "
+                              f"seqmoe-infinity), not --policy {cfg.policy}")
 
 
 def _context_and_size(cfg: ServeConfig, config) -> tuple[int, list[str]]:

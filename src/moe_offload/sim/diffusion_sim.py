@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from ..core.costs import TideCosts
+from ..core.policy_spec import parse_policy
 from ..core.refresh import RefreshPlanner, make_refresh_planner
 from ..errors import MoeOffloadError
 from ..trace.diffusion import DiffusionTrace
@@ -274,7 +275,8 @@ def run_diffusion_sweep(trace: DiffusionTrace, costs_by_hw: dict, budgets: list[
         trace: the diffusion trace.
         costs_by_hw: ``{hardware name: TideCosts}``.
         budgets: budget fractions in (0, 1].
-        policies: names among ``reactive``, ``tide-fixed`` (swept over ``intervals``), ``tide``.
+        policies: refresh policies (``core.policy_spec``; names are parsed): ``reactive``, ``tide-fixed`` (swept
+            over ``intervals``; ``tide-fixed-T<n>``: that interval alone), ``tide``.
         intervals: tide-fixed intervals T.
         tau_max: the tide optimiser's longest interval.
         trace_name, model: labels for the rows.
@@ -288,11 +290,12 @@ def run_diffusion_sweep(trace: DiffusionTrace, costs_by_hw: dict, budgets: list[
     Raises:
         MoeOffloadError: an unknown policy, a bad budget, or no interval for tide-fixed.
     """
-    pols = [p.lower() for p in policies]
+    pols = [parse_policy(p) for p in policies]
     for p in pols:
-        if p not in ("reactive", "tide-fixed", "tide"):
-            raise MoeOffloadError(f"unknown policy {p!r}; choose among reactive, tide-fixed, tide")
-    if "tide-fixed" in pols and not intervals:
+        if not p.refresh:
+            raise MoeOffloadError(f"unknown policy {p.name!r} for a diffusion replay; choose among reactive, "
+                                  "tide-fixed, tide")
+    if any(p.family == "tide-fixed" and p.interval is None for p in pols) and not intervals:
         raise MoeOffloadError("tide-fixed needs at least one interval")
     L, E = trace.num_moe_layers, trace.num_experts
     rows, sweep = [], []
@@ -302,9 +305,9 @@ def run_diffusion_sweep(trace: DiffusionTrace, costs_by_hw: dict, budgets: list[
             base = {"trace": f"{trace_name} / {hw}", "synthetic": trace.synthetic, "model": model, "hardware": hw}
             fixed = []
             for p in pols:
-                if p == "tide-fixed":
-                    for T in intervals:
-                        r = replay_diffusion(trace, make_refresh_planner("tide-fixed", L, E, B, interval=T), costs)
+                if p.family == "tide-fixed":
+                    for T in (intervals if p.interval is None else [p.interval]):
+                        r = replay_diffusion(trace, make_refresh_planner(p, L, E, B, interval=T), costs)
                         fixed.append((T, r))
                         sweep.append({**base, **r.row(), "policy": "tide-fixed", "interval": T})
                         if progress:
@@ -314,7 +317,7 @@ def run_diffusion_sweep(trace: DiffusionTrace, costs_by_hw: dict, budgets: list[
                 else:
                     pl = make_refresh_planner(p, L, E, B, costs=costs, tau_max=tau_max)
                     r = replay_diffusion(trace, pl, costs)
-                    row = {**base, **r.row(), "interval": r.mean_interval if p == "tide" else None}
+                    row = {**base, **r.row(), "interval": r.mean_interval if p.family == "tide" else None}
                     rows.append(row)
                     sweep.append(dict(row))
                     if progress:

@@ -17,6 +17,7 @@ Units: seconds, bytes.
 from __future__ import annotations
 
 from ..core.policies import make_policy
+from ..core.policy_spec import PolicySpec
 from ..errors import MoeOffloadError
 
 
@@ -25,7 +26,7 @@ class HostTierReplay:
 
     Args:
         rows: experts the host cache holds, >= 1.
-        policy: its eviction policy's name (``lru``, ``lfu``, ``lfru[-H]``).
+        policy: its eviction policy, a history policy (``lru``, ``lfu``, ``lfru[-H]``; a name is parsed).
 
     Attributes:
         hits, misses: decode-step requests served from the cache / read from disk (prefill requests change the
@@ -36,7 +37,7 @@ class HostTierReplay:
         MoeOffloadError: ``rows`` < 1 or an unknown policy.
     """
 
-    def __init__(self, rows: int, policy: str = "lru"):
+    def __init__(self, rows: int, policy: PolicySpec | str = "lru"):
         if rows < 1:
             raise MoeOffloadError(f"a host cache needs at least one expert row, got {rows}")
         self.rows = int(rows)

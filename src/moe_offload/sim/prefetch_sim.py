@@ -35,18 +35,10 @@ from ..core.prefill_prefetch import PrefillPrefetch
 from ..core.slots import SlotTable
 from ..errors import MoeOffloadError
 from ..trace.format import Trace
+from ..core.policy_spec import PolicySpec, parse_policy
 from ..core.replay import ReplayResult
 from .simulator import build_policy, layer_needs
 
-
-# policy names of the full SeqMoE pipeline in ``simulate``: (eviction policy, prefetch scheduler)
-# (``-oracle``: the same pipeline fed perfect forecasts, ``sim.forecasts.oracle_stream``: an upper bound; ``xl`` /
-# ``seqmoe-xl``: fed cross-layer forecasts alone / blended with SeqMoE's, ``sim.forecasts.xl_stream``)
-PREFETCH_POLICIES = {"seqmoe": ("seqmoe-cacheonly", "jsd"), "seqmoe-infinity": ("seqmoe-cacheonly", "moe-infinity"),
-                     "seqmoe-oracle": ("seqmoe-cacheonly", "jsd"), "xl": ("seqmoe-cacheonly", "jsd"),
-                     "seqmoe-xl": ("seqmoe-cacheonly", "jsd")}
-#: the policies fed cross-layer forecasts (``predictor.cross_layer``); ``xl`` needs no trained predictor
-XL_POLICIES = ("xl", "seqmoe-xl")
 
 
 @dataclass
@@ -73,7 +65,7 @@ class PrefetchReplayResult(ReplayResult):
         return self.prefetches_used / self.prefetches if self.prefetches else 0.0
 
 
-def replay_with_prefetch(trace: Trace, num_slots: int, policy: str, link_epl: float, forecasts=None,
+def replay_with_prefetch(trace: Trace, num_slots: int, policy: PolicySpec | str, link_epl: float, forecasts=None,
                          scheduler: str | None = "jsd", needs=None, reserve: int = 1,
                          prefill_popularity=None) -> PrefetchReplayResult:
     """Replay ``trace`` with ``num_slots`` slots, eviction ``policy`` and, when ``scheduler`` is given, prefetching
@@ -81,7 +73,8 @@ def replay_with_prefetch(trace: Trace, num_slots: int, policy: str, link_epl: fl
     per layer time.
 
     Args:
-        policy: an eviction policy name (``seqmoe-cacheonly`` = probabilistic Belady, fed the forecasts).
+        policy: the eviction policy (``simulator.build_policy``: a forecast-driven one is probabilistic Belady, fed
+            the forecasts).
         link_epl: experts the link copies per layer compute time (> 0).
         scheduler: ``jsd`` (SeqMoE), ``moe-infinity``, ``promoe``, or None (no prefetching: on-demand only).
         reserve: slots a decode prefetch never takes (kept for on-demand misses).
@@ -237,14 +230,16 @@ def link_fraction(res: ReplayResult, trace: Trace, link_epl: float) -> float:
     return layers / (layers + res.decode_misses / link_epl) if layers else 1.0
 
 
-def replay_policy(trace: Trace, policy: str, num_slots: int, link_epl: float | None, forecasts=None,
+def replay_policy(trace: Trace, policy: PolicySpec | str, num_slots: int, link_epl: float | None, forecasts=None,
                   prefill_popularity=None, needs=None, on_loads=None) -> tuple[ReplayResult, float | None]:
-    """One policy's replay as ``simulate`` and ``bench decode`` run it: the SeqMoE pipelines of
-    ``PREFETCH_POLICIES`` through ``replay_with_prefetch``, every other policy through ``simulator.replay`` (a
-    forecast-driven one fed ``forecasts``).
+    """One policy's replay as ``simulate`` and ``bench decode`` run it: a policy with a prefetch scheduler
+    (``PolicySpec.prefetch``: the SeqMoE pipelines; ``seqmoe-oracle`` fed perfect forecasts,
+    ``sim.forecasts.oracle_stream``; ``xl`` / ``seqmoe-xl`` fed cross-layer forecasts, ``sim.forecasts.xl_stream``)
+    through ``replay_with_prefetch``, every other policy through ``simulator.replay`` (a forecast-driven one fed
+    ``forecasts``).
 
     Args:
-        policy: a policy name (as ``simulate --policy`` takes it).
+        policy: a ``core.policy_spec.PolicySpec`` (a name is parsed).
         link_epl: link speed in experts per layer time; None: no speed projection.
         forecasts: ``sim.forecasts.forecast_stream`` of ``trace`` (for the forecast-driven policies).
         prefill_popularity: the predictor's ``[L, E]`` prefill popularity (SeqMoE §8.4) or None.
@@ -255,19 +250,18 @@ def replay_policy(trace: Trace, policy: str, num_slots: int, link_epl: float | N
         MoeOffloadError: unknown policy, or a forecast-driven one without ``forecasts``; prefetching without
             ``link_epl`` or with ``on_loads``.
     """
-    from .simulator import FORECAST_POLICIES, replay
+    from .simulator import replay
 
-    key = policy.lower()
-    if key in PREFETCH_POLICIES:
+    spec = parse_policy(policy)
+    if spec.prefetch:
         if link_epl is None:
-            raise MoeOffloadError(f"--policy {policy} needs a link speed")
+            raise MoeOffloadError(f"--policy {spec.name} needs a link speed")
         if on_loads is not None:
-            raise MoeOffloadError(f"--policy {policy} prefetches over one link: the host cache tier is projected for "
-                                  "the history policies only")
-        evict, sched = PREFETCH_POLICIES[key]
-        pr = replay_with_prefetch(trace, num_slots, evict, link_epl, forecasts=forecasts, scheduler=sched,
+            raise MoeOffloadError(f"--policy {spec.name} prefetches over one link: the host cache tier is projected "
+                                  "for the history policies only")
+        pr = replay_with_prefetch(trace, num_slots, spec, link_epl, forecasts=forecasts, scheduler=spec.prefetch,
                                   needs=needs, prefill_popularity=prefill_popularity)
         return pr, pr.decode_fraction_of_full_load
-    res = replay(trace, num_slots, policy, needs=needs, forecasts=forecasts if key in FORECAST_POLICIES else None,
+    res = replay(trace, num_slots, spec, needs=needs, forecasts=forecasts if spec.forecast_driven else None,
                  on_loads=on_loads)
     return res, (link_fraction(res, trace, link_epl) if link_epl else None)

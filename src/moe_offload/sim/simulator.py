@@ -12,6 +12,7 @@ import numpy as np
 
 from ..core.eviction import EvictionPolicy
 from ..core.policies import make_policy
+from ..core.policy_spec import PolicySpec, parse_policy
 from ..core.replay import ReplayResult, replay_needs
 from ..trace.format import Trace
 
@@ -43,30 +44,33 @@ def layer_needs(trace: Trace) -> list[tuple[int, int, list[list[int]], list[list
     return out
 
 
-FORECAST_POLICIES = ("seqmoe-cacheonly",)
+def build_policy(policy: PolicySpec | str, trace: Trace, num_slots: int, needs=None) -> EvictionPolicy:
+    """The eviction policy object of ``policy`` (a ``core.policy_spec.PolicySpec``; a name is parsed) for replaying
+    ``trace``: Belady gets the trace's future (one entry per layer execution); a forecast-driven policy is SeqMoE's
+    probabilistic Belady (§7.1, c = 8, lambda = 0.5), to be fed forecasts (``replay(..., forecasts=...)``); the
+    others as ``core.policies.make_policy`` builds them.
 
-
-def build_policy(name: str, trace: Trace, num_slots: int, needs=None) -> EvictionPolicy:
-    """A policy for replaying ``trace``: Belady variants get the trace's future (one entry per layer execution);
-    ``seqmoe-cacheonly`` is SeqMoE's probabilistic Belady (§7.1, c = 8, lambda = 0.5) without prefetching, to be fed
-    a predictor's forecasts (``replay(..., forecasts=...)``)."""
-    if name.lower() in FORECAST_POLICIES:
+    Raises:
+        MoeOffloadError: an unknown name, or a policy that is not an eviction policy (a refresh planner, auto)."""
+    spec = parse_policy(policy)
+    if spec.forecast_driven:
         from ..core.prob_belady import ProbabilisticBelady
 
         pol = ProbabilisticBelady(trace.num_experts, horizon=8, lam=0.5)
-        pol.name = name.lower()
+        pol.name = spec.name
         return pol
     future = None
-    if name.lower().startswith("belady"):
+    if spec.family == "belady":
         needs = needs if needs is not None else layer_needs(trace)
         future = [layer for _, _, needed, _ in needs for layer in needed]
-    return make_policy(name, num_slots=num_slots, top_k=trace.top_k, future=future,
+    return make_policy(spec, num_slots=num_slots, top_k=trace.top_k, future=future,
                        num_moe_layers=trace.num_moe_layers)
 
 
-def replay(trace: Trace, num_slots: int, policy: str | EvictionPolicy, needs=None, forecasts=None,
+def replay(trace: Trace, num_slots: int, policy: PolicySpec | str | EvictionPolicy, needs=None, forecasts=None,
            on_loads=None) -> ReplayResult:
-    """Replay ``trace`` with a pool of ``num_slots`` slots under ``policy`` (a name or a fresh policy object).
+    """Replay ``trace`` with a pool of ``num_slots`` slots under ``policy`` (a spec or name: ``build_policy``; or a
+    fresh policy object).
 
     ``needs`` (from ``layer_needs``) can be passed to share the preprocessing across many replays.
     ``forecasts`` (from ``sim.forecasts.forecast_stream``): predictor forecasts handed to the policy's
@@ -77,5 +81,5 @@ def replay(trace: Trace, num_slots: int, policy: str | EvictionPolicy, needs=Non
     the table processes such layers in rounds, as the runtime does).
     """
     needs = needs if needs is not None else layer_needs(trace)
-    pol = build_policy(policy, trace, num_slots, needs) if isinstance(policy, str) else policy
+    pol = policy if isinstance(policy, EvictionPolicy) else build_policy(policy, trace, num_slots, needs)
     return replay_needs(needs, trace.num_moe_layers, trace.num_experts, num_slots, pol, forecasts, on_loads)

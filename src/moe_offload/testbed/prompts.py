@@ -1,5 +1,5 @@
 """The prompts of a command that generates (``generate``, ``trace collect``, ``bench``): ``--prompt``, ``--prompts
-FILE``, ``--sharegpt N`` (options added by ``common.cliargs.add_prompt_args``), else a few short ShareGPT turns."""
+FILE``, ``--sharegpt N`` (options added by ``cli.args.add_prompt_args``), else a few short ShareGPT turns."""
 
 from __future__ import annotations
 

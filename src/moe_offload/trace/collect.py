@@ -128,3 +128,32 @@ class TraceRecorder(HookedRecorder):
         if self.xl is not None:
             self.xl.close()
         super().close()
+
+
+def collect_trace(lm: LoadedModel, prompts: list[str], max_new_tokens: int, *, router_probs: bool = False,
+                  xl_depth: int = 0, source: str = "", progress: bool = False) -> Trace:
+    """``trace collect`` on an autoregressive model: generate greedily (``generation.generate.run``) while a
+    ``TraceRecorder`` records the routing (``router_probs``, ``xl_depth``: as ``TraceRecorder``).
+
+    Raises:
+        MoeOffloadError: as ``TraceRecorder``.
+    """
+    from ..generation.generate import run
+
+    with TraceRecorder(lm, router_probs=router_probs, source=source, xl_depth=xl_depth) as rec:
+        run(lm, prompts, max_new_tokens, progress=progress, recorder=rec)
+        return rec.trace()
+
+
+def collect_diffusion_trace(lm: LoadedModel, prompts: list[str], max_new_tokens: int, params: dict, *,
+                            source: str = "", progress: bool = False):
+    """``trace collect`` on a diffusion model (FullLoad): the block-diffusion loop with ``params``
+    (``generation.diffusion.loop_params``) while a ``trace.diffusion.DiffusionTraceRecorder`` records each step's
+    expert token counts. Returns ``(diffusion trace, per-request results)``."""
+    from ..generation.diffusion import run_diffusion
+    from .diffusion import DiffusionTraceRecorder
+
+    with DiffusionTraceRecorder(lm, params["block_length"], source=source) as rec:
+        _, _, results = run_diffusion(lm, prompts, max_new_tokens, progress=progress, recorder=rec, **params)
+        return rec.trace(results), results
+

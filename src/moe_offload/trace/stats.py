@@ -92,3 +92,17 @@ def format_stats(s: dict) -> str:
                                      else "no (trace collect --xl-forecasts)"),
     ]
     return "\n".join(ln for ln in lines if ln)
+
+
+def diffusion_trace_info(dt) -> dict:
+    """``trace info`` of a diffusion trace (``trace.diffusion.DiffusionTrace``): geometry, blocks, committed tokens,
+    and the stability profile at per-layer budgets of 25% and 50% of the experts (8 steps after a refresh)."""
+    from .diffusion import stability_profile
+
+    return {"kind": "diffusion", "model_id": dt.header.get("model_id"), "synthetic": dt.synthetic,
+            "num_moe_layers": dt.num_moe_layers, "num_experts": dt.num_experts, "top_k": dt.top_k,
+            "block_length": dt.block_length, "diffusion_steps": dt.num_steps, "blocks": len(dt.blocks()),
+            "tokens_committed": int(dt.committed.sum()),
+            "stability": {f"budget_{b}": stability_profile(dt, max(1, round(b * dt.num_experts)), 8)
+                          for b in (0.25, 0.5)}}
+

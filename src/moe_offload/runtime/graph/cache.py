@@ -40,31 +40,29 @@ from __future__ import annotations
 
 import torch
 
+from ...core.policy_spec import GRAPH, PolicySpec, parse_policy
 from ...errors import MoeOffloadError
 
-#: graph-mode eviction policies and the runtime policy names that select them
-GRAPH_POLICIES = {"lru": "lru", "lfu": "lfu", "seqmoe-cacheonly": "prob-belady", "seqmoe": "prob-belady",
-                  "prob-belady": "prob-belady"}
-#: graph-mode policies driven by a predictor's forecasts (``--predictor`` required)
-GRAPH_PREDICTOR_POLICIES = ("seqmoe-cacheonly", "seqmoe")
-#: graph-mode policies that prefetch (``runtime.graph.fetch_cache``, ``runtime.graph.prefetch``): JSD scheduling
-GRAPH_PREFETCH_POLICIES = {"seqmoe": "jsd"}
+#: the eviction kinds graph mode runs as tensor ops
+KINDS = ("lru", "lfu", "prob-belady")
 _INT_MAX = torch.iinfo(torch.int64).max
 #: LFU key = count * 2**LFU_SHIFT + stamp (stamps stay below 2**40: ~1e12 accesses)
 LFU_SHIFT = 40
 
 
-def check_graph_policy(policy: str, num_slots: int, experts_per_layer: int) -> str:
-    """The graph-mode policy kind (``lru``, ``lfu``, ``prob-belady``) of runtime policy ``policy``.
+def check_graph_policy(policy: PolicySpec | str, num_slots: int, experts_per_layer: int) -> str:
+    """The graph-mode eviction kind (``lru``, ``lfu``, ``prob-belady``: a forecast-driven policy) of ``policy`` (a
+    ``core.policy_spec.PolicySpec``; a name is parsed).
 
     Raises:
-        MoeOffloadError: a policy graph mode does not reproduce, or fewer slots than one layer's experts.
+        MoeOffloadError: a policy graph mode does not reproduce (``PolicySpec.graph``), or fewer slots than one
+            layer's experts.
     """
-    kind = GRAPH_POLICIES.get(policy)
-    if kind is None:
-        names = ", ".join(k for k in GRAPH_POLICIES if k != "prob-belady")
-        raise MoeOffloadError(f"--graph supports the policies {names}, not {policy!r} (prefetching and the other "
-                              "policies run without --graph)")
+    spec = parse_policy(policy)
+    if not spec.graph:
+        raise MoeOffloadError(f"--graph supports the policies {', '.join(GRAPH)}, not {spec.name!r} (prefetching and "
+                              "the other policies run without --graph)")
+    kind = "prob-belady" if spec.forecast_driven else spec.family
     if num_slots < experts_per_layer:
         raise MoeOffloadError(f"--graph needs at least one MoE layer's experts in slots ({experts_per_layer}), "
                               f"got {num_slots}")
@@ -88,7 +86,8 @@ class GraphCache:
         num_slots: S (>= ``experts_per_layer``).
         experts_per_layer: E, routed experts per MoE layer (global id = ``layer * E + expert``).
         num_moe_layers: L (N = L * E experts in all).
-        policy: ``lru``, ``lfu`` or ``prob-belady`` (``GRAPH_POLICIES`` values).
+        policy: the eviction kind, ``lru``, ``lfu`` or ``prob-belady`` (``KINDS``; ``check_graph_policy`` gives a
+            policy's).
         device: where the state lives.
         horizon, lam, no_forecast_score: probabilistic Belady's c, lambda and score without a forecast.
 
@@ -99,16 +98,18 @@ class GraphCache:
         (needed experts resident / not resident before loading, per layer execution).
 
     Raises:
-        MoeOffloadError: as ``check_graph_policy`` (given a runtime name) or an unknown kind.
+        MoeOffloadError: an unknown kind, or fewer slots than one layer's experts.
     """
 
     def __init__(self, num_slots: int, experts_per_layer: int, num_moe_layers: int, policy: str,
                  device: torch.device | str = "cpu", horizon: int = 8, lam: float = 0.5,
                  no_forecast_score: float = 0.0):
-        kind = GRAPH_POLICIES.get(policy, policy)
-        if kind not in ("lru", "lfu", "prob-belady"):
-            raise MoeOffloadError(f"unknown graph-mode policy {policy!r}")
-        check_graph_policy(kind, num_slots, experts_per_layer)
+        kind = policy
+        if kind not in KINDS:
+            raise MoeOffloadError(f"unknown graph-mode eviction kind {policy!r}; choose one of: {', '.join(KINDS)}")
+        if num_slots < experts_per_layer:
+            raise MoeOffloadError(f"--graph needs at least one MoE layer's experts in slots ({experts_per_layer}), "
+                                  f"got {num_slots}")
         self.kind, self.S, self.E, self.L = kind, num_slots, experts_per_layer, num_moe_layers
         self.N = n = num_moe_layers * experts_per_layer
         self.horizon, self.lam, self.no_forecast_score = horizon, lam, float(no_forecast_score)

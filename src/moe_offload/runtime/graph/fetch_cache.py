@@ -43,7 +43,7 @@ class FetchingGraphCache(GraphCache):
 
     Args:
         num_slots, experts_per_layer, num_moe_layers, policy, device, horizon, lam, no_forecast_score: as
-            ``GraphCache`` (policy ``lru`` or ``prob-belady``/``seqmoe-cacheonly``/``seqmoe``).
+            ``GraphCache`` (eviction kind ``lru`` or ``prob-belady``).
         reserve: slots a reservation never takes (``SlotTable``'s ``reserve``); default and minimum ``E``.
         max_requests: R, the reservations one ``reserve`` call may make (a static shape).
 
@@ -59,8 +59,8 @@ class FetchingGraphCache(GraphCache):
     def __init__(self, num_slots: int, experts_per_layer: int, num_moe_layers: int, policy: str,
                  device: torch.device | str = "cpu", horizon: int = 8, lam: float = 0.5,
                  no_forecast_score: float = 0.0, reserve: int | None = None, max_requests: int = 4):
-        super().__init__(num_slots, experts_per_layer, num_moe_layers,
-                         "prob-belady" if policy == "seqmoe" else policy, device, horizon, lam, no_forecast_score)
+        super().__init__(num_slots, experts_per_layer, num_moe_layers, policy, device, horizon, lam,
+                         no_forecast_score)
         if self.kind == "lfu":
             raise MoeOffloadError("graph-mode prefetching runs with LRU or probabilistic Belady, not LFU")
         reserve = experts_per_layer if reserve is None else reserve

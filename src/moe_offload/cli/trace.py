@@ -1,16 +1,16 @@
-"""Command line of ``moe-offload trace collect``, ``trace info`` and ``trace xl-accuracy`` (registered by
-``moe_offload.cli``)."""
+"""``moe-offload trace collect``, ``trace info`` and ``trace xl-accuracy``: the options, the calls into ``trace``
+(``collect.collect_trace``, ``stats``, ``xl_accuracy``) and what they print."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from ..common.cliargs import (add_diffusion_args, add_host_store_arg, add_model_args, float_, positive_int, seed,
-                              split_floats)
+from ..core.policy_spec import parse_policy
 from ..errors import MoeOffloadError
-from ..testbed.resolve import resolve_model
 from ..testbed.prompts import load_prompts
+from ..testbed.resolve import resolve_model
+from .args import add_diffusion_args, add_host_store_arg, add_model_args, float_, positive_int, seed, split_floats
 
 
 def add_parser(sub) -> None:
@@ -57,8 +57,8 @@ def run(args) -> int:
 
 
 def _xl_accuracy(args) -> int:
-    from .format import load_trace
-    from .xl_accuracy import with_xl_accuracy
+    from ..trace.format import load_trace
+    from ..trace.xl_accuracy import with_xl_accuracy
 
     out = Path(args.out)
     if out.exists():
@@ -80,24 +80,20 @@ def _xl_accuracy(args) -> int:
 
 
 def _info(args) -> int:
-    from .format import load_trace
-    from .stats import format_stats, trace_stats
+    from ..trace.format import load_trace
+    from ..trace.stats import format_stats, trace_stats
 
     try:
         tr = load_trace(args.file)
     except MoeOffloadError as err:
-        from .diffusion import load_diffusion_trace, stability_profile
+        from ..trace.diffusion import load_diffusion_trace
+        from ..trace.stats import diffusion_trace_info
 
         try:
             dt = load_diffusion_trace(args.file)
         except MoeOffloadError:
             raise err from None
-        st = {"kind": "diffusion", "model_id": dt.header.get("model_id"), "synthetic": dt.synthetic,
-              "num_moe_layers": dt.num_moe_layers, "num_experts": dt.num_experts, "top_k": dt.top_k,
-              "block_length": dt.block_length, "diffusion_steps": dt.num_steps, "blocks": len(dt.blocks()),
-              "tokens_committed": int(dt.committed.sum()),
-              "stability": {f"budget_{b}": stability_profile(dt, max(1, round(b * dt.num_experts)), 8)
-                            for b in (0.25, 0.5)}}
+        st = diffusion_trace_info(dt)
         print(json.dumps(st) if args.json else json.dumps(st, indent=1))
         return 0
     st = dict(trace_stats(tr), model_id=tr.header.get("model_id"))
@@ -106,10 +102,11 @@ def _info(args) -> int:
 
 
 def _collect(args) -> int:
-    from ..generation.generate import run
-    from ..models.loader import load_offloaded, read_config
-    from .collect import TraceRecorder
-    from .stats import step_counts
+    from ..generation.diffusion import loop_params
+    from ..models.loader import load_full, load_offloaded, read_config
+    from ..runtime.cross_layer import XL_DEPTH
+    from ..trace.collect import collect_diffusion_trace, collect_trace
+    from ..trace.stats import step_counts
 
     out = Path(args.out)
     if out.exists():
@@ -118,23 +115,16 @@ def _collect(args) -> int:
     if not prompts:
         raise MoeOffloadError(f"no prompt is at most --max-prompt-chars {args.max_prompt_chars} characters long")
     path = resolve_model(args.model, progress=not args.quiet)
-    from ..generation.diffusion import loop_params
-
     params = loop_params(read_config(path)[2], args.block_length, args.steps, args.threshold, args.max_new_tokens,
                          str(path), prefix_cache=not args.no_prefix_cache)
     if params is not None and (args.host_store != "pinned" or args.host_cache is not None or args.residency != 1.0):
         raise MoeOffloadError("a diffusion trace is recorded with every weight in memory (FullLoad): --host-store, "
                               "--host-cache and --residency do not apply")
+    source = f"moe-offload trace collect on {path}"
     if params is not None:  # a diffusion trace (per block, step, layer: expert token counts)
-        from ..generation.diffusion import run_diffusion
-        from ..models.loader import load_full
-        from .diffusion import DiffusionTraceRecorder
-
         lm = load_full(path, device=args.device, dtype=args.dtype)
-        with DiffusionTraceRecorder(lm, params["block_length"], source=f"moe-offload trace collect on {path}") as rec:
-            _, _, results = run_diffusion(lm, prompts, args.max_new_tokens, progress=not args.quiet, recorder=rec,
-                                          **params)
-            tr = rec.trace(results)
+        tr, results = collect_diffusion_trace(lm, prompts, args.max_new_tokens, params, source=source,
+                                              progress=not args.quiet)
         tr.save(out)
         print(f"wrote {out}: diffusion trace, {len(results)} requests, {tr.num_steps} diffusion steps "
               f"({', '.join(f'{k} {v}' for k, v in params.items())}), {tr.num_moe_layers} MoE layers x "
@@ -142,18 +132,14 @@ def _collect(args) -> int:
         return 0
     if args.xl_depth and not args.xl_forecasts:
         raise MoeOffloadError("--xl-depth needs --xl-forecasts")
-    lm = load_offloaded(path, device=args.device, dtype=args.dtype, policy=args.policy, progress=not args.quiet,
-                        host_store=args.host_store, host_cache_gb=args.host_cache, residency=args.residency)
+    lm = load_offloaded(path, device=args.device, dtype=args.dtype, policy=parse_policy(args.policy),
+                        progress=not args.quiet, host_store=args.host_store, host_cache_gb=args.host_cache,
+                        residency=args.residency)
     if args.xl_depth and args.xl_depth > lm.num_moe_layers - 1:
         raise MoeOffloadError(f"--xl-depth {args.xl_depth}: the model's {lm.num_moe_layers} MoE layers have at most "
                               f"{lm.num_moe_layers - 1} later layers to forecast")
-    from ..runtime.cross_layer import XL_DEPTH
-
-    xl_depth = (args.xl_depth or XL_DEPTH) if args.xl_forecasts else 0
-    with TraceRecorder(lm, router_probs=args.router_probs, source=f"moe-offload trace collect on {path}",
-                       xl_depth=xl_depth) as rec:
-        run(lm, prompts, args.max_new_tokens, progress=not args.quiet, recorder=rec)
-        tr = rec.trace()
+    tr = collect_trace(lm, prompts, args.max_new_tokens, router_probs=args.router_probs, source=source,
+                       xl_depth=(args.xl_depth or XL_DEPTH) if args.xl_forecasts else 0, progress=not args.quiet)
     tr.save(out)
     st = step_counts(tr)
     print(f"wrote {out}: {tr.num_requests} requests, {st['steps']} steps ({st['prefill_steps']} prefill steps + "

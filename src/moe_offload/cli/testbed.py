@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..common.cliargs import seed
+from .args import seed
 from ..errors import MoeOffloadError
 
 
@@ -35,7 +35,7 @@ def run(args) -> int:
         out = make_tiny(args.arch, args.out, seed=args.seed)
         print(f"wrote a tiny random {args.arch} checkpoint to {out}")
         return 0
-    from .build import EVAL_TOKENS, VARIANTS, build_testbed, ensure_testbed, evaluate_testbed
+    from ..testbed.build import EVAL_TOKENS, VARIANTS, build_testbed, ensure_testbed, evaluate_testbed
 
     name = "testbed-sparse" if args.sparse else "testbed"
     eval_tokens = 0 if args.no_eval else EVAL_TOKENS

@@ -8,7 +8,7 @@ import argparse
 import math
 
 from ..errors import MoeOffloadError
-from .seeds import seed_problem
+from ..common.seeds import seed_problem
 
 
 

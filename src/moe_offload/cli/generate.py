@@ -1,43 +1,22 @@
-"""moe-offload command line: generate, serve, models, testbed, trace, simulate, predictor, bench.
-
-Every user error is one line on stderr and exit status 2 (no traceback); nothing is written except into the
-cache directory or an ``--out`` the user named, and an existing non-empty ``--out`` is never overwritten. Each
-command's options and runner live with its subsystem (``testbed/cli.py``, ``trace/cli.py``, ``sim/cli.py``,
-``sim/diffusion_cli.py``, ``predictor/cli.py``, ``serve/cli.py``, ``bench/cli.py``); ``generate`` is here.
-"""
+"""``moe-offload generate``: text from a checkpoint with its experts offloaded (lossless), the stats of the run and
+what they mean; ``--graph``: the compiled decode step (``graph.decode``); a diffusion model: the block-diffusion loop."""
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
-from . import __version__
-from .common.cliargs import (OneLineErrorParser, add_diffusion_args, add_host_store_arg, add_memory_budget_arg,
-                             add_model_args, add_predictor_lag_arg, finite_float, float_, nonneg_int, positive_int,
-                             seed)
-from .errors import MoeOffloadError
-from .testbed.resolve import BUILTIN_MODELS, resolve_model
-from .testbed.prompts import load_prompts
-
-__all__ = ["BUILTIN_MODELS", "build_parser", "load_prompts", "main", "resolve_model"]
+from ..core.policy_spec import parse_policy, require_predictor
+from ..errors import MoeOffloadError
+from ..testbed.prompts import load_prompts
+from ..testbed.resolve import resolve_model
+from .args import (add_diffusion_args, add_host_store_arg, add_memory_budget_arg, add_model_args, add_predictor_lag_arg,
+                   finite_float, float_, nonneg_int, positive_int, seed)
 
 
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    parts = []
-    for dist in ("torch", "transformers"):
-        try:
-            parts.append(f"{dist} {version(dist)}")
-        except PackageNotFoundError:
-            pass
-    return f"moe-offload {__version__}" + (f" ({', '.join(parts)})" if parts else "")
-
-
-def _add_generate_parser(sub) -> None:
+def add_parser(sub) -> None:
+    """Add ``generate`` to the top-level subparsers."""
     g = sub.add_parser("generate", help="generate text with experts offloaded (lossless)")
     add_model_args(g)
     size = g.add_mutually_exclusive_group()
@@ -80,42 +59,13 @@ def _add_generate_parser(sub) -> None:
     add_diffusion_args(g)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``moe-offload`` argument parser with every subcommand."""
-    from .bench.cli import add_parsers as add_bench_parsers
-    from .predictor.cli import add_parser as add_predictor_parser
-    from .serve.cli import add_parsers as add_serve_parsers
-    from .sim.cli import add_parser as add_simulate_parser
-    from .sim.diffusion_cli import add_parser as add_simulate_diffusion_parser
-    from .testbed.cli import add_parser as add_testbed_parser
-    from .trace.cli import add_parser as add_trace_parser
-
-    ap = OneLineErrorParser(prog="moe-offload", description=__doc__.splitlines()[0])
-    ap.add_argument("--version", action="version", version=_version(), help="print the version and exit")
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    _add_generate_parser(sub)
-    add_testbed_parser(sub)
-    add_trace_parser(sub)
-    add_simulate_parser(sub)
-    add_simulate_diffusion_parser(sub)
-    bench_sub = add_bench_parsers(sub)
-    add_predictor_parser(sub, positive_int, nonneg_int, float_)
-    add_serve_parsers(sub, bench_sub, positive_int, nonneg_int, float_)
-    from .bench.gguf_export import add_parser as add_export_parser
-    from .architectures.supported import add_parser as add_models_parser
-
-    add_models_parser(sub)
-    add_export_parser(sub)
-    return ap
-
-
 def _load(args, path: Path):
-    from .models.loader import load_full, load_offloaded
+    from ..models.loader import load_full, load_offloaded
 
     if args.full_load:
         lm = load_full(path, device=args.device, dtype=args.dtype)
     elif args.memory_budget is not None:
-        from .serve.budget import load_for_generate
+        from ..serve.budget import load_for_generate
 
         diffusion = _diffusion_params(args, path)
         lm = load_for_generate(path, args.memory_budget, dict(
@@ -138,15 +88,12 @@ def _attach_predictor(args, lm):
         raise MoeOffloadError("--rollout needs --predictor")
     if args.predictor_lag is not None and not args.predictor:
         raise MoeOffloadError("--predictor-lag needs --predictor")
-    forecast_policy = lm.engine is not None and hasattr(getattr(lm.engine.table, "policy", None), "observe")
-    if forecast_policy and not args.predictor and args.policy != "xl":
-        raise MoeOffloadError(f"--policy {args.policy} needs --predictor DIR (it evicts by the predictor's forecast)")
-    if not args.predictor and (args.policy != "xl" or lm.engine is None):
-        return None
+    if not args.predictor and not (args.policy.cross_layer and lm.engine is not None):
+        return None  # only the cross-layer policy xl is fed forecasts without a predictor
     if lm.engine is None:
         raise MoeOffloadError("--predictor needs the offloaded runtime (not --full-load)")
-    from .predictor.cross_layer import attach_forecasts
-    from .predictor.model import load_predictor
+    from ..predictor.cross_layer import attach_forecasts
+    from ..predictor.model import load_predictor
 
     pset = load_predictor(args.predictor, model_id=lm.model_id, device=lm.device) if args.predictor else None
     return attach_forecasts(lm, args.policy, pset, rollout=args.rollout, xl_depth=args.xl_depth,
@@ -164,7 +111,7 @@ def _print_outputs(args, path, outputs, info) -> bool:
     """Print ``generate``'s result: one JSON object (``--json``; returns True: nothing else to print) or the
     texts and the stats table (returns False). Lines for outputs stopped at the position limit join
     ``info["notes"]`` (printed by the caller, or in the JSON's stats)."""
-    from .generation.report import stats_table
+    from ..generation.report import stats_table
 
     info["notes"] = _limit_notes(outputs, args.max_new_tokens) + info.get("notes", [])
     if args.json:
@@ -181,9 +128,9 @@ def _print_outputs(args, path, outputs, info) -> bool:
 
 def _generate_graph(args, path, prompts, diffusion) -> int:
     """``generate --graph``: graph mode (``graph.decode``); the same report as ``generate``."""
-    from .models.loader import load_full
-    from .generation.report import offload_notes, stats_dict
-    from .graph.decode import GraphDecoder, load_graph, run_graph
+    from ..models.loader import load_full
+    from ..generation.report import offload_notes, stats_dict
+    from ..graph.decode import GraphDecoder, load_graph, run_graph
 
     if args.memory_budget is not None:
         raise MoeOffloadError("--graph sizes its pool from --residency or --slots, not --memory-budget")
@@ -199,7 +146,8 @@ def _generate_graph(args, path, prompts, diffusion) -> int:
     if args.full_load:
         lm = load_full(path, device=args.device, dtype=args.dtype)
     else:
-        lm = load_graph(path, policy="lru" if args.policy == "auto" else args.policy, residency=args.residency,
+        lm = load_graph(path, policy=parse_policy("lru") if args.policy.family == "auto" else args.policy,
+                        residency=args.residency,
                         slots=args.slots, device=args.device, dtype=args.dtype, progress=not args.quiet,
                         predictor=args.predictor)
     if lm.tokenizer is None:
@@ -226,11 +174,13 @@ def _generate_graph(args, path, prompts, diffusion) -> int:
     return 0
 
 
-def _cmd_generate(args) -> int:
-    from .generation.generate import run
-    from .models.engine_build import PREDICTOR_POLICIES
-    from .generation.report import offload_notes, stats_dict
+def run(args) -> int:
+    """``moe-offload generate``: load, generate, print the texts and the stats (or ``--json``). Returns the exit
+    status."""
+    from ..generation.generate import run
+    from ..generation.report import offload_notes, stats_dict
 
+    args.policy = parse_policy(args.policy)
     if args.temperature < 0 or not (0 <= args.top_p <= 1):
         raise MoeOffloadError(f"--temperature must be >= 0 and --top-p in [0, 1], got {args.temperature} and "
                               f"{args.top_p}")
@@ -239,8 +189,8 @@ def _cmd_generate(args) -> int:
     if args.full_load and (args.host_store != "pinned" or args.host_cache is not None):
         raise MoeOffloadError("--host-store and --host-cache choose where offloaded experts live; --full-load keeps "
                               "every weight in memory")
-    if args.policy in PREDICTOR_POLICIES and not args.predictor and not args.full_load:
-        raise MoeOffloadError(f"--policy {args.policy} needs --predictor DIR (it evicts by the predictor's forecast)")
+    if not args.full_load:
+        require_predictor(args.policy, args.predictor)
     prompts = load_prompts(args)
     path = resolve_model(args.model, progress=not args.quiet)
     diffusion = _diffusion_params(args, path)
@@ -249,7 +199,7 @@ def _cmd_generate(args) -> int:
     lm = _load(args, path)
     runner = _attach_predictor(args, lm)
     if diffusion is not None:  # block diffusion (LLaDA2): blocks of mask tokens refined over diffusion steps
-        from .generation.diffusion import diffusion_summary, run_diffusion
+        from ..generation.diffusion import diffusion_summary, run_diffusion
 
         outputs, stats, results = run_diffusion(lm, prompts, args.max_new_tokens, temperature=args.temperature,
                                                 top_p=args.top_p, top_k=args.top_k, seed=args.seed,
@@ -262,17 +212,7 @@ def _cmd_generate(args) -> int:
     if diffusion is not None:
         info["diffusion"] = diffusion_summary(results, **diffusion)
     if runner is not None:
-        ps = runner.stats
-        info["predictor"] = {"path": args.predictor, "rollout": runner.rollout, "prefill_s": ps.prefill_s,
-                             "decode_s": ps.decode_s, "decode_steps": ps.decode_steps,
-                             "ms_per_decode_step": 1e3 * ps.decode_s / max(1, ps.decode_steps)}
-        if args.predictor_lag is not None:  # the predictor in its own process (predictor.lagged.LaggedFeed)
-            info["predictor"] |= {"lag_layers": args.predictor_lag, "ms_receiving_per_decode_step":
-                                  1e3 * runner.receive_s / max(1, ps.decode_steps)}
-        if args.policy == "seqmoe-xl":
-            from .predictor.xl_weights import describe_xl_weights
-
-            info["predictor"]["xl_blend_weights"] = describe_xl_weights(runner.pset)
+        info["predictor"] = _predictor_info(args, runner)
     info["notes"] = offload_notes(info)
     if _print_outputs(args, path, outputs, info):
         return 0
@@ -296,8 +236,8 @@ def _diffusion_params(args, path: Path) -> dict | None:
         MoeOffloadError: --block-length/--steps/--threshold given for an autoregressive model, --predictor for a
             diffusion model, or a bad value (``generation.diffusion.check_params``).
     """
-    from .generation.diffusion import loop_params
-    from .models.loader import read_config
+    from ..generation.diffusion import loop_params
+    from ..models.loader import read_config
 
     _, _, arch = read_config(path)
     params = loop_params(arch, args.block_length, args.steps, args.threshold, args.max_new_tokens, str(path),
@@ -307,69 +247,16 @@ def _diffusion_params(args, path: Path) -> dict | None:
     return params
 
 
-def _dispatch(args) -> int:
-    if args.cmd == "generate":
-        return _cmd_generate(args)
-    if args.cmd == "serve" or getattr(args, "bench_cmd", None) in ("serve", "replicas"):
-        from .serve.cli import run
-    elif args.cmd == "testbed":
-        from .testbed.cli import run
-    elif args.cmd == "trace":
-        from .trace.cli import run
-    elif args.cmd == "simulate":
-        from .sim.cli import run
-    elif args.cmd == "simulate-diffusion":
-        from .sim.diffusion_cli import run
-    elif args.cmd == "predictor":
-        from .predictor.cli import run
-    elif args.cmd == "models":
-        from .architectures.supported import run
-    elif args.cmd == "export":
-        from .bench.gguf_export import run
-    else:
-        from .bench.cli import run
-    return run(args)
+def _predictor_info(args, runner) -> dict:
+    """The stats' ``predictor`` entry: where the predictor ran and what it cost per decode step."""
+    ps = runner.stats
+    info = {"path": args.predictor, "rollout": runner.rollout, "prefill_s": ps.prefill_s, "decode_s": ps.decode_s,
+            "decode_steps": ps.decode_steps, "ms_per_decode_step": 1e3 * ps.decode_s / max(1, ps.decode_steps)}
+    if args.predictor_lag is not None:  # the predictor in its own process (predictor.lagged.LaggedFeed)
+        info |= {"lag_layers": args.predictor_lag,
+                 "ms_receiving_per_decode_step": 1e3 * runner.receive_s / max(1, ps.decode_steps)}
+    if args.policy.cross_layer:  # seqmoe-xl: the predictor's forecasts blended with the cross-layer ones
+        from ..predictor.xl_weights import describe_xl_weights
 
-
-def _command_threads(args) -> None:
-    """Intra-op threads for ``generate`` / ``serve`` run from the shell (``common.threads.command_threads``): one
-    when another process holds a core and one thread is clearly faster, said on stderr unless ``--quiet``."""
-    import torch
-
-    from .common.threads import command_threads
-
-    got = command_threads()
-    if got is None or got[0] == got[1]:
-        return
-    torch.set_num_threads(got[0])
-    if not getattr(args, "quiet", False):
-        print(f"moe-offload: the CPU is busy (another process holds a core): {got[0]} intra-op thread instead of "
-              f"{got[1]}, which would wait for each other (set OMP_NUM_THREADS to choose)", file=sys.stderr)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``moe-offload`` console script. Returns the exit status."""
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    args = build_parser().parse_args(argv)
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    try:
-        if argv is None and args.cmd in ("generate", "serve"):  # started from the shell, not called by code
-            _command_threads(args)
-        return _dispatch(args)
-    except MoeOffloadError as e:
-        print(f"moe-offload: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("moe-offload: interrupted", file=sys.stderr)
-        return 130
-    except BrokenPipeError:  # the reader of stdout went away (e.g. `| head`): stop quietly, as a pipe expects
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())       # so the interpreter's final flush does not raise again
-        return 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+        info["xl_blend_weights"] = describe_xl_weights(runner.pset)
+    return info

@@ -1,5 +1,5 @@
 """Command line of ``moe-offload bench decode | link | diffusion | formats | replay`` (registered by ``moe_offload.cli``;
-``bench serve`` is in ``serve/cli.py``)."""
+``bench serve`` is in ``cli/serve.py``)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,12 @@ import json
 import sys
 from pathlib import Path
 
-from ..common.cliargs import (add_model_args, add_predictor_lag_arg, add_prompt_args, float_, int_in, parse_intervals,
+from .args import (add_model_args, add_predictor_lag_arg, add_prompt_args, float_, int_in, parse_intervals,
                               positive_int, split_floats)
+from ..core.policy_spec import parse_policies, require_predictor
 from ..errors import MoeOffloadError
 from ..testbed.resolve import resolve_model
-from ..predictor.runtime import ROLLOUT_EVERY
+from ..core.forecast import ROLLOUT_EVERY
 from ..runtime.emulated_clock import WAIT_MODES
 from ..testbed.prompts import load_prompts
 
@@ -52,7 +53,7 @@ def add_parsers(sub):
                     "reader threads and the disk link of bench decode --host-store disk (default: measure the host->device link)")
     bl.add_argument("--file-mb", type=int_in(64, 65536), default=512, help="with --disk: scratch file MiB "
                     "(default 512)")
-    from .disk import add_parser as add_disk_parser
+    from .bench_disk import add_parser as add_disk_parser
 
     add_disk_parser(bsub)
     bf = bsub.add_parser("diffusion", help="TIDE: diffusion tokens/s of FullLoad, reactive, tide-fixed-T<n> and tide "
@@ -105,6 +106,10 @@ def add_parsers(sub):
     bg.add_argument("--out", help="also write the table (markdown) to this new file (default: stdout only)")
     br = bsub.add_parser("replay", help="simulator speed in expert accesses per second (synthetic 48x128x8)")
     br.add_argument("--seconds", type=float_, default=5.0, help="how long to replay")
+    bc = bsub.add_parser("gpu-check", help="the GPU check (scripts/gpu-check.sh): lossless rows for every policy and "
+                         "checkpoint format on CUDA, bench decode, bench link, graph mode; one markdown report")
+    bc.add_argument("--dry-run", action="store_true", help="run on the CPU, smaller (tests the check itself)")
+    bc.add_argument("--out", default="gpu-check.md", help="markdown report to write (default gpu-check.md)")
     return bsub
 
 
@@ -119,11 +124,11 @@ def add_waits_arg(p) -> None:
 
 def _link(args) -> int:
     from ..core.profiles import this_machine_path
-    from .link import measure_link
+    from ..bench.link import measure_link
 
     if args.disk:
         from ..core.disk_link import save_disk
-        from .disk_link import disk_table, measure_disk
+        from ..bench.disk_link import disk_table, measure_disk
 
         entry = measure_disk(args.disk, file_mb=args.file_mb)
         print(f"direct reads on the filesystem of {entry['directory']}, GB/s (1e9 B/s), "
@@ -141,7 +146,7 @@ def _link(args) -> int:
 
 
 def _diffusion(args) -> int:
-    from .diffusion import LOOPS, bench_diffusion
+    from ..bench.diffusion import LOOPS, bench_diffusion
 
     budgets = split_floats(args.budgets, "--budgets")
     intervals = parse_intervals(args.intervals)
@@ -166,11 +171,12 @@ def _residencies_prompts_model(args):
 
 
 def _decode(args) -> int:
-    from .decode import bench_decode
+    from ..bench.decode import bench_decode
 
+    policies = parse_policies(args.policy)
     residencies, prompts, path = _residencies_prompts_model(args)
     return _table(args, bench_decode(path, prompts, residencies, max_new_tokens=args.max_new_tokens,
-                                     device=args.device, dtype=args.dtype, policy=args.policy,
+                                     device=args.device, dtype=args.dtype, policy=policies,
                                      progress=not args.quiet, predictor=args.predictor,
                                      link_epl=LINK_REGIMES.get(args.link_regime), rollout_every=args.rollout_every,
                                      skip_waits=args.emulated_waits == "skip", predictor_lag=args.predictor_lag,
@@ -178,15 +184,12 @@ def _decode(args) -> int:
 
 
 def _graph(args) -> int:
-    from .graph import bench_graph
+    from ..bench.graph import bench_graph
 
-    from ..runtime.graph.cache import GRAPH_PREDICTOR_POLICIES
-
-    needs = [p for p in GRAPH_PREDICTOR_POLICIES if p in (x.strip() for x in args.policy.split(","))]
-    if needs and not args.predictor:
-        raise MoeOffloadError(f"--policy {needs[0]} needs --predictor DIR")
+    policies = parse_policies(args.policy)
+    require_predictor(policies, args.predictor)
     residencies, prompts, path = _residencies_prompts_model(args)
-    return _table(args, bench_graph(path, prompts, residencies, policy=args.policy, max_new_tokens=args.max_new_tokens,
+    return _table(args, bench_graph(path, prompts, residencies, policy=policies, max_new_tokens=args.max_new_tokens,
                                     rounds=args.rounds, backend=args.graph_backend, device=args.device,
                                     dtype=args.dtype, predictor=args.predictor))
 
@@ -203,11 +206,15 @@ def run(args) -> int:
     if args.bench_cmd == "link":
         return _link(args)
     if args.bench_cmd == "disk":
-        from .disk import main as bench_disk_main
+        from .bench_disk import run as bench_disk_run
 
-        return bench_disk_main(args)
+        return bench_disk_run(args)
+    if args.bench_cmd == "gpu-check":
+        from ..bench.gpu_check import run_gpu_check
+
+        return run_gpu_check(args.dry_run, args.out)
     if args.bench_cmd == "replay":
-        from .replay_speed import bench_replay_speed
+        from ..bench.replay_speed import bench_replay_speed
 
         print(json.dumps(bench_replay_speed(seconds=args.seconds), indent=1))
         return 0
@@ -223,7 +230,7 @@ def run(args) -> int:
 def _formats(args) -> int:
     import tempfile
 
-    from .formats import bench_formats
+    from ..bench.formats import bench_formats
     from ..testbed.sharegpt import human_turns
 
     if not (0 < args.residency <= 1):

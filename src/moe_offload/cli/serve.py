@@ -6,7 +6,8 @@ import argparse
 import math
 from pathlib import Path
 
-from ..common.cliargs import MODEL_HELP, add_host_store_arg, add_memory_budget_arg
+from .args import MODEL_HELP, add_host_store_arg, add_memory_budget_arg
+from ..core.policy_spec import parse_policy
 from ..errors import MoeOffloadError
 
 
@@ -104,7 +105,7 @@ def add_parsers(sub, bench_sub, positive_int, nonneg_int, float_) -> None:
 
 def _config(args):
     from ..testbed.resolve import resolve_model
-    from .server import ServeConfig
+    from ..serve.server import ServeConfig
 
     path = resolve_model(args.model, progress=not args.quiet)
     return ServeConfig(model_dir=path, model_name=args.served_model_name or (args.model or "testbed"),
@@ -129,6 +130,7 @@ def run(args) -> int:
     Raises:
         MoeOffloadError: any bad option or checkpoint (printed as one line by ``moe_offload.cli.main``).
     """
+    args.policy = parse_policy(args.policy)
     if getattr(args, "bench_cmd", None) in ("serve", "replicas"):
         if args.out and Path(args.out).exists():
             raise MoeOffloadError(f"{args.out} already exists; choose a new --out")
@@ -141,7 +143,7 @@ def run(args) -> int:
             return _compare(args, prompts)
         cfg = _config(args)
         cfg.track_memory = True  # the tracker is switched on only for its own pass
-        from .server import load_for_serving
+        from ..serve.server import load_for_serving
 
         state = load_for_serving(cfg)
         report = run_load_test(state, prompts, max_tokens=args.max_tokens, track_memory=not args.no_track_memory,
@@ -151,11 +153,11 @@ def run(args) -> int:
     if not 0 <= args.port <= 65535:
         raise MoeOffloadError(f"--port must be in [0, 65535], got {args.port}")
     if args.replicas:
-        from .replicas import run_replicas
+        from ..serve.replicas import run_replicas
 
         run_replicas(_config(args), args.replicas, args.host, args.port)
         return 0
-    from .server import bind_socket, load_for_serving, serve_forever
+    from ..serve.server import bind_socket, load_for_serving, serve_forever
 
     sock = bind_socket(args.host, args.port)  # a busy port fails before the model loads
     try:
@@ -222,7 +224,7 @@ def _command(args) -> str:
                  "max_tokens",
                  "max_prompt_chars", "device", "dtype", "block_length", "steps", "threshold"):
         v = getattr(args, name, None)
-        if v is not None and not (name == "policy" and v == "auto"):
+        if v is not None and not (name == "policy" and v.family == "auto"):
             parts.append(f"--{name.replace('_', '-')} {v}")
     if getattr(args, "no_track_memory", False):
         parts.append("--no-track-memory")
