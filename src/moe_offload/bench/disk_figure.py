@@ -179,6 +179,8 @@ class _Series:
 
 
 def _series(runs: Sequence[Run]) -> _Series:
+    """The cells of one panel's runs, sorted into ``_Series`` (a row with a limit is listed even if no cell of it
+    finished, so that its unfinished cells get its colour and a legend entry)."""
     s = _Series(len(runs), {}, {}, {})
     for run in runs:
         for c in run.cells:
@@ -196,7 +198,8 @@ def _series(runs: Sequence[Run]) -> _Series:
 
 
 def _note(s: _Series) -> str:
-    """The cells that did not finish, one line per row and status kind: "row, timeout: 45% (2 runs), 25%"."""
+    """The cells that did not finish, one line per row and status kind (the status before its first colon), e.g.
+    "llama.cpp (mmap), timeout: 25% (2 of 2 runs), 10% (1 of 2 runs)"; "every cell finished" when none."""
     lines = []
     for row, cells in s.unfinished.items():
         kinds: dict[str, list[str]] = {}
