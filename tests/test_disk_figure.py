@@ -6,13 +6,19 @@ from pathlib import Path
 import pytest
 
 from moe_offload.bench import disk_figure
-from moe_offload.bench.disk_figure import main, read_run, share_figure
+from moe_offload.bench.disk_figure import read_run, share_figure
+from moe_offload.cli import main as cli_main
 from moe_offload.errors import MoeOffloadError
 
 RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results"
 WIDE = [RESULTS / "bench-disk-wide-cpu", RESULTS / "bench-disk-wide-cpu-reversed"]
 SPARSE = [RESULTS / "bench-disk-sparse-cpu", RESULTS / "bench-disk-sparse-cpu-reversed"]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def main(argv: list[str]) -> int:
+    """``moe-offload bench disk-figure ARGV``."""
+    return cli_main(["bench", "disk-figure", *argv])
 
 
 def one_line_error(capsys, argv, needle):

@@ -2,7 +2,6 @@
 it has at most ``MAX_README_LINES`` lines, shows the picture, and every relative link in it (and in the docs pages
 it leads to) points to a file that exists, at a heading that exists."""
 
-import argparse
 import re
 import shlex
 from pathlib import Path
@@ -85,26 +84,11 @@ def readme_commands(text: str) -> list[tuple[int, str, list[str]]]:
     return found
 
 
-def _subcommands(parser: argparse.ArgumentParser) -> dict:
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            return action.choices
-    return {}
-
-
 def parse(argv: list[str]) -> None:
-    """Parse ``argv`` with ``moe-offload``'s parser. ``bench disk-figure`` falls back to its module's own parser
-    (the same options) while the command line does not list it yet."""
+    """Parse ``argv`` with ``moe-offload``'s parser."""
     from moe_offload.cli import build_parser
 
-    parser = build_parser()
-    bench = _subcommands(parser).get("bench")
-    if argv[:2] == ["bench", "disk-figure"] and "disk-figure" not in _subcommands(bench):
-        from moe_offload.bench.disk_figure import build_parser as figure_parser
-
-        figure_parser().parse_args(argv[2:])
-        return
-    parser.parse_args(argv)
+    build_parser().parse_args(argv)
 
 
 def test_readme_commands_parse(capsys):

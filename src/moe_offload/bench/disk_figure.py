@@ -16,7 +16,7 @@ alone (``tok_s.png``). This module reads the ``results.csv`` of several such fol
 - every cell that did not finish (status not ``ok``: a timeout, a failure) as an open marker on the panel's floor
   and in the note under the panel, with its status: never dropped.
 
-    python -m moe_offload.bench.disk_figure DIR [DIR ...] --out PNG [--force]
+    moe-offload bench disk-figure [NAME=]DIR [[NAME=]DIR ...] --out PNG [--force]
 
 Bad input (a missing folder or ``results.csv``, a csv without the needed columns or with a value that is not a
 number, an existing ``--out`` without ``--force``) is a ``MoeOffloadError`` with a one-line message.
@@ -24,12 +24,10 @@ number, an existing ``--out`` without ``--force``) is a ``MoeOffloadError`` with
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import os
 import re
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -324,42 +322,3 @@ def _save(fig, out: Path) -> Path:
         plt.close(fig)
         tmp.unlink(missing_ok=True)
     return out
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The options of ``moe-offload bench disk-figure`` (also this module's own ``main``)."""
-    p.add_argument("dirs", nargs="+", metavar="DIR", help="`bench disk --out` folders, each DIR or NAME=DIR (NAME: "
-                   "the model, the panel's title; default: results.json's model, else the folder's name)")
-    p.add_argument("--out", required=True, metavar="PNG", help="the picture to write")
-    p.add_argument("--force", action="store_true", help="overwrite --out if it exists (default: refuse)")
-
-
-def run(args: argparse.Namespace) -> int:
-    """Draw the figure of ``args`` (``add_arguments``) and say where. Raises ``MoeOffloadError`` on bad input."""
-    path = share_figure(args.dirs, Path(args.out), force=args.force)
-    print(f"wrote {path}")
-    return 0
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """This module's own parser (the same options as ``moe-offload bench disk-figure``)."""
-    from ..common.cliargs import OneLineErrorParser
-
-    p = OneLineErrorParser(prog="moe-offload bench disk-figure", description=__doc__.splitlines()[0])
-    add_arguments(p)
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m moe_offload.bench.disk_figure DIR [DIR ...] --out PNG [--force]``: 0 when written, 2 on bad
-    input (``moe-offload: error: ...`` on stderr)."""
-    args = build_parser().parse_args(argv)
-    try:
-        return run(args)
-    except MoeOffloadError as e:
-        print(f"moe-offload: error: {e}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -106,6 +106,12 @@ def add_parsers(sub):
     bg.add_argument("--out", help="also write the table (markdown) to this new file (default: stdout only)")
     br = bsub.add_parser("replay", help="simulator speed in expert accesses per second (synthetic 48x128x8)")
     br.add_argument("--seconds", type=float_, default=5.0, help="how long to replay")
+    bfig = bsub.add_parser("disk-figure", help="one picture of several bench disk runs: decode tok/s against the share "
+                           "of the expert bytes in memory, one panel per model, ours and llama.cpp's")
+    bfig.add_argument("dirs", nargs="+", metavar="DIR", help="`bench disk --out` folders, each DIR or NAME=DIR (NAME: "
+                      "the model, the panel's title; default: results.json's model, else the folder's name)")
+    bfig.add_argument("--out", required=True, metavar="PNG", help="the picture to write")
+    bfig.add_argument("--force", action="store_true", help="overwrite --out if it exists (default: refuse)")
     bc = bsub.add_parser("gpu-check", help="the GPU check (scripts/gpu-check.sh): lossless rows for every policy and "
                          "checkpoint format on CUDA, bench decode, bench link, graph mode; one markdown report")
     bc.add_argument("--dry-run", action="store_true", help="run on the CPU, smaller (tests the check itself)")
@@ -209,6 +215,11 @@ def run(args) -> int:
         from .bench_disk import run as bench_disk_run
 
         return bench_disk_run(args)
+    if args.bench_cmd == "disk-figure":
+        from ..bench.disk_figure import share_figure
+
+        print(f"wrote {share_figure(args.dirs, Path(args.out), force=args.force)}")
+        return 0
     if args.bench_cmd == "gpu-check":
         from ..bench.gpu_check import run_gpu_check
 
