@@ -1,7 +1,6 @@
 """The measurement harness: every ``moe-offload bench`` subcommand's implementation and the GPU checks, above the
 engine they measure (nothing in the engine imports from here).
 
-- ``cli``: the ``bench`` command group's options and runners;
 - ``decode``, ``diffusion``, ``formats``, ``graph``: ``bench decode``, ``bench diffusion``, ``bench formats``,
   ``bench graph``;
 - ``serve_load``, ``serve_compare``, ``serve_replicas``: ``bench serve`` (the streaming load test, batch 1 vs
@@ -9,5 +8,10 @@ engine they measure (nothing in the engine imports from here).
 - ``link``: ``bench link`` (host->device copies and compute rates: the ``this-machine`` profile; ``--disk``:
   ``disk_link``; the model of the disk as a link: ``core.disk_link``);
 - ``replay_speed``: ``bench replay`` (the simulator's speed);
-- ``gpu_check``, ``gpu_check_graph``: the GPU check (``scripts/gpu-check.sh``).
+- ``disk``, ``disk_measure``, ``disk_report``, ``disk_figure``: ``bench disk`` (each engine in a memory cgroup), what
+  a run read, its table and plot; ``bench disk-figure`` (several runs in one picture);
+- ``gguf_export``: ``export gguf`` (a checkpoint for llama.cpp, and its check);
+- ``gpu_check``, ``gpu_check_graph``: ``bench gpu-check`` (``scripts/gpu-check.sh``).
+
+The command line of all of them is ``cli/bench.py``, ``cli/bench_disk.py``, ``cli/serve.py`` and ``cli/export.py``.
 """

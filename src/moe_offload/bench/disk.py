@@ -77,7 +77,7 @@ class Cell:
 
 @dataclass
 class DiskBench:
-    """What one ``bench disk`` run compares (module docstring); built by ``cli_bench``.
+    """What one ``bench disk`` run compares (module docstring); built by ``cli/bench_disk.py``.
 
     Attributes:
         model_dir: our checkpoint; gguf: the same checkpoint as GGUF (None: no llama.cpp rows).

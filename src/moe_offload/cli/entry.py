@@ -15,7 +15,7 @@ import sys
 
 from .. import __version__
 from ..errors import MoeOffloadError
-from .args import OneLineErrorParser, float_, nonneg_int, positive_int
+from .args import OneLineErrorParser
 
 
 def _version() -> str:
@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_simulate_diffusion_parser(sub)
     bench_sub = add_bench_parsers(sub)
     add_predictor_parser(sub)
-    add_serve_parsers(sub, bench_sub, positive_int, nonneg_int, float_)
+    add_serve_parsers(sub, bench_sub)
     from .export import add_parser as add_export_parser
     from .models import add_parser as add_models_parser
 

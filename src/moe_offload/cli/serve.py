@@ -1,31 +1,18 @@
-"""Command line of ``moe-offload serve`` and ``moe-offload bench serve`` (registered by ``moe_offload.cli``)."""
+"""``moe-offload serve`` (the OpenAI and Anthropic APIs over the offloaded engine, ``serve.server``) and the load
+tests ``bench serve`` / ``bench replicas`` (``bench.serve_load``, ``bench.serve_compare``, ``bench.serve_replicas``)."""
 
 from __future__ import annotations
 
 import argparse
-import math
 from pathlib import Path
 
-from .args import MODEL_HELP, add_host_store_arg, add_memory_budget_arg
 from ..core.policy_spec import parse_policy
 from ..errors import MoeOffloadError
+from .args import (MODEL_HELP, add_host_store_arg, add_memory_budget_arg, finite_float, nonneg_int,
+                   positive_int)
 
 
-def _finite(float_):
-    """argparse type: ``float_``'s number, refused (one line, exit 2) when NaN or infinite (``--memory-budget inf``
-    would otherwise overflow deep in the plan)."""
-
-    def parse(s: str) -> float:
-        v = float_(s)
-        if not math.isfinite(v):
-            raise argparse.ArgumentTypeError(f"expected a finite number, got {s!r}")
-        return v
-
-    return parse
-
-
-def _add_common(p: argparse.ArgumentParser, positive_int, float_) -> None:
-    float_ = _finite(float_)
+def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help=MODEL_HELP)
     p.add_argument("--served-model-name", help="the model name clients pass (default: --model as given)")
     p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
@@ -38,7 +25,7 @@ def _add_common(p: argparse.ArgumentParser, positive_int, float_) -> None:
                    "forecast-driven policies seqmoe-cacheonly, seqmoe, seqmoe-infinity; with batching, the batch's "
                    "per-sequence forecasts are combined into one demand per expert (1 - prod(1 - p)); default: none)")
     size = p.add_mutually_exclusive_group()
-    size.add_argument("--residency", type=float_, help="device slots as a fraction of all routed experts, (0, 1] "
+    size.add_argument("--residency", type=finite_float, help="device slots as a fraction of all routed experts, (0, 1] "
                       "(default: see --memory-budget)")
     size.add_argument("--slots", type=positive_int, help="number of device slots, >= top-k (default: see "
                       "--memory-budget)")
@@ -52,23 +39,23 @@ def _add_common(p: argparse.ArgumentParser, positive_int, float_) -> None:
                    "weights leave of --memory-budget; 1: one request at a time). Diffusion models run batch 1")
     p.add_argument("--block-length", type=int, help="diffusion models: positions per block (default 32)")
     p.add_argument("--steps", type=int, help="diffusion models: diffusion steps per block (default: block length)")
-    p.add_argument("--threshold", type=float_, help="diffusion models: commit confidence in (0, 1] (default 0.95)")
+    p.add_argument("--threshold", type=finite_float, help="diffusion models: commit confidence in (0, 1] (default 0.95)")
     p.add_argument("--no-prefix-cache", action="store_true", help="diffusion models: recompute the whole prefix at "
                    "every diffusion step instead of caching the committed blocks' keys and values (same tokens)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
-def add_parsers(sub, bench_sub, positive_int, nonneg_int, float_) -> None:
+def add_parsers(sub, bench_sub) -> None:
     """Add ``serve`` to the top-level subparsers and ``serve`` to ``bench``'s."""
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server: streaming, live stats, memory budget")
-    _add_common(s, positive_int, float_)
+    _add_common(s)
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     s.add_argument("--port", type=nonneg_int, default=8000, help="TCP port (default 8000)")
     s.add_argument("--replicas", type=positive_int, metavar="N",
                    help="run N engine replicas behind this one endpoint on Ray Serve (a private local Ray instance, "
                    "one CPU per replica; Ray routes and health-checks them; needs pip install 'ray[serve]'). "
-                   "On a cluster use `serve run moe_offload.serve.replicas:build` (README; default: one engine, no "
-                   "Ray)")
+                   "On a cluster use `serve run moe_offload.serve.replicas:build` (docs/usage.md, 'Replicas (Ray "
+                   "Serve)'; default: one engine, no Ray)")
     s.add_argument("--track-memory", action="store_true",
                    help="on the CPU: measure the device-tier peak during requests (shown in /v1/stats; about 1.6x "
                    "slower decoding). On CUDA it is always measured")
@@ -77,7 +64,7 @@ def add_parsers(sub, bench_sub, positive_int, nonneg_int, float_) -> None:
                    "http://localhost:3000; none: no CORS headers (default *: any origin, no credentials)")
     b = bench_sub.add_parser("serve", help="load test: concurrent streaming clients against a loopback server; "
                              "TTFT p50/p95, aggregate tok/s, tokens vs generate, peak device-tier memory")
-    _add_common(b, positive_int, float_)
+    _add_common(b)
     b.add_argument("--clients", type=positive_int, default=32, help="concurrent streaming clients (default 32)")
     b.add_argument("--max-tokens", type=positive_int, default=32, help="completion tokens per request (default 32)")
     b.add_argument("--max-prompt-chars", type=positive_int, default=300,
@@ -94,7 +81,7 @@ def add_parsers(sub, bench_sub, positive_int, nonneg_int, float_) -> None:
     b.add_argument("--out", help="also write the report (markdown) to this new file (default: stdout only)")
     r = bench_sub.add_parser("replicas", help="aggregate throughput of N engine replicas on Ray Serve vs one "
                              "(concurrent streaming clients; needs pip install 'ray[serve]')")
-    _add_common(r, positive_int, float_)
+    _add_common(r)
     r.add_argument("--replicas", default="1,2", metavar="N[,N...]", help="replica counts to compare (default 1,2)")
     r.add_argument("--clients", type=positive_int, default=64, help="concurrent streaming clients (default 64)")
     r.add_argument("--max-tokens", type=positive_int, default=32, help="completion tokens per request (default 32)")

@@ -296,7 +296,7 @@ def load_predictor(path: str | Path, model_id: str | None = None, device: str | 
 
     Args:
         path: the predictor directory.
-        model_id: if given, the fingerprint of the model it will run with (``trace.format.model_fingerprint``).
+        model_id: if given, the fingerprint of the model it will run with (``models.checkpoint.checkpoint_model_id``).
         device: where to put it.
 
     The calibrated ``seqmoe-xl`` blend weights stored beside it, if any, become ``xl_weights``.

@@ -6,5 +6,5 @@
 - ``batch_worker``: the continuous-batching worker (``--max-batch``); ``batch_memory``: the batch's share of the plan;
 - ``memory``: the memory plan that sizes the slot pool from a budget, the profile run, the CPU device-tier tracker;
 - ``protocol``: OpenAI request schemas and error bodies;
-- ``server``: start-up (load, plan, log) and uvicorn runners; ``cli``: the command line.
+- ``server``: start-up (load, plan, log) and uvicorn runners (the command line: ``cli/serve.py``).
 """
