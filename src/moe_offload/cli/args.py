@@ -204,6 +204,15 @@ def add_host_store_arg(p: argparse.ArgumentParser) -> None:
                    "on CUDA) between the disk and the device slots: three tiers (default: none, slots read from disk)")
 
 
+def add_rollout_every_arg(p: argparse.ArgumentParser, as_runtime: str = "") -> None:
+    """``--rollout-every R`` (``core.forecast.ROLLOUT_EVERY``): decode steps between the predictor's rollouts."""
+    from ..core.forecast import ROLLOUT_EVERY
+
+    p.add_argument("--rollout-every", type=int_in(1, 64), default=ROLLOUT_EVERY,
+                   help=f"with --predictor: decode steps between the predictor's recursive rollouts{as_runtime} "
+                   f"(default {ROLLOUT_EVERY}; 1 = every step, as SeqMoE)")
+
+
 def add_predictor_lag_arg(p: argparse.ArgumentParser) -> None:
     """``--predictor-lag LAYERS`` (``predictor.lagged``; read as ``args.predictor_lag``, None when not given)."""
     p.add_argument("--predictor-lag", type=int_in(0, 64), metavar="LAYERS",

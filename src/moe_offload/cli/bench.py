@@ -1,5 +1,6 @@
-"""Command line of ``moe-offload bench decode | link | diffusion | formats | replay`` (registered by ``moe_offload.cli``;
-``bench serve`` is in ``cli/serve.py``)."""
+"""``moe-offload bench decode | link | diffusion | formats | graph | replay | disk-figure | gpu-check``: the options,
+the calls into ``bench`` and the tables printed (``bench disk``: ``cli/bench_disk.py``; ``bench serve`` and
+``bench replicas``: ``cli/serve.py``)."""
 
 from __future__ import annotations
 
@@ -7,14 +8,13 @@ import json
 import sys
 from pathlib import Path
 
-from .args import (add_model_args, add_predictor_lag_arg, add_prompt_args, float_, int_in, parse_intervals,
-                              positive_int, split_floats)
 from ..core.policy_spec import parse_policies, require_predictor
 from ..errors import MoeOffloadError
-from ..testbed.resolve import resolve_model
-from ..core.forecast import ROLLOUT_EVERY
 from ..runtime.emulated_clock import WAIT_MODES
 from ..testbed.prompts import load_prompts
+from ..testbed.resolve import resolve_model
+from .args import (add_model_args, add_predictor_lag_arg, add_prompt_args, add_rollout_every_arg, float_, int_in,
+                   parse_intervals, positive_int, split_floats)
 
 # --link-regime: experts whose transfer one layer's FullLoad compute overlaps (SeqMoE §2.2)
 LINK_REGIMES = {"rtx4090": 1.39}
@@ -32,9 +32,7 @@ def add_parsers(sub):
     bd.add_argument("--out", help="also write the table (markdown) to this new file (default: stdout only)")
     bd.add_argument("--predictor", help="a trained predictor, run with the seqmoe* policies (which need it; default: "
                     "none)")
-    bd.add_argument("--rollout-every", type=int_in(1, 64), default=ROLLOUT_EVERY,
-                    help="with --predictor: decode steps between the predictor's recursive rollouts (default "
-                    f"{ROLLOUT_EVERY}; 1 = every step, as SeqMoE)")
+    add_rollout_every_arg(bd)
     add_predictor_lag_arg(bd)
     bd.add_argument("--host-store", choices=["pinned", "disk"], default="pinned",
                     help="where the offloaded rows' experts live: pinned (host RAM; default) or disk (direct reads "

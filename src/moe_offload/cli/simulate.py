@@ -7,8 +7,7 @@ from pathlib import Path
 
 from ..core.policy_spec import parse_policies
 from ..errors import MoeOffloadError
-from ..core.forecast import ROLLOUT_EVERY
-from .args import add_predictor_lag_arg, float_, int_in, split_floats
+from .args import add_predictor_lag_arg, add_rollout_every_arg, float_, split_floats
 
 
 def add_parser(sub) -> None:
@@ -35,9 +34,7 @@ def add_parser(sub) -> None:
                     "seqmoe-xl, and seqmoe-oracle: its forecasts replaced by the true future, an upper bound); when "
                     "the traces are its training traces, every policy replays only its held-out requests (default: "
                     "none). The policies xl and seqmoe-xl need traces collected with --xl-forecasts")
-    sm.add_argument("--rollout-every", type=int_in(1, 64), default=ROLLOUT_EVERY,
-                    help="with --predictor: decode steps between the predictor's recursive rollouts, as the runtime "
-                    f"runs it (default {ROLLOUT_EVERY}; 1 = every step, as SeqMoE)")
+    add_rollout_every_arg(sm, ", as the runtime runs it")
     add_predictor_lag_arg(sm)
     sm.add_argument("--link", choices=["host", "disk"], default="host",
                     help="the link a miss crosses: host (default: the hardware profile's host->device link, experts "
