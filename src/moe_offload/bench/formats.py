@@ -149,8 +149,9 @@ def bench_host_memory(root: Path, residency: float) -> list[str]:
     ckpt = sum(f.stat().st_size for f in d.glob("*.safetensors"))
     res = []
     for mode in ("pinned", "mmap"):
-        p = subprocess.run([sys.executable, "-m", "moe_offload.bench.formats", str(d), mode, str(residency)],
-                           capture_output=True, text=True)
+        code = ("import json, sys; from moe_offload.bench.formats import measure_load; "
+                "print(json.dumps(measure_load(sys.argv[1], sys.argv[2], float(sys.argv[3]))))")
+        p = subprocess.run([sys.executable, "-c", code, str(d), mode, str(residency)], capture_output=True, text=True)
         if p.returncode != 0:
             raise MoeOffloadError(f"memory measurement ({mode}) failed: {p.stderr.strip().splitlines()[-1:]}")
         res.append(json.loads(p.stdout.strip().splitlines()[-1]))
@@ -181,7 +182,3 @@ def bench_formats(root: Path, prompts: list[str], *, residency: float = 0.25, ma
         lines += ["", "### Host memory while loading: pinned vs mmap", ""]
         lines += bench_host_memory(root, 0.2)
     return "\n".join(lines)
-
-
-if __name__ == "__main__":  # one memory measurement in a fresh interpreter: DIR MODE RESIDENCY
-    print(json.dumps(measure_load(sys.argv[1], sys.argv[2], float(sys.argv[3]))))
