@@ -10,7 +10,8 @@ from moe_offload.generation.generate import generate_ids
 from moe_offload.models.loader import load_offloaded
 from moe_offload.predictor.batch_feed import BatchForecastFeed, attach_batch_predictor
 from moe_offload.predictor.batch_forecast import union_probs
-from moe_offload.predictor.runtime import ROLLOUT_EVERY, ForecastFeed, PredictorRunner
+from moe_offload.core.forecast import ROLLOUT_EVERY
+from moe_offload.predictor.runtime import ForecastFeed, PredictorRunner
 
 ARCH = "mixtral"
 PROMPTS = [[5, 9, 3, 12, 7], [4, 10, 2], [8, 8, 1, 6, 11, 3, 2], [7, 1]]

@@ -121,7 +121,8 @@ def test_xl_eviction_runtime_equals_simulator(tiny_dirs, random_pset, blend, one
     predictor's input is computed from — and so do the hits and misses; tokens equal FullLoad's."""
     from moe_offload.generation.generate import run
     from moe_offload.models.loader import load_full, load_offloaded
-    from moe_offload.predictor.runtime import PredictorRunner, ROLLOUT
+    from moe_offload.core.forecast import ROLLOUT
+    from moe_offload.predictor.runtime import PredictorRunner
     from moe_offload.sim.forecasts import xl_stream
     from moe_offload.sim.simulator import replay
     from moe_offload.trace.collect import TraceRecorder

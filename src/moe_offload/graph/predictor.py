@@ -23,7 +23,8 @@ import torch
 from ..errors import MoeOffloadError
 from ..predictor.features import psi
 from ..predictor.model import PredictorSet, restore_state, snapshot_state
-from ..predictor.runtime import ROLLOUT, PredictorRunner
+from ..core.forecast import ROLLOUT
+from ..predictor.runtime import PredictorRunner
 
 
 class GraphPredictor:

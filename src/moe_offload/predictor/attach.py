@@ -7,7 +7,8 @@ from __future__ import annotations
 from ..errors import MoeOffloadError
 from .lagged import LaggedFeed, PredictorProcess
 from .model import PredictorSet
-from .runtime import ROLLOUT, ROLLOUT_EVERY, ForecastFeed, PredictorRunner
+from ..core.forecast import ROLLOUT, ROLLOUT_EVERY
+from .runtime import ForecastFeed, PredictorRunner
 
 
 def attach_predictor(engine, pset: PredictorSet, rollout: int = 0, rollout_every: int = ROLLOUT_EVERY,

@@ -21,7 +21,8 @@ import torch
 from .batch_forecast import combine
 from .model import PredictorSet
 from .attach import connect_feed, forecast_consumers
-from .runtime import ROLLOUT, ROLLOUT_EVERY, Forecast, PredictorRunner
+from ..core.forecast import ROLLOUT, ROLLOUT_EVERY, Forecast
+from .runtime import PredictorRunner
 
 
 class BatchForecastFeed:

@@ -85,13 +85,14 @@ def attach_cross_layer(lm, pset=None, depth: int = XL_DEPTH, rollout_every: int 
         pset: the trained predictors (``seqmoe-xl``; their calibrated blend weights, ``PredictorSet.xl_weights``,
             if any) or None (``xl``).
         depth: d, later layers forecast by each MoE layer.
-        rollout_every: the predictor's rollout interval (default ``predictor.runtime.ROLLOUT_EVERY``).
+        rollout_every: the predictor's rollout interval (default ``core.forecast.ROLLOUT_EVERY``).
     Raises:
         MoeOffloadError: as ``CrossLayerForecaster``, or the engine has nothing that takes forecasts.
     """
     from ..models.capability import experts_modules
     from .attach import connect_feed, forecast_consumers
-    from .runtime import ROLLOUT, ROLLOUT_EVERY, PredictorRunner
+    from ..core.forecast import ROLLOUT, ROLLOUT_EVERY
+    from .runtime import PredictorRunner
 
     engine = lm.engine
     consumers = forecast_consumers(engine)
@@ -123,7 +124,7 @@ def attach_forecasts(lm, policy: PolicySpec | str, pset=None, rollout: int = 0, 
         MoeOffloadError: as ``attach_cross_layer`` / ``attach_predictor``; ``lag`` with ``xl`` / ``seqmoe-xl``.
     """
     from .attach import attach_predictor
-    from .runtime import ROLLOUT_EVERY
+    from ..core.forecast import ROLLOUT_EVERY
 
     spec = parse_policy(policy)
     if spec.cross_layer:

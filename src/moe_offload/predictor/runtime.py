@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import MoeOffloadError
-from ..core.forecast import ROLLOUT, ROLLOUT_EVERY, Forecast  # noqa: F401  (the runner's settings)
+from ..core.forecast import ROLLOUT_EVERY, Forecast
 from .features import psi
 from .model import PredictorSet
 

@@ -13,7 +13,8 @@ import torch
 
 from ..errors import MoeOffloadError
 from ..predictor.model import PredictorSet
-from ..predictor.runtime import ROLLOUT, ROLLOUT_EVERY, Forecast, ForecastFeed, PredictorRunner
+from ..core.forecast import ROLLOUT, ROLLOUT_EVERY, Forecast
+from ..predictor.runtime import ForecastFeed, PredictorRunner
 from ..trace.format import Trace
 
 
