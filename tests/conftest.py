@@ -50,3 +50,13 @@ def random_pset():
         return PredictorSet(h).eval()
 
     return make
+
+
+@pytest.fixture
+def torch_experts(monkeypatch):
+    """The grouped GEMMs of ``runtime.experts`` for every layer, offloaded and FullLoad, as without the native
+    kernel (``runtime.fused_experts``): for tests of that path (the one CUDA runs)."""
+    from moe_offload.runtime import fused_experts
+
+    monkeypatch.setattr(fused_experts, "native", lambda: None)
+

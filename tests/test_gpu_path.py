@@ -78,7 +78,7 @@ def test_failing_copy_raises_in_the_on_demand_caller(tiny_dirs, monkeypatch):
     lm.close()
 
 
-def test_group_limit_never_exceeded_and_tokens_equal(tiny_dirs, monkeypatch):
+def test_group_limit_never_exceeded_and_tokens_equal(tiny_dirs, monkeypatch, torch_experts):
     """With the limit lowered to 4 groups (the CUDA grouped GEMM refuses 1024 or more), a pool wider than the limit
     with experts spread to both ends still computes every pair, in GEMMs of at most 4 groups, bitwise as before."""
     full = load_full(tiny_dirs["qwen3_moe"], device="cpu")
@@ -105,7 +105,7 @@ def test_group_limit_never_exceeded_and_tokens_equal(tiny_dirs, monkeypatch):
     assert min(spans) > 4  # every layer's experts span a window wider than the limit
 
 
-def test_scattered_slots_computed_one_gemm_per_slot_bitwise(tiny_dirs, monkeypatch):
+def test_scattered_slots_computed_one_gemm_per_slot_bitwise(tiny_dirs, monkeypatch, torch_experts):
     """On CPU a layer whose slots are scattered across the pool is computed with one GEMM per slot on views of the
     pool (no empty groups, no gathered copy): forced for every layer (WINDOW_DENSITY 0), every architecture's
     logits equal the grouped GEMM's bitwise and the tokens equal FullLoad's; gpt_oss covers biases and transposed
@@ -179,7 +179,7 @@ def test_pinning_fallback_without_cuda(capsys):
 SYNCING = [(torch.Tensor, n) for n in ("cpu", "item", "tolist", "__bool__", "__int__", "__float__", "nonzero")]
 
 
-def test_one_device_to_host_transfer_per_moe_layer(tiny_dirs, monkeypatch):
+def test_one_device_to_host_transfer_per_moe_layer(tiny_dirs, monkeypatch, torch_experts):
     """During one decode step with misses (single round per layer), each MoE layer makes exactly one call that
     synchronises on a GPU (the copy of its expert ids to the host), for the bf16 and a quantized format."""
     from moe_offload.models.tiny_quantized import write_fp8

@@ -7,7 +7,9 @@ import torch
 
 from ..core.policy_spec import parse_policy
 from ..errors import MoeOffloadError
+from ..models.capability import experts_modules
 from ..models.loader import LoadedModel
+from ..runtime.fused_experts import experts_path
 from .generate import RunStats
 
 #: what each runtime policy does, for the report's mode line
@@ -41,6 +43,7 @@ def stats_dict(lm: LoadedModel, s: RunStats) -> dict:
         "device": str(lm.device),
         "dtype": str(lm.dtype).replace("torch.", ""),
         "threads": torch.get_num_threads(),
+        "experts_compute": experts_path([m for _, m in experts_modules(lm.model)], lm.dtype, lm.device),
         "requests": s.requests,
         "prompt_tokens": s.prompt_tokens,
         "decode_tokens": s.decode_tokens,
@@ -195,6 +198,7 @@ def stats_table(d: dict) -> str:
         ("decode", f"{d['decode_tokens_per_s']:.2f} tok/s ({d['decode_tokens']} tokens"
                    + (f", {d['threads']} intra-op thread{'' if d['threads'] == 1 else 's'})" if "threads" in d else ")")),
     ]) + [
+        ("experts compute", d["experts_compute"]),
         ("peak slot bytes", _fmt_bytes(d["peak_slot_bytes"])),
         ("experts", f"{_fmt_bytes(d['expert_bytes'])} each, stored as {' + '.join(d['expert_dtypes'])}"
                     + (f"; host store {d['host_store']} ({_fmt_bytes(d['host_store_bytes'])} private)"

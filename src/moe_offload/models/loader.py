@@ -19,6 +19,8 @@ import torch
 from ..errors import MoeOffloadError
 from ..runtime.engine import OffloadEngine
 from ..runtime.formats import ExpertFormat
+from ..runtime.fast_linear import use_fast_linears
+from ..runtime.fused_experts import use_fused_fullload
 from ..runtime.pool import SlotPool
 from ..runtime.route_rows import watch_routers
 from ..runtime.store import FILE_BACKED, HostStore, MmapHostStore
@@ -244,6 +246,8 @@ def load_offloaded(model_dir: str | Path, *, device: str | None = None, dtype: s
     fmt = build_format(mods, cmap, ckpt, quant, dt, shapes, keep_file_dtype=host_store in FILE_BACKED)
     _materialise(model, mods, dev, dt)
     load_non_expert(model, cmap, ckpt, layer_of)
+    if dev.type == "cpu":
+        use_fast_linears(model)  # decode-step linears on the native kernel, as FullLoad (runtime.fast_linear)
     if host_store == "mmap":
         store = MmapHostStore(fmt.layout, n_total)
     elif host_store == "disk":
@@ -291,8 +295,9 @@ def _host_cache_rows(gb: float, expert_bytes: int) -> int:
 
 
 def load_full(model_dir: str | Path, *, device: str | None = None, dtype: str | None = None) -> LoadedModel:
-    """FullLoad reference: the same checkpoint with every weight on the device and transformers' own experts
-    implementation (the correctness reference and the speed limit)."""
+    """FullLoad reference: the same checkpoint with every weight on the device (the correctness reference and the
+    speed limit). Its experts run the native kernel where it serves the layer, as the offloaded engine does
+    (``runtime.fused_experts.use_fused_fullload``), else transformers' own experts implementation."""
     path, config, arch = read_config(model_dir)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, config)
@@ -305,6 +310,9 @@ def load_full(model_dir: str | Path, *, device: str | None = None, dtype: str | 
             from None
     model.eval()
     mods = experts_modules(model)
+    if dev.type == "cpu":
+        use_fused_fullload([m for _, m in mods])
+        use_fast_linears(model)
     n_exp = mods[0][1].num_experts
     fmt = ExpertFormat.plain([(n, tuple(p.shape[1:])) for n, p in expert_params(mods[0][1])], dt)
     return _with_limits(LoadedModel(model, _load_tokenizer(path), None, arch, dev, dt, len(mods), n_exp,

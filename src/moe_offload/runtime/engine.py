@@ -22,6 +22,7 @@ from ..errors import MoeOffloadError
 from .breakdown import StepClock
 from .emulated_clock import now
 from .experts import IMPLEMENTATION_NAME, device_index, register, slot_pair_outputs
+from .fused_experts import fused_round, kernel_for, pool_weights, sum_rounds
 from .pool import SlotPool
 from .route_rows import observed_routing
 from .store import HostStore, reset_store_stats
@@ -166,7 +167,6 @@ class OffloadEngine:
             for obs in self.observers:
                 obs(moe_layer, *seen)
         clock.lap("predictor")
-        num_tokens, k = top_k_index.shape
         gid = (top_k_index + moe_layer * self.num_experts).reshape(-1)
         needed, counts = self._needed(moe_layer, top_k_index)
         pf = self.prefetcher
@@ -180,6 +180,44 @@ class OffloadEngine:
         st.misses += plan.misses
         st.layer_calls += 1
         st.rounds += len(plan.rounds)
+        kernel = kernel_for(module, hidden_states.dtype, hidden_states.device)
+        views = pool_weights(self.pool.rows) if kernel is not None else None
+        if views is not None:
+            result = self._fused_rounds(plan, kernel, views, moe_layer, gid, hidden_states, top_k_weights)
+        else:
+            result = self._grouped_rounds(plan, module, moe_layer, gid, hidden_states, top_k_weights)
+        if pf is not None:
+            if len(plan.rounds) > 1:  # earlier rounds' slots are Used before they computed: issue only now
+                pf.issue(moe_layer)
+            self.table.release(moe_layer)
+            clock.lap("management")
+        return result
+
+    def _fused_rounds(self, plan, kernel, views, moe_layer: int, gid: torch.Tensor, hidden_states: torch.Tensor,
+                      top_k_weights: torch.Tensor) -> torch.Tensor:
+        """The plan's rounds through the native kernel (``runtime.fused_experts``): one call when the layer fits in
+        one round; else each round's pairs written per pair and added in routing order at the end (the same float
+        operations as one round)."""
+        num_tokens, k = top_k_weights.shape
+        pair_out = None if len(plan.rounds) == 1 else torch.zeros(num_tokens, k, hidden_states.shape[-1])
+        for rnd in plan.rounds:
+            self._load_round(rnd, moe_layer, len(plan.rounds) == 1)
+            slot_ids = self.pool.lookup[gid]
+            if pair_out is not None:  # pairs of experts outside this round are skipped (-1)
+                in_round = torch.isin(gid, device_index(rnd.eids, gid.device))
+                slot_ids = slot_ids.masked_fill(~in_round, -1)
+            result = fused_round(kernel, views, hidden_states, slot_ids.view(num_tokens, k), top_k_weights, pair_out)
+            self.clock.lap("expert_compute")
+        if pair_out is not None:
+            result = sum_rounds(kernel, pair_out, hidden_states.dtype)
+            self.clock.lap("expert_compute")
+        return result
+
+    def _grouped_rounds(self, plan, module, moe_layer: int, gid: torch.Tensor, hidden_states: torch.Tensor,
+                        top_k_weights: torch.Tensor) -> torch.Tensor:
+        """The plan's rounds through the grouped GEMMs of ``runtime.experts`` (layers the native kernel does not
+        serve, or no kernel)."""
+        num_tokens, k = top_k_weights.shape
         weights = top_k_weights.reshape(-1)
         pairs = None
         for rnd in plan.rounds:
@@ -196,14 +234,9 @@ class OffloadEngine:
                 if pairs is None:
                     pairs = torch.zeros_like(out)
                 pairs.index_copy_(0, perm, torch.where(valid.unsqueeze(-1), out, pairs[perm]))
-            clock.lap("expert_compute")
-        if pf is not None:
-            if len(plan.rounds) > 1:  # earlier rounds' slots are Used before they computed: issue only now
-                pf.issue(moe_layer)
-            self.table.release(moe_layer)
-            clock.lap("management")
+            self.clock.lap("expert_compute")
         result = pairs.view(num_tokens, k, -1).sum(dim=1).to(hidden_states.dtype)
-        clock.lap("expert_compute")
+        self.clock.lap("expert_compute")
         return result
 
     def _load_round(self, rnd, moe_layer: int, only_round: bool) -> None:

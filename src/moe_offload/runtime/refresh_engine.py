@@ -31,6 +31,7 @@ from ..errors import MoeOffloadError
 from .emulated_clock import now
 from .engine import EngineStats
 from .experts import IMPLEMENTATION_NAME, device_index, register, slot_pair_outputs
+from .fused_experts import fused_round, kernel_for, pool_weights, sum_rounds
 from .host_fallback import HostFallback
 from .pool import SlotPool
 from .route_rows import observed_routing
@@ -284,8 +285,7 @@ class RefreshEngine:
         host.begin_layer()
         gid = (top_k_index + moe_layer * self.num_experts).reshape(-1)
         weights = top_k_weights.reshape(-1)
-        pairs = torch.zeros(num_tokens * k, hidden_states.shape[-1], dtype=hidden_states.dtype,
-                            device=hidden_states.device)
+        pairs = self._pairs(module, hidden_states, k)
         staged = None
         if dec.rounds is not None:  # tide's on-demand swaps: copy, compute, reuse computed experts' slots
             flat = top_k_index.reshape(-1)
@@ -321,7 +321,7 @@ class RefreshEngine:
                                  dev_slots)
         if staged is not None:
             st.fallback_s += host.compute(pairs, module, staged)
-        return pairs.view(num_tokens, k, -1).sum(dim=1).to(hidden_states.dtype)
+        return self._sum(pairs, module, hidden_states, k)
 
     def _count(self, dec) -> None:
         st = self.stats
@@ -342,8 +342,7 @@ class RefreshEngine:
         base = layer * self.budget
         gid = (top_k_index + layer * self.num_experts).reshape(-1)
         weights = top_k_weights.reshape(-1)
-        pairs = torch.zeros(num_tokens * k, hidden_states.shape[-1], dtype=hidden_states.dtype,
-                            device=hidden_states.device)
+        pairs = self._pairs(module, hidden_states, k)
         for rnd in plan.rounds:
             if rnd.loads:
                 t0 = now()
@@ -358,12 +357,40 @@ class RefreshEngine:
             in_round = torch.isin(top_k_index.reshape(-1), device_index(rnd.eids, gid.device))
             self._accumulate(pairs, module, self.pool.rows, hidden_states, self.pool.lookup[gid], in_round, weights,
                              k, sorted(base + s for s in rnd.slots))
-        return pairs.view(num_tokens, k, -1).sum(dim=1).to(hidden_states.dtype)
+        return self._sum(pairs, module, hidden_states, k)
+
+    def _kernel(self, module, hidden_states):
+        """The native kernel when it computes this layer's pairs (``runtime.fused_experts``; the host store's rows
+        share the pool's format), else None."""
+        kernel = kernel_for(module, hidden_states.dtype, hidden_states.device)
+        return kernel if kernel is not None and pool_weights(self.pool.rows) is not None else None
+
+    def _pairs(self, module, hidden_states, k: int) -> torch.Tensor:
+        """A layer's zeroed pair outputs ``[T * k, H]``: float32 for the native kernel's pairs (added at the end
+        by ``sum_rounds``, as FullLoad's one fused call adds them), else in the hidden states' dtype."""
+        dtype = torch.float32 if self._kernel(module, hidden_states) is not None else hidden_states.dtype
+        return torch.zeros(hidden_states.shape[0] * k, hidden_states.shape[-1], dtype=dtype,
+                           device=hidden_states.device)
+
+    def _sum(self, pairs, module, hidden_states, k: int) -> torch.Tensor:
+        """The pairs added per token in routing order -> ``[T, H]`` in the hidden states' dtype."""
+        kernel = self._kernel(module, hidden_states)
+        if kernel is not None:
+            return sum_rounds(kernel, pairs.view(hidden_states.shape[0], k, -1), hidden_states.dtype)
+        return pairs.view(hidden_states.shape[0], k, -1).sum(dim=1).to(hidden_states.dtype)
 
     @staticmethod
     def _accumulate(pairs, module, source, hidden_states, rows, mask, weights, k, slots: list[int]) -> None:
         """Compute the pairs selected by ``mask`` (``rows``: their row in ``source``, an ``ExpertRows``; ``slots``:
-        the sorted distinct rows they use, a host list) into ``pairs`` [T * k, H], without synchronising."""
+        the sorted distinct rows they use, a host list) into ``pairs`` [T * k, H], without synchronising: with the
+        native kernel where it serves the layer (float32 pairs), else the grouped GEMMs."""
+        kernel = kernel_for(module, hidden_states.dtype, hidden_states.device)
+        views = pool_weights(source) if kernel is not None else None
+        if views is not None:
+            T = hidden_states.shape[0]
+            fused_round(kernel, views, hidden_states, rows.masked_fill(~mask, -1).view(T, k), weights.view(T, k),
+                        pair_out=pairs.view(T, k, -1))
+            return
         ids = rows.masked_fill(~mask, slots[-1] + 1)
         out, perm, valid = slot_pair_outputs(module, source, hidden_states, ids, weights, k, slots)
         pairs.index_copy_(0, perm, torch.where(valid.unsqueeze(-1), out.to(pairs.dtype), pairs[perm]))

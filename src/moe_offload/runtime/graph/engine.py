@@ -30,6 +30,7 @@ import torch
 from ...errors import MoeOffloadError
 from ..engine import EngineStats
 from ..experts import IMPLEMENTATION_NAME, register, slot_pair_outputs
+from ..fused_experts import fused_round, kernel_for, pool_weights
 from .cache import GraphCache
 from ..pool import SlotPool
 from ..store import HostStore
@@ -289,13 +290,21 @@ class GraphEngine:
 
     def compute(self, layer: int, hidden_states: torch.Tensor, slot_ids: torch.Tensor,
                 pair_weights: torch.Tensor) -> torch.Tensor:
-        """The op's GEMMs. One token (decode) on a CPU pool with a zero-copy format: ``_one_token``. Otherwise
+        """The op's GEMMs. A layer the native kernel serves: the kernel (``runtime.fused_experts``). One token
+        (decode) on a CPU pool with a zero-copy format: ``_one_token``. Otherwise
         ``runtime.experts.slot_pair_outputs`` over the pairs' slots (prefill, decoded formats, CUDA), the pairs
         put back in router order and summed per token, as ``OffloadEngine.forward`` (and transformers) do."""
         t0 = time.perf_counter()
         num_tokens = hidden_states.shape[0]
         k = slot_ids.numel() // num_tokens
         module, rows = self.modules[layer], self.pool.rows
+        kernel = kernel_for(module, hidden_states.dtype, hidden_states.device)
+        views = pool_weights(rows) if kernel is not None else None
+        if views is not None:  # the native kernel (runtime.fused_experts), as the eager engine and FullLoad run it
+            result = fused_round(kernel, views, hidden_states, slot_ids.view(num_tokens, k),
+                                 pair_weights.view(num_tokens, k))
+            self._count(t0)
+            return result
         sid = slot_ids.tolist()
         if num_tokens == 1 and rows.zero_copy and not self._cuda:
             out = self._one_token(module, hidden_states, sid, pair_weights)
@@ -303,11 +312,15 @@ class GraphEngine:
             out, perm, _ = slot_pair_outputs(module, rows, hidden_states, slot_ids, pair_weights, k, sorted(set(sid)))
             out = torch.empty_like(out).index_copy_(0, perm, out)
         result = out.view(num_tokens, k, -1).sum(dim=1).to(hidden_states.dtype)
+        self._count(t0)
+        return result
+
+    def _count(self, t0: float) -> None:
+        """One layer's experts computed (since ``t0``, ``time.perf_counter``)."""
         self._stats.layer_calls += 1
         self._stats.rounds += 1
         if self._decoding:
             self.op_seconds["expert_compute"] += time.perf_counter() - t0
-        return result
 
     def _one_token(self, module, x: torch.Tensor, sid: list[int], pair_weights: torch.Tensor) -> torch.Tensor:
         """``x [1, H]`` through the ``k`` distinct slots ``sid``: one ``mm`` per pair and projection on views of

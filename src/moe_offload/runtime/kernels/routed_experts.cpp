@@ -1,0 +1,343 @@
+// The routed experts of one MoE layer in one call, computed from a slot pool (issue 46; SeqMoE §8.1 on a CPU).
+//
+//   out[t, :] = sum_j w[t, j] * down[s_tj] @ (silu(gate[s_tj] @ x_t) * (up[s_tj] @ x_t))
+//
+// for the tokens t of x [T, H] and their k routed (slot, weight) pairs (j in routing order), where gate_up
+// [S, 2I, H] holds each slot's gate rows then its up rows (transformers' concatenated layout) and down [S, H, I].
+// The slots' weights are read in place (strided views of the pool: any slot stride, contiguous rows), float32 or
+// bfloat16; x and the result have x's dtype; the arithmetic is float32 (bfloat16 weights widen exactly).
+//
+// Determinism: every output element is computed by one thread, by the same code, in one fixed order (a dot
+// product's 32 partial sums in a fixed lane order and a fixed tree; the k pairs in routing order), so the result
+// depends neither on the thread count nor on which slot holds an expert: an offloaded run and FullLoad running this
+// kernel agree bit for bit. A pair whose slot is -1 is skipped (a round of a layer that needs more experts than the
+// pool holds); with ``pair_out`` the weighted outputs of the computed pairs are written there instead of summed,
+// and ``sum_pairs`` adds them in routing order with the same float operations as the fused sum.
+//
+// Dispatch at run time: an AVX2 + FMA path (compiled for that target) where the CPU has it, else the portable path,
+// which performs the same float operations in the same order (the two agree bit for bit; a test checks it). The
+// interpreter lock is released while the kernel runs; its loops run on torch's intra-op threads.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define MOE_X86 1
+#else
+#define MOE_X86 0
+#endif
+
+namespace {
+
+constexpr int kLanes = 8;   // floats per vector
+constexpr int kAcc = 4;     // independent accumulators (vectors) per dot product
+constexpr int kStep = kLanes * kAcc;
+
+inline float widen(float v) { return v; }
+inline float widen(uint16_t v) {
+  uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// 8 lanes summed in the tree the AVX2 path uses: ((0+4) + (2+6)) + ((1+5) + (3+7)).
+inline float tree8(const float* a) {
+  return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+}
+
+// The portable dot product of n elements. Lane l of accumulator a takes elements i + 8a + l of every step of 32;
+// the full chunks of 8 past the last full step go to accumulator 0; the accumulators are combined as (0 + 1) +
+// (2 + 3) lane by lane, then the 8 lanes by tree8; the last n % 8 elements follow one by one.
+template <typename W>
+float dot_portable(const W* w, const float* x, int64_t n) {
+  float acc[kAcc][kLanes] = {};
+  int64_t i = 0;
+  for (; i + kStep <= n; i += kStep)
+    for (int a = 0; a < kAcc; ++a)
+      for (int l = 0; l < kLanes; ++l) {
+        int64_t e = i + a * kLanes + l;
+        acc[a][l] = std::fma(widen(w[e]), x[e], acc[a][l]);
+      }
+  for (; i + kLanes <= n; i += kLanes)
+    for (int l = 0; l < kLanes; ++l) acc[0][l] = std::fma(widen(w[i + l]), x[i + l], acc[0][l]);
+  float v[kLanes];
+  for (int l = 0; l < kLanes; ++l) v[l] = (acc[0][l] + acc[1][l]) + (acc[2][l] + acc[3][l]);
+  float s = tree8(v);
+  for (; i < n; ++i) s = std::fma(widen(w[i]), x[i], s);
+  return s;
+}
+
+#if MOE_X86
+__attribute__((target("avx2,fma"))) inline float hsum8(__m256 v) {
+  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+  __m128 a = _mm_add_ps(lo, hi);                        // (0+4, 1+5, 2+6, 3+7)
+  __m128 b = _mm_add_ps(a, _mm_movehl_ps(a, a));         // ((0+4)+(2+6), (1+5)+(3+7), ...)
+  __m128 c = _mm_add_ss(b, _mm_shuffle_ps(b, b, 0x55));  // the two halves
+  return _mm_cvtss_f32(c);
+}
+
+__attribute__((target("avx2,fma"))) inline __m256 load8(const float* w) { return _mm256_loadu_ps(w); }
+
+__attribute__((target("avx2,fma"))) inline __m256 load8(const uint16_t* w) {
+  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+template <typename W>
+__attribute__((target("avx2,fma"))) float dot_avx2(const W* w, const float* x, int64_t n) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + kStep <= n; i += kStep) {
+    a0 = _mm256_fmadd_ps(load8(w + i), _mm256_loadu_ps(x + i), a0);
+    a1 = _mm256_fmadd_ps(load8(w + i + 8), _mm256_loadu_ps(x + i + 8), a1);
+    a2 = _mm256_fmadd_ps(load8(w + i + 16), _mm256_loadu_ps(x + i + 16), a2);
+    a3 = _mm256_fmadd_ps(load8(w + i + 24), _mm256_loadu_ps(x + i + 24), a3);
+  }
+  for (; i + kLanes <= n; i += kLanes) a0 = _mm256_fmadd_ps(load8(w + i), _mm256_loadu_ps(x + i), a0);
+  float s = hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+  for (; i < n; ++i) s = std::fma(widen(w[i]), x[i], s);
+  return s;
+}
+
+bool have_avx2() {
+  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return yes;
+}
+#endif
+
+template <typename W>
+inline float dot(const W* w, const float* x, int64_t n, bool fast) {
+#if MOE_X86
+  if (fast) return dot_avx2<W>(w, x, n);
+#endif
+  (void)fast;
+  return dot_portable<W>(w, x, n);
+}
+
+inline float silu(float g) { return g / (1.0f + std::exp(-g)); }
+
+struct Problem {
+  const float* x;        // [T, H]
+  const int64_t* slots;  // [T * k], -1: skip
+  const float* weights;  // [T * k]
+  int64_t T, H, k, I;
+  bool fast;
+};
+
+// Phase 1: h[pair, i] = silu(gate_i . x_t) * (up_i . x_t) for every computed pair. Work items are (group, row):
+// the pairs of one slot share its rows, which stay in cache while each of the group's tokens is multiplied.
+template <typename W>
+void gate_up_phase(const Problem& p, const W* gate_up, int64_t gu_stride, std::vector<float>& h) {
+  const int64_t n_pairs = p.T * p.k, I = p.I, H = p.H;
+  std::vector<int64_t> order;  // computed pairs sorted by slot (stable): the groups
+  order.reserve(static_cast<size_t>(n_pairs));
+  for (int64_t q = 0; q < n_pairs; ++q)
+    if (p.slots[q] >= 0) order.push_back(q);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return p.slots[a] < p.slots[b]; });
+  std::vector<int64_t> starts;
+  for (size_t q = 0; q < order.size(); ++q)
+    if (q == 0 || p.slots[order[q]] != p.slots[order[q - 1]]) starts.push_back(static_cast<int64_t>(q));
+  starts.push_back(static_cast<int64_t>(order.size()));
+  const int64_t groups = static_cast<int64_t>(starts.size()) - 1;
+  std::vector<float> g(static_cast<size_t>(n_pairs * I));
+  at::parallel_for(0, groups * 2 * I, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      int64_t grp = n / (2 * I), r = n % (2 * I);
+      const W* row = gate_up + p.slots[order[starts[grp]]] * gu_stride + r * H;
+      for (int64_t q = starts[grp]; q < starts[grp + 1]; ++q) {
+        int64_t pair = order[q];
+        float v = dot(row, p.x + (pair / p.k) * H, H, p.fast);
+        if (r < I) g[pair * I + r] = v;
+        else h[pair * I + (r - I)] = v;
+      }
+    }
+  });
+  for (int64_t q : order)
+    for (int64_t i = 0; i < I; ++i) h[q * I + i] = silu(g[q * I + i]) * h[q * I + i];
+}
+
+// Phase 2: y[pair, c] = w[pair] * (down_c . h[pair]) for every computed pair, one pair's rows after another (each
+// pair's down matrix streamed once), into y [T * k, H]; rows of skipped pairs are left as they are.
+template <typename W>
+void down_phase(const Problem& p, const W* down, int64_t down_stride, const std::vector<float>& h, float* y) {
+  const int64_t H = p.H, I = p.I;
+  at::parallel_for(0, p.T * p.k * H, 32, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      int64_t pair = n / H, c = n % H;
+      if (p.slots[pair] < 0) continue;
+      y[n] = p.weights[pair] * dot(down + p.slots[pair] * down_stride + c * I, h.data() + pair * I, I, p.fast);
+    }
+  });
+}
+
+// Phase 3: out[t, c] = sum over the computed pairs j of y[t * k + j, c], in routing order, starting from 0.
+void sum_phase(const Problem& p, const float* y, float* out) {
+  const int64_t H = p.H, k = p.k;
+  at::parallel_for(0, p.T * H, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      int64_t t = n / H, c = n % H;
+      float acc = 0.0f;
+      for (int64_t j = 0; j < k; ++j)
+        if (p.slots[t * k + j] >= 0) acc = acc + y[(t * k + j) * H + c];
+      out[n] = acc;
+    }
+  });
+}
+
+template <typename W>
+void compute(const Problem& p, const W* gate_up, int64_t gu_stride, const W* down, int64_t down_stride, float* out,
+             float* pair_out) {
+  std::vector<float> h(static_cast<size_t>(p.T * p.k * p.I));
+  gate_up_phase<W>(p, gate_up, gu_stride, h);
+  if (pair_out) {
+    down_phase<W>(p, down, down_stride, h, pair_out);
+    return;
+  }
+  std::vector<float> y(static_cast<size_t>(p.T * p.k * p.H));
+  down_phase<W>(p, down, down_stride, h, y.data());
+  sum_phase(p, y.data(), out);
+}
+
+void check_rows(const torch::Tensor& w, const char* name) {
+  TORCH_CHECK(w.dim() == 3, name, " must be [S, rows, cols]");
+  TORCH_CHECK(w.stride(2) == 1 && w.stride(1) == w.size(2), name, "'s rows must be contiguous");
+  TORCH_CHECK(w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16, name,
+              " must be float32 or bfloat16");
+}
+
+bool use_fast(bool portable) {
+#if MOE_X86
+  return !portable && have_avx2();
+#else
+  (void)portable;
+  return false;
+#endif
+}
+
+}  // namespace
+
+// x [T, H]; slots [T, k] int64 (rows of gate_up / down, -1: skip the pair); weights [T, k]; gate_up [S, 2I, H];
+// down [S, H, I]; pair_out: None, or [T, k, H] float32 that receives the computed pairs' weighted outputs (then the
+// result is pair_out itself); portable: the portable path even where AVX2 is there (tests).
+// Returns [T, H] in x's dtype (or pair_out).
+torch::Tensor routed_experts(torch::Tensor x, torch::Tensor slots, torch::Tensor weights, torch::Tensor gate_up,
+                             torch::Tensor down, c10::optional<torch::Tensor> pair_out, bool portable) {
+  TORCH_CHECK(x.device().is_cpu() && gate_up.device().is_cpu() && down.device().is_cpu(),
+              "routed_experts runs on the CPU");
+  TORCH_CHECK(x.dim() == 2 && slots.dim() == 2 && weights.sizes() == slots.sizes() && slots.size(0) == x.size(0),
+              "routed_experts: x [T, H], slots and weights [T, k]");
+  check_rows(gate_up, "gate_up");
+  check_rows(down, "down");
+  TORCH_CHECK(gate_up.scalar_type() == down.scalar_type(), "gate_up and down must have one dtype");
+  const int64_t T = x.size(0), H = x.size(1), k = slots.size(1), I = down.size(2);
+  TORCH_CHECK(gate_up.size(1) == 2 * I && gate_up.size(2) == H && down.size(1) == H,
+              "routed_experts: gate_up [S, 2I, H] and down [S, H, I] must match x's H");
+  auto xs = x.to(at::kFloat).contiguous();
+  auto ss = slots.to(at::kLong).contiguous();
+  auto ws = weights.to(at::kFloat).contiguous();
+  const int64_t* sp = ss.data_ptr<int64_t>();
+  const int64_t S = std::min(gate_up.size(0), down.size(0));
+  for (int64_t n = 0; n < ss.numel(); ++n)
+    TORCH_CHECK(sp[n] >= -1 && sp[n] < S, "routed_experts: slot ", sp[n], " out of range [0, ", S, ")");
+  float* pout = nullptr;
+  if (pair_out.has_value()) {
+    TORCH_CHECK(pair_out->scalar_type() == at::kFloat && pair_out->is_contiguous() && pair_out->dim() == 3 &&
+                    pair_out->size(0) == T && pair_out->size(1) == k && pair_out->size(2) == H,
+                "routed_experts: pair_out must be a contiguous float32 [T, k, H]");
+    pout = pair_out->data_ptr<float>();
+  }
+  auto out = pout ? torch::Tensor() : torch::empty({T, H}, xs.options());
+  Problem p{xs.data_ptr<float>(), sp, ws.data_ptr<float>(), T, H, k, I, use_fast(portable)};
+  {
+    pybind11::gil_scoped_release release;
+    if (gate_up.scalar_type() == at::kFloat) {
+      compute<float>(p, gate_up.data_ptr<float>(), gate_up.stride(0), down.data_ptr<float>(), down.stride(0),
+                     pout ? nullptr : out.data_ptr<float>(), pout);
+    } else {
+      compute<uint16_t>(p, reinterpret_cast<const uint16_t*>(gate_up.data_ptr<at::BFloat16>()), gate_up.stride(0),
+                        reinterpret_cast<const uint16_t*>(down.data_ptr<at::BFloat16>()), down.stride(0),
+                        pout ? nullptr : out.data_ptr<float>(), pout);
+    }
+  }
+  return pout ? *pair_out : out.to(x.scalar_type());
+}
+
+// pair_out [T, k, H] float32 -> [T, H] in dtype: the pairs added in routing order, as the fused sum adds them.
+torch::Tensor sum_pairs(torch::Tensor pair_out, at::ScalarType dtype) {
+  TORCH_CHECK(pair_out.scalar_type() == at::kFloat && pair_out.is_contiguous() && pair_out.dim() == 3,
+              "sum_pairs: a contiguous float32 [T, k, H]");
+  const int64_t T = pair_out.size(0), k = pair_out.size(1), H = pair_out.size(2);
+  auto out = torch::empty({T, H}, pair_out.options());
+  const float* src = pair_out.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t c = 0; c < H; ++c) {
+      float acc = 0.0f;
+      for (int64_t j = 0; j < k; ++j) acc = acc + src[(t * k + j) * H + c];
+      dst[t * H + c] = acc;
+    }
+  return out.to(dtype);
+}
+
+// x [M, K] (any float dtype), weight [O, K] float32 or bfloat16 with contiguous rows, bias [O] or None ->
+// x @ weight.T + bias, [M, O] in x's dtype: every output one dot product by one thread (the routed experts' dot), so
+// the result depends neither on the thread count nor on M. For the few rows of a decode step (torch's GEMM runs a
+// large matrix times one row, e.g. an LM head, well below the memory's bandwidth on this kind of CPU).
+torch::Tensor linear_rows(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias, bool portable) {
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "linear_rows runs on the CPU");
+  TORCH_CHECK(weight.dim() == 2 && weight.stride(1) == 1, "linear_rows: weight [O, K] with contiguous rows");
+  TORCH_CHECK(weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16,
+              "linear_rows: float32 or bfloat16 weights");
+  const int64_t K = weight.size(1), O = weight.size(0), ld = weight.stride(0);
+  TORCH_CHECK(x.size(-1) == K, "linear_rows: x's last dimension must be the weight's");
+  auto xs = x.reshape({-1, K}).to(at::kFloat).contiguous();
+  const int64_t M = xs.size(0);
+  c10::optional<torch::Tensor> bs;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == O, "linear_rows: bias [O]");
+    bs = bias->to(at::kFloat).contiguous();
+  }
+  auto out = torch::empty({M, O}, xs.options());
+  const float* xp = xs.data_ptr<float>();
+  const float* bp = bs.has_value() ? bs->data_ptr<float>() : nullptr;
+  float* op = out.data_ptr<float>();
+  const bool fast = use_fast(portable);
+  {
+    pybind11::gil_scoped_release release;
+    auto run = [&](auto* w) {
+      at::parallel_for(0, M * O, 64, [&](int64_t begin, int64_t end) {
+        for (int64_t n = begin; n < end; ++n) {
+          int64_t m = n / O, o = n % O;
+          float v = dot(w + o * ld, xp + m * K, K, fast);
+          op[n] = bp ? v + bp[o] : v;
+        }
+      });
+    };
+    if (weight.scalar_type() == at::kFloat) run(weight.data_ptr<float>());
+    else run(reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>()));
+  }
+  auto sizes = x.sizes().vec();
+  sizes.back() = O;
+  return out.to(x.scalar_type()).view(sizes);
+}
+
+std::string kernel_path() { return use_fast(false) ? "avx2+fma" : "portable"; }
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("routed_experts", &routed_experts, "the routed experts of one MoE layer from a slot pool",
+        pybind11::arg("x"), pybind11::arg("slots"), pybind11::arg("weights"), pybind11::arg("gate_up"),
+        pybind11::arg("down"), pybind11::arg("pair_out") = pybind11::none(), pybind11::arg("portable") = false);
+  m.def("sum_pairs", &sum_pairs, "weighted pair outputs summed per token in routing order");
+  m.def("linear_rows", &linear_rows, "x @ weight.T + bias for a few rows, deterministic",
+        pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias") = pybind11::none(),
+        pybind11::arg("portable") = false);
+  m.def("kernel_path", &kernel_path, "which path routed_experts runs on this CPU");
+}
