@@ -10,8 +10,6 @@ offloaded engines load through the same function, so they keep agreeing bit for 
 
 from __future__ import annotations
 
-import types
-
 import torch
 import torch.nn.functional as F
 
@@ -43,6 +41,12 @@ def fast_linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return F.linear(x, w, self.bias)
 
 
+class FastLinear(torch.nn.Linear):
+    """``nn.Linear`` whose forward is ``fast_linear_forward`` (the class of a layer ``use_fast_linears`` routed)."""
+
+    forward = fast_linear_forward
+
+
 def use_fast_linears(model: torch.nn.Module) -> int:
     """Route ``model``'s ``nn.Linear`` layers with float32 / bfloat16 weights on the CPU through the kernel for
     decode-sized inputs (module docstring); returns how many. Nothing changes without the kernel."""
@@ -54,6 +58,6 @@ def use_fast_linears(model: torch.nn.Module) -> int:
         if (type(mod) is torch.nn.Linear and mod.weight.device.type == "cpu" and mod.weight.dtype in DTYPES
                 and mod.weight.stride(-1) == 1):
             mod._moe_kernel = kernel
-            mod.forward = types.MethodType(fast_linear_forward, mod)
+            mod.__class__ = FastLinear  # a class swap, not a bound method on the instance: no reference cycle
             n += 1
     return n
