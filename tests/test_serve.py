@@ -20,11 +20,14 @@ from moe_offload.errors import MoeOffloadError
 from moe_offload.generation.generate import encode_prompt, generate_ids
 from moe_offload.generation.diffusion import diffusion_generate_ids
 from moe_offload.models.loader import load_offloaded
+from moe_offload.runtime.kernels import native
 from moe_offload.serve.memory import GB, slots_for_budget
 from moe_offload.serve.server import ServeConfig, ServerThread, load_for_serving
 from moe_offload.serve.jobs import Detokenizer
 
-BUDGET_GB = 0.0048  # tiny Qwen3-MoE at 512 tokens: room for 28 of its 48 experts (measured activation peak)
+#: tiny Qwen3-MoE at 512 tokens: a budget with room for 26 of its 48 experts on the native routed-experts kernel, 28
+#: on the pure-torch path (their measured activation peaks differ: 2.05 MB and 3.40 MB)
+BUDGET_GB, BUDGET_SLOTS = (0.0034, 26) if native() is not None else (0.0048, 28)
 PROMPT = "Hello there, how are you today?"
 
 
@@ -332,7 +335,7 @@ def test_memory_plan_by_hand_and_measured_peak(qwen, tiny_dirs):
     budget = int(BUDGET_GB * GB)
     by_hand = (budget - plan.non_expert_bytes - plan.lookup_bytes - plan.kv_cache_bytes - plan.activation_bytes) \
         // expert_bytes
-    assert plan.slots == min(by_hand, layers * experts) == 28
+    assert plan.slots == min(by_hand, layers * experts) == BUDGET_SLOTS
     assert state.lm.engine.pool.num_slots == plan.slots
     assert state.lm.engine.pool.nbytes == plan.slots * expert_bytes
     assert plan.budget_bytes == budget and plan.total_bytes <= budget and plan.max_context == 512

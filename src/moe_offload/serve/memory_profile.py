@@ -11,7 +11,9 @@ none of the operator's inputs' is a new allocation; it stays counted until the s
 a weak reference to the storage), and the static part is the bytes of the model's parameters and buffers, the
 pool and the lookup table. Not seen on the CPU: scratch memory a kernel allocates internally without making a
 tensor of it (e.g. a GEMM's packing buffers) and tensors made from Python data (``torch.tensor([...])``, a few
-bytes of expert ids).
+bytes of expert ids). Our native routed-experts kernel allocates outside the dispatcher too (its result and
+scratch, which the tracker does not see): it counts the most one call took, and that is added to the tracker's
+peak (an upper bound of what it held at the tracker's peak: one call runs at a time).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..errors import MoeOffloadError
+from ..runtime.kernels import native
 
 
 def _tensors(obj, out: list) -> list:
@@ -242,11 +245,13 @@ def profile_request(lm, max_context: int, block_length: int | None = None) -> Re
             peak = request_peak_bytes(base, torch.cuda.max_memory_reserved(dev), torch.cuda.memory_reserved(dev),
                                       free_before, torch.cuda.mem_get_info(dev)[0])
         else:
-            tracker = DeviceTierTracker(dev)
+            tracker, kernels = DeviceTierTracker(dev), native()
+            if kernels is not None:
+                kernels.workspace_peak_bytes(True)
             with tracker:
                 kv = (_profile_diffusion(lm, max_context, block_length) if block_length
                       else _profile_autoregressive(lm, max_context))
-            peak = tracker.peak_bytes
+            peak = tracker.peak_bytes + (kernels.workspace_peak_bytes(True) if kernels is not None else 0)
     except torch.OutOfMemoryError:
         raise MoeOffloadError(f"out of device memory in the profile run at --max-context {max_context}: lower "
                               "--max-context or raise the budget") from None

@@ -22,6 +22,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -120,6 +121,17 @@ inline float dot(const W* w, const float* x, int64_t n, bool fast) {
 #endif
   (void)fast;
   return dot_portable<W>(w, x, n);
+}
+
+// The most bytes one call of routed_experts has allocated outside torch's dispatcher (its float32 copies of x,
+// slots and weights, its result, its scratch), since the last reset: the memory profile of serving adds it to what
+// its tracker sees (serve/memory_profile.py), since these allocations are not tensors an operator returns.
+std::atomic<int64_t> g_workspace_peak{0};
+
+void note_workspace(int64_t bytes) {
+  int64_t prev = g_workspace_peak.load();
+  while (bytes > prev && !g_workspace_peak.compare_exchange_weak(prev, bytes)) {
+  }
 }
 
 inline float silu(float g) { return g / (1.0f + std::exp(-g)); }
@@ -255,6 +267,9 @@ torch::Tensor routed_experts(torch::Tensor x, torch::Tensor slots, torch::Tensor
     pout = pair_out->data_ptr<float>();
   }
   auto out = pout ? torch::Tensor() : torch::empty({T, H}, xs.options());
+  const int64_t pairs = T * k;  // x, slots, weights copies; result (and its cast); h and g; y; the sort's indices
+  note_workspace(4 * T * H + 12 * pairs + (pout ? 0 : 8 * T * H) + 8 * pairs * I + (pout ? 0 : 4 * pairs * H) +
+                 16 * pairs);
   Problem p{xs.data_ptr<float>(), sp, ws.data_ptr<float>(), T, H, k, I, use_fast(portable)};
   {
     pybind11::gil_scoped_release release;
@@ -329,6 +344,9 @@ torch::Tensor linear_rows(torch::Tensor x, torch::Tensor weight, c10::optional<t
   return out.to(x.scalar_type()).view(sizes);
 }
 
+// The peak of note_workspace since the last reset (bytes); reset: start counting again from 0.
+int64_t workspace_peak_bytes(bool reset) { return reset ? g_workspace_peak.exchange(0) : g_workspace_peak.load(); }
+
 std::string kernel_path() { return use_fast(false) ? "avx2+fma" : "portable"; }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -339,5 +357,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_rows", &linear_rows, "x @ weight.T + bias for a few rows, deterministic",
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias") = pybind11::none(),
         pybind11::arg("portable") = false);
+  m.def("workspace_peak_bytes", &workspace_peak_bytes, "routed_experts' largest allocation outside the dispatcher",
+        pybind11::arg("reset") = false);
   m.def("kernel_path", &kernel_path, "which path routed_experts runs on this CPU");
 }
