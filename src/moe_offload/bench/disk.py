@@ -83,7 +83,7 @@ class DiskBench:
         model_dir: our checkpoint; gguf: the same checkpoint as GGUF (None: no llama.cpp rows).
         llama_bin: llama.cpp's ``llama-completion`` (None: its rows say "not installed").
         prompt: the prompt text (chat template applied), the same for every engine.
-        max_new_tokens: tokens generated per cell; threads: llama.cpp's ``-t`` (ours: torch's default).
+        max_new_tokens: tokens generated per cell; threads: every engine's threads (ours ``--threads``, llama.cpp's ``-t``).
         policies: our disk-store rows (``core.policy_spec.PolicySpec``s; names are parsed); predictor: for the rows
             a predictor drives.
         fractions: shares of the expert bytes in memory; reverse: rows and limits in the opposite order.
@@ -123,7 +123,8 @@ class DiskBench:
     def ours(self, store: str | None, residency: float = 1.0, policy: PolicySpec | str = "lru") -> list[str]:
         """Our ``generate --json`` command: FullLoad (``store`` None) or offloaded."""
         cmd = [sys.executable, "-m", "moe_offload.cli", "generate", "--model", str(self.model_dir), "--prompt",
-               self.prompt, "--max-new-tokens", str(self.max_new_tokens), "--json", "--quiet"]
+               self.prompt, "--max-new-tokens", str(self.max_new_tokens), "--json", "--quiet", "--threads",
+               str(self.threads)]
         if store is None:
             return cmd + ["--full-load"]
         spec = parse_policy(policy)

@@ -168,7 +168,15 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    "with cross-layer forecasts); diffusion models: reactive, tide-fixed-T<n>, tide (auto: lru)")
     p.add_argument("--max-new-tokens", type=positive_int, default=64, help="tokens to generate per prompt at most")
     add_prompt_args(p)
+    add_threads_arg(p)
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def add_threads_arg(p: argparse.ArgumentParser) -> None:
+    """``--threads N``: the intra-op threads every computing path of the command runs on (torch's operators and our
+    native kernels share one pool; ``entry.main`` sets it before the command runs)."""
+    p.add_argument("--threads", type=positive_int, help="intra-op threads for the compute, torch's and our kernels' "
+                   "(default: OMP_NUM_THREADS, else one per core, or one when another process holds a core)")
 
 
 def memory_budget(s: str) -> float | str:

@@ -1,5 +1,6 @@
 """``moe-offload bench decode | link | diffusion | formats | graph | replay | disk-figure | gpu-check``: the options,
-the calls into ``bench`` and the tables printed (``bench disk``: ``cli/bench_disk.py``; ``bench serve`` and
+the calls into ``bench`` and the tables printed (``bench disk``: ``cli/bench_disk.py``; ``bench peers``:
+``cli/bench_peers.py``; ``bench serve`` and
 ``bench replicas``: ``cli/serve.py``)."""
 
 from __future__ import annotations
@@ -54,6 +55,9 @@ def add_parsers(sub):
     from .bench_disk import add_parser as add_disk_parser
 
     add_disk_parser(bsub)
+    from .bench_peers import add_parser as add_peers_parser
+
+    add_peers_parser(bsub)
     bf = bsub.add_parser("diffusion", help="TIDE: diffusion tokens/s of FullLoad, reactive, tide-fixed-T<n> and tide "
                          "per budget under an emulated link and host-fallback regime, with and without the prefix "
                          "cache")
@@ -213,6 +217,10 @@ def run(args) -> int:
         from .bench_disk import run as bench_disk_run
 
         return bench_disk_run(args)
+    if args.bench_cmd == "peers":
+        from .bench_peers import run as bench_peers_run
+
+        return bench_peers_run(args)
     if args.bench_cmd == "disk-figure":
         from ..bench.disk_figure import share_figure
 

@@ -39,7 +39,7 @@ def add_parser(bsub) -> None:
     bk.add_argument("--max-new-tokens", type=positive_int, default=128, help="per cell (default 128)")
     bk.add_argument("--sharegpt-offset", type=int_in(0, 10**6), default=600, help="the prompt: this ShareGPT human "
                     "turn (default 600: unseen by predictors trained on the first 500)")
-    bk.add_argument("--threads", type=positive_int, default=2, help="llama.cpp's threads (default 2)")
+    bk.add_argument("--threads", type=positive_int, default=2, help="threads of every engine: ours (--threads) and llama.cpp's (-t) (default 2)")
     bk.add_argument("--reverse", action="store_true", help="run rows and limits in the opposite order")
     bk.add_argument("--no-peers", action="store_true", help="only our disk-store rows (no mmap, no llama.cpp)")
     bk.add_argument("--cell-timeout", type=positive_int, default=900, help="seconds a cell may run; one that does "

@@ -85,11 +85,18 @@ def _dispatch(args) -> int:
 
 
 def _command_threads(args) -> None:
-    """Intra-op threads for ``generate`` / ``serve`` run from the shell (``common.threads.command_threads``): one
-    when another process holds a core and one thread is clearly faster, said on stderr unless ``--quiet``."""
+    """Intra-op threads: ``--threads N`` where the command has it (every computing path runs on torch's intra-op
+    pool); else, for ``generate`` / ``serve`` run from the shell (``common.threads.command_threads``), one when
+    another process holds a core and one thread is clearly faster, said on stderr unless ``--quiet``."""
     import torch
 
     from ..common.threads import command_threads
+
+    if isinstance(getattr(args, "threads", None), int):
+        torch.set_num_threads(args.threads)
+        return
+    if args.cmd not in ("generate", "serve"):
+        return
 
     got = command_threads()
     if got is None or got[0] == got[1]:
@@ -97,7 +104,7 @@ def _command_threads(args) -> None:
     torch.set_num_threads(got[0])
     if not getattr(args, "quiet", False):
         print(f"moe-offload: the CPU is busy (another process holds a core): {got[0]} intra-op thread instead of "
-              f"{got[1]}, which would wait for each other (set OMP_NUM_THREADS to choose)", file=sys.stderr)
+              f"{got[1]}, which would wait for each other (--threads N to choose)", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,8 +115,11 @@ def main(argv: list[str] | None = None) -> int:
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
+    import torch
+
+    threads_before = torch.get_num_threads()
     try:
-        if argv is None and args.cmd in ("generate", "serve"):  # started from the shell, not called by code
+        if argv is None or isinstance(getattr(args, "threads", None), int):  # from the shell, or --threads given
             _command_threads(args)
         return _dispatch(args)
     except MoeOffloadError as e:
@@ -122,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())       # so the interpreter's final flush does not raise again
         return 1
+    finally:
+        if argv is not None:  # called by code: its thread count is as it was
+            torch.set_num_threads(threads_before)
 
 
 if __name__ == "__main__":

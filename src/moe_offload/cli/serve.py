@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ..core.policy_spec import parse_policy
 from ..errors import MoeOffloadError
-from .args import (MODEL_HELP, add_host_store_arg, add_memory_budget_arg, finite_float, nonneg_int,
+from .args import (MODEL_HELP, add_host_store_arg, add_memory_budget_arg, add_threads_arg, finite_float, nonneg_int,
                    positive_int)
 
 
@@ -42,6 +42,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threshold", type=finite_float, help="diffusion models: commit confidence in (0, 1] (default 0.95)")
     p.add_argument("--no-prefix-cache", action="store_true", help="diffusion models: recompute the whole prefix at "
                    "every diffusion step instead of caching the committed blocks' keys and values (same tokens)")
+    add_threads_arg(p)
     p.add_argument("--quiet", action="store_true", help="no progress bars")
 
 

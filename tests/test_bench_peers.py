@@ -1,0 +1,59 @@
+"""``--threads`` on every computing command, and ``bench peers`` (issue 46): the cells run, the table is right."""
+
+import json
+
+import pytest
+import torch
+
+from moe_offload.bench.peers import FULL, HF, OFFLOADED, PeerBench, markdown
+from moe_offload.cli import main
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_generate_runs_on_the_threads_asked_and_gives_them_back(tiny_dirs, capsys, threads):
+    before = torch.get_num_threads()
+    assert main(["generate", "--model", str(tiny_dirs["qwen3_moe"]), "--prompt", "hi", "--max-new-tokens", "3",
+                 "--full-load", "--json", "--quiet", "--threads", str(threads)]) == 0
+    assert json.loads(capsys.readouterr().out)["stats"]["threads"] == threads
+    assert torch.get_num_threads() == before
+
+
+@pytest.mark.parametrize("cmd", [["generate"], ["serve"], ["bench", "decode"], ["bench", "graph"], ["trace", "collect"]])
+def test_threads_is_an_option_of_every_computing_command(cmd, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(cmd + ["--help"])
+    assert e.value.code == 0 and "--threads" in capsys.readouterr().out
+
+
+def test_threads_must_be_positive(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--threads", "0"])
+    assert e.value.code == 2 and "--threads" in capsys.readouterr().err
+
+
+def test_bench_peers_on_a_tiny_checkpoint(tiny_dirs, tmp_path, capsys):
+    out = tmp_path / "peers.md"
+    assert main(["bench", "peers", "--model", str(tiny_dirs["qwen3_moe"]), "--threads", "1", "--repeats", "1",
+                 "--max-new-tokens", "4", "--prompt", "Hello there", "--out", str(out), "--quiet"]) == 0
+    table = capsys.readouterr().out
+    assert out.read_text().strip() == table.strip()
+    rows = {line.split("|")[1].strip(): line.split("|") for line in table.splitlines() if line.startswith("| ours")
+            or line.startswith("| transformers")}
+    assert set(rows) == {FULL, OFFLOADED, HF}
+    assert rows[FULL][6].strip() == "reference" and rows[OFFLOADED][6].strip() == "same (4)"  # lossless at 1.0
+    assert rows[FULL][4].strip() == "1.00x"
+    assert main(["bench", "peers", "--model", str(tiny_dirs["qwen3_moe"]), "--out", str(out)]) == 2  # not overwritten
+    assert main(["bench", "peers", "--model", str(tiny_dirs["qwen3_moe"]), "--threads", "0,x"]) == 2
+
+
+def test_peers_table_by_hand(tmp_path):
+    bench = PeerBench(tmp_path / "m", "p", threads=(1, 2), repeats=2, transformers=True)
+    result = {"cells": {(FULL, 1): [10.0, 12.0], (FULL, 2): [20.0, 22.0], (OFFLOADED, 1): [10.0, 11.0],
+                        (OFFLOADED, 2): [21.0, 21.0], (HF, 1): [5.0, 6.0], (HF, 2): [8.0, 8.0]},
+              "tokens": {(FULL, 1): [1, 2, 3], (OFFLOADED, 1): [1, 2, 3], (HF, 1): [1, 2, 4],
+                         (FULL, 2): [1, 2, 3], (OFFLOADED, 2): [1, 2, 3], (HF, 2): [1, 2, 3]}}
+    lines = {(r.split("|")[1].strip(), r.split("|")[2].strip()): [c.strip() for c in r.split("|")[3:7]]
+             for r in markdown(bench, result).splitlines() if r.startswith("| ours") or r.startswith("| trans")}
+    assert lines[(FULL, "1")] == ["11.00 [10.0, 12.0]", "1.00x", "1.91x", "reference"]  # 21 / 11
+    assert lines[(HF, "1")] == ["5.50 [5.0, 6.0]", "2.00x", "1.45x", "differ from token 2"]  # 11 / 5.5; 8 / 5.5
+    assert lines[(OFFLOADED, "2")] == ["21.00 [21.0, 21.0]", "1.00x", "2.00x", "same (3)"]  # 21 / 21; 21 / 10.5
