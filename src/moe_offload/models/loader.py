@@ -19,6 +19,7 @@ import torch
 from ..errors import MoeOffloadError
 from ..runtime.engine import OffloadEngine
 from ..runtime.formats import ExpertFormat
+from ..runtime.decode_attention import use_decode_attention
 from ..runtime.fast_linear import use_fast_linears
 from ..runtime.fused_experts import use_fused_fullload
 from ..runtime.pool import SlotPool
@@ -248,6 +249,7 @@ def load_offloaded(model_dir: str | Path, *, device: str | None = None, dtype: s
     load_non_expert(model, cmap, ckpt, layer_of)
     if dev.type == "cpu":
         use_fast_linears(model)  # decode-step linears on the native kernel, as FullLoad (runtime.fast_linear)
+        use_decode_attention(model)  # and its attention (runtime.decode_attention)
     if host_store == "mmap":
         store = MmapHostStore(fmt.layout, n_total)
     elif host_store == "disk":
@@ -313,6 +315,7 @@ def load_full(model_dir: str | Path, *, device: str | None = None, dtype: str | 
     if dev.type == "cpu":
         use_fused_fullload([m for _, m in mods])
         use_fast_linears(model)
+        use_decode_attention(model)
     n_exp = mods[0][1].num_experts
     fmt = ExpertFormat.plain([(n, tuple(p.shape[1:])) for n, p in expert_params(mods[0][1])], dt)
     return _with_limits(LoadedModel(model, _load_tokenizer(path), None, arch, dev, dt, len(mods), n_exp,

@@ -3,7 +3,13 @@
 
 - ``routed_experts.cpp``: the routed experts of one MoE layer in one call from the slot pool
   (``routed_experts(x, slots, weights, gate_up, down, pair_out=None, portable=False)``, ``sum_pairs``,
-  ``kernel_path``); see the file for its arithmetic and why it is deterministic.
+  ``workspace_peak_bytes``); see the file for its arithmetic and why it is deterministic.
+- ``linear_rows.cpp``: ``linear_rows(x, weight, bias=None, portable=False)``, the linears of a decode step
+  (``runtime.fast_linear``), and ``kernel_path``.
+- ``decode_attention.cpp``: ``decode_attention(q, k, v, mask=None, scale=1.0, portable=False)``, the attention of
+  a decode step (``runtime.decode_attention``).
+- ``vec.h``: the dot product, bfloat16 widening and axpy they share (an AVX2 + FMA path and a portable path, bit
+  for bit the same); ``bindings.cpp``: the Python module.
 
 ``native()`` is the built module, or None when it cannot be had: no compiler, a failed build (the reason is kept
 beside the cache entry, so later runs do not try again until ``build(force=True)``), not a CPU with the
@@ -25,10 +31,16 @@ from pathlib import Path
 
 from ...errors import MoeOffloadError
 
-SOURCES = ("routed_experts.cpp",)
+SOURCES = ("bindings.cpp", "routed_experts.cpp", "linear_rows.cpp", "decode_attention.cpp")
+#: included by the sources (part of the cache key, not compiled on their own)
+HEADERS = ("vec.h",)
 #: compiler flags: optimised, and no contraction of a * b + c into one fused multiply-add behind the source's back
 #: (the kernel's float operations, and so its results, are the ones the source writes)
-CFLAGS = ("-O3", "-ffp-contract=off", "-fno-fast-math")
+CFLAGS = ("-O3", "-ffp-contract=off", "-fno-fast-math", "-fopenmp")
+#: linker flags: OpenMP, which ``at::parallel_for`` (an inline template, compiled into our module) runs on in torch's
+#: OpenMP builds; without it the kernels' loops ran on one thread whatever ``--threads`` said. At run time the
+#: module shares the ``libgomp.so.1`` torch has already loaded (one thread pool, sized by ``torch.set_num_threads``)
+LDFLAGS = ("-fopenmp",)
 #: seconds a build takes on this project's 2-core machine (for the first-use message)
 BUILD_REFERENCE_S = 45.0
 
@@ -45,8 +57,8 @@ def _entry() -> tuple[str, Path]:
     """``(module name, cache entry)`` for the installed torch and these sources."""
     import torch
 
-    h = hashlib.sha256((torch.__version__ + " ".join(CFLAGS)).encode())
-    for name in SOURCES:
+    h = hashlib.sha256((torch.__version__ + " ".join(CFLAGS + LDFLAGS)).encode())
+    for name in SOURCES + HEADERS:
         h.update((Path(__file__).parent / name).read_bytes())
     digest = h.hexdigest()[:12]
     return f"moe_offload_kernels_{digest}", kernels_dir() / f"torch-{torch.__version__}-{digest}"
@@ -93,7 +105,7 @@ def build(force: bool = False, say=None):
         if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
             os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
         cpp_extension.load(name=name, sources=[str(Path(__file__).parent / s) for s in SOURCES],
-                           extra_cflags=list(CFLAGS), build_directory=str(tmp), verbose=False)
+                           extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS), build_directory=str(tmp), verbose=False)
 
     def announce():
         say(f"building the native CPU kernels into {entry} (once per torch version; about {BUILD_REFERENCE_S:.0f} s "

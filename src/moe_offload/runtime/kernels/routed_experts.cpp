@@ -18,110 +18,19 @@
 // which performs the same float operations in the same order (the two agree bit for bit; a test checks it). The
 // interpreter lock is released while the kernel runs; its loops run on torch's intra-op threads.
 
-#include <torch/extension.h>
+#include "vec.h"
+
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <vector>
-
-#if defined(__x86_64__) || defined(_M_X64)
-#include <immintrin.h>
-#define MOE_X86 1
-#else
-#define MOE_X86 0
-#endif
 
 namespace {
 
-constexpr int kLanes = 8;   // floats per vector
-constexpr int kAcc = 4;     // independent accumulators (vectors) per dot product
-constexpr int kStep = kLanes * kAcc;
-
-inline float widen(float v) { return v; }
-inline float widen(uint16_t v) {
-  uint32_t bits = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-
-// 8 lanes summed in the tree the AVX2 path uses: ((0+4) + (2+6)) + ((1+5) + (3+7)).
-inline float tree8(const float* a) {
-  return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
-}
-
-// The portable dot product of n elements. Lane l of accumulator a takes elements i + 8a + l of every step of 32;
-// the full chunks of 8 past the last full step go to accumulator 0; the accumulators are combined as (0 + 1) +
-// (2 + 3) lane by lane, then the 8 lanes by tree8; the last n % 8 elements follow one by one.
-template <typename W>
-float dot_portable(const W* w, const float* x, int64_t n) {
-  float acc[kAcc][kLanes] = {};
-  int64_t i = 0;
-  for (; i + kStep <= n; i += kStep)
-    for (int a = 0; a < kAcc; ++a)
-      for (int l = 0; l < kLanes; ++l) {
-        int64_t e = i + a * kLanes + l;
-        acc[a][l] = std::fma(widen(w[e]), x[e], acc[a][l]);
-      }
-  for (; i + kLanes <= n; i += kLanes)
-    for (int l = 0; l < kLanes; ++l) acc[0][l] = std::fma(widen(w[i + l]), x[i + l], acc[0][l]);
-  float v[kLanes];
-  for (int l = 0; l < kLanes; ++l) v[l] = (acc[0][l] + acc[1][l]) + (acc[2][l] + acc[3][l]);
-  float s = tree8(v);
-  for (; i < n; ++i) s = std::fma(widen(w[i]), x[i], s);
-  return s;
-}
-
-#if MOE_X86
-__attribute__((target("avx2,fma"))) inline float hsum8(__m256 v) {
-  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-  __m128 a = _mm_add_ps(lo, hi);                        // (0+4, 1+5, 2+6, 3+7)
-  __m128 b = _mm_add_ps(a, _mm_movehl_ps(a, a));         // ((0+4)+(2+6), (1+5)+(3+7), ...)
-  __m128 c = _mm_add_ss(b, _mm_shuffle_ps(b, b, 0x55));  // the two halves
-  return _mm_cvtss_f32(c);
-}
-
-__attribute__((target("avx2,fma"))) inline __m256 load8(const float* w) { return _mm256_loadu_ps(w); }
-
-__attribute__((target("avx2,fma"))) inline __m256 load8(const uint16_t* w) {
-  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
-template <typename W>
-__attribute__((target("avx2,fma"))) float dot_avx2(const W* w, const float* x, int64_t n) {
-  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + kStep <= n; i += kStep) {
-    a0 = _mm256_fmadd_ps(load8(w + i), _mm256_loadu_ps(x + i), a0);
-    a1 = _mm256_fmadd_ps(load8(w + i + 8), _mm256_loadu_ps(x + i + 8), a1);
-    a2 = _mm256_fmadd_ps(load8(w + i + 16), _mm256_loadu_ps(x + i + 16), a2);
-    a3 = _mm256_fmadd_ps(load8(w + i + 24), _mm256_loadu_ps(x + i + 24), a3);
-  }
-  for (; i + kLanes <= n; i += kLanes) a0 = _mm256_fmadd_ps(load8(w + i), _mm256_loadu_ps(x + i), a0);
-  float s = hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
-  for (; i < n; ++i) s = std::fma(widen(w[i]), x[i], s);
-  return s;
-}
-
-bool have_avx2() {
-  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return yes;
-}
-#endif
-
-template <typename W>
-inline float dot(const W* w, const float* x, int64_t n, bool fast) {
-#if MOE_X86
-  if (fast) return dot_avx2<W>(w, x, n);
-#endif
-  (void)fast;
-  return dot_portable<W>(w, x, n);
-}
+using namespace moe_vec;
 
 // The most bytes one call of routed_experts has allocated outside torch's dispatcher (its float32 copies of x,
 // slots and weights, its result, its scratch), since the last reset: the memory profile of serving adds it to what
@@ -225,14 +134,6 @@ void check_rows(const torch::Tensor& w, const char* name) {
               " must be float32 or bfloat16");
 }
 
-bool use_fast(bool portable) {
-#if MOE_X86
-  return !portable && have_avx2();
-#else
-  (void)portable;
-  return false;
-#endif
-}
 
 }  // namespace
 
@@ -302,62 +203,5 @@ torch::Tensor sum_pairs(torch::Tensor pair_out, at::ScalarType dtype) {
   return out.to(dtype);
 }
 
-// x [M, K] (any float dtype), weight [O, K] float32 or bfloat16 with contiguous rows, bias [O] or None ->
-// x @ weight.T + bias, [M, O] in x's dtype: every output one dot product by one thread (the routed experts' dot), so
-// the result depends neither on the thread count nor on M. For the few rows of a decode step (torch's GEMM runs a
-// large matrix times one row, e.g. an LM head, well below the memory's bandwidth on this kind of CPU).
-torch::Tensor linear_rows(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias, bool portable) {
-  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "linear_rows runs on the CPU");
-  TORCH_CHECK(weight.dim() == 2 && weight.stride(1) == 1, "linear_rows: weight [O, K] with contiguous rows");
-  TORCH_CHECK(weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16,
-              "linear_rows: float32 or bfloat16 weights");
-  const int64_t K = weight.size(1), O = weight.size(0), ld = weight.stride(0);
-  TORCH_CHECK(x.size(-1) == K, "linear_rows: x's last dimension must be the weight's");
-  auto xs = x.reshape({-1, K}).to(at::kFloat).contiguous();
-  const int64_t M = xs.size(0);
-  c10::optional<torch::Tensor> bs;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == O, "linear_rows: bias [O]");
-    bs = bias->to(at::kFloat).contiguous();
-  }
-  auto out = torch::empty({M, O}, xs.options());
-  const float* xp = xs.data_ptr<float>();
-  const float* bp = bs.has_value() ? bs->data_ptr<float>() : nullptr;
-  float* op = out.data_ptr<float>();
-  const bool fast = use_fast(portable);
-  {
-    pybind11::gil_scoped_release release;
-    auto run = [&](auto* w) {
-      at::parallel_for(0, M * O, 64, [&](int64_t begin, int64_t end) {
-        for (int64_t n = begin; n < end; ++n) {
-          int64_t m = n / O, o = n % O;
-          float v = dot(w + o * ld, xp + m * K, K, fast);
-          op[n] = bp ? v + bp[o] : v;
-        }
-      });
-    };
-    if (weight.scalar_type() == at::kFloat) run(weight.data_ptr<float>());
-    else run(reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>()));
-  }
-  auto sizes = x.sizes().vec();
-  sizes.back() = O;
-  return out.to(x.scalar_type()).view(sizes);
-}
-
 // The peak of note_workspace since the last reset (bytes); reset: start counting again from 0.
 int64_t workspace_peak_bytes(bool reset) { return reset ? g_workspace_peak.exchange(0) : g_workspace_peak.load(); }
-
-std::string kernel_path() { return use_fast(false) ? "avx2+fma" : "portable"; }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("routed_experts", &routed_experts, "the routed experts of one MoE layer from a slot pool",
-        pybind11::arg("x"), pybind11::arg("slots"), pybind11::arg("weights"), pybind11::arg("gate_up"),
-        pybind11::arg("down"), pybind11::arg("pair_out") = pybind11::none(), pybind11::arg("portable") = false);
-  m.def("sum_pairs", &sum_pairs, "weighted pair outputs summed per token in routing order");
-  m.def("linear_rows", &linear_rows, "x @ weight.T + bias for a few rows, deterministic",
-        pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias") = pybind11::none(),
-        pybind11::arg("portable") = false);
-  m.def("workspace_peak_bytes", &workspace_peak_bytes, "routed_experts' largest allocation outside the dispatcher",
-        pybind11::arg("reset") = false);
-  m.def("kernel_path", &kernel_path, "which path routed_experts runs on this CPU");
-}

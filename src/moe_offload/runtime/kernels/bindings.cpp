@@ -1,0 +1,31 @@
+// The native kernels' Python module (runtime/kernels/__init__.py builds it from these sources): one binding per
+// kernel; each kernel's arithmetic is described in its own source file.
+
+#include <torch/extension.h>
+
+#include <string>
+
+torch::Tensor routed_experts(torch::Tensor x, torch::Tensor slots, torch::Tensor weights, torch::Tensor gate_up,
+                             torch::Tensor down, c10::optional<torch::Tensor> pair_out, bool portable);
+torch::Tensor sum_pairs(torch::Tensor pair_out, at::ScalarType dtype);
+int64_t workspace_peak_bytes(bool reset);
+torch::Tensor linear_rows(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias, bool portable);
+std::string kernel_path();
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::optional<torch::Tensor> mask,
+                               double scale, bool portable);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("routed_experts", &routed_experts, "the routed experts of one MoE layer from a slot pool",
+        pybind11::arg("x"), pybind11::arg("slots"), pybind11::arg("weights"), pybind11::arg("gate_up"),
+        pybind11::arg("down"), pybind11::arg("pair_out") = pybind11::none(), pybind11::arg("portable") = false);
+  m.def("sum_pairs", &sum_pairs, "weighted pair outputs summed per token in routing order");
+  m.def("workspace_peak_bytes", &workspace_peak_bytes, "routed_experts' largest allocation outside the dispatcher",
+        pybind11::arg("reset") = false);
+  m.def("linear_rows", &linear_rows, "x @ weight.T + bias for a few rows, deterministic",
+        pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias") = pybind11::none(),
+        pybind11::arg("portable") = false);
+  m.def("decode_attention", &decode_attention, "one query per sequence and head against its key/value cache",
+        pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("mask") = pybind11::none(),
+        pybind11::arg("scale") = 1.0, pybind11::arg("portable") = false);
+  m.def("kernel_path", &kernel_path, "which path the kernels run on this CPU");
+}
