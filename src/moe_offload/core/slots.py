@@ -266,6 +266,8 @@ class SlotTable:
         if self._unused_prefetch:
             self._unused_prefetch.difference_update(needed)
         slot_of, fetching = self.slot_of, self._fetching
+        if not pinned and not fetching and all(slot_of[e] >= 0 for e in needed):
+            return self._plan_all_hits(pairs, needed, hold)
         hit_list = [e for e in needed if slot_of[e] >= 0]
         miss_list = [e for e in needed if slot_of[e] < 0]
         late_list: list[int] = []
@@ -287,6 +289,22 @@ class SlotTable:
             if layer is not None:
                 self.release(layer)
         return LayerPlan(rounds=rounds, hits=len(hit_list), misses=len(late_list) + len(miss_list))
+
+    def _plan_all_hits(self, pairs: list[tuple[int, int]], needed: list[int], hold: bool) -> LayerPlan:
+        """``plan_layer`` when every needed expert is resident and no slot is in Fetch or Compute (the common case of
+        a decode step): the same policy events and the same plan, without the state changes that would cancel out
+        (each slot Used -> Compute -> Used; with ``hold``, the slots stay in Compute until ``release``)."""
+        on_access, tick = self.policy.on_access, self.tick
+        for e, n in pairs:
+            on_access(e, tick, n)
+        slot_of = self.slot_of
+        if hold:
+            compute, state = SlotState.COMPUTE, self._state
+            self._pinned.update(needed)
+            for e in needed:
+                state[slot_of[e]] = compute
+        rnd = Round(eids=needed, slots=[slot_of[e] for e in needed], loads=[], waits=[])
+        return LayerPlan(rounds=[rnd] if needed else [], hits=len(needed), misses=0)
 
     def release(self, layer: int | None = None) -> None:
         """Move Compute slots to Used: every Compute slot (``layer`` None: the table's behaviour before

@@ -141,6 +141,11 @@ class OffloadEngine:
         Raises:
             MoeOffloadError: an id outside ``[0, E)`` (it would read another layer's expert)."""
         E = self.num_experts
+        if top_k_index.shape[0] == 1:  # one token (a decode step): host lists directly, no numpy round trip
+            ids = sorted(top_k_index.reshape(-1).tolist())  # the one device->host transfer
+            if ids and 0 <= ids[0] and ids[-1] < E and len(set(ids)) == len(ids):
+                base = moe_layer * E
+                return [i + base for i in ids], [1] * len(ids)
         local = top_k_index.reshape(-1).cpu().numpy()  # the one device->host transfer
         try:
             counts = np.bincount(local, minlength=E)
@@ -167,7 +172,6 @@ class OffloadEngine:
             for obs in self.observers:
                 obs(moe_layer, *seen)
         clock.lap("predictor")
-        gid = (top_k_index + moe_layer * self.num_experts).reshape(-1)
         needed, counts = self._needed(moe_layer, top_k_index)
         pf = self.prefetcher
         if pf is not None:
@@ -183,8 +187,9 @@ class OffloadEngine:
         kernel = kernel_for(module, hidden_states.dtype, hidden_states.device)
         views = pool_weights(self.pool.rows) if kernel is not None else None
         if views is not None:
-            result = self._fused_rounds(plan, kernel, views, moe_layer, gid, hidden_states, top_k_weights)
+            result = self._fused_rounds(plan, kernel, views, moe_layer, top_k_index, hidden_states, top_k_weights)
         else:
+            gid = (top_k_index + moe_layer * self.num_experts).reshape(-1)
             result = self._grouped_rounds(plan, module, moe_layer, gid, hidden_states, top_k_weights)
         if pf is not None:
             if len(plan.rounds) > 1:  # earlier rounds' slots are Used before they computed: issue only now
@@ -193,20 +198,21 @@ class OffloadEngine:
             clock.lap("management")
         return result
 
-    def _fused_rounds(self, plan, kernel, views, moe_layer: int, gid: torch.Tensor, hidden_states: torch.Tensor,
-                      top_k_weights: torch.Tensor) -> torch.Tensor:
+    def _fused_rounds(self, plan, kernel, views, moe_layer: int, top_k_index: torch.Tensor,
+                      hidden_states: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         """The plan's rounds through the native kernel (``runtime.fused_experts``): one call when the layer fits in
         one round; else each round's pairs written per pair and added in routing order at the end (the same float
         operations as one round)."""
         num_tokens, k = top_k_weights.shape
         pair_out = None if len(plan.rounds) == 1 else torch.zeros(num_tokens, k, hidden_states.shape[-1])
+        layer_lookup = self.pool.lookup.view(-1, self.num_experts)[moe_layer]  # this layer's expert -> slot
         for rnd in plan.rounds:
             self._load_round(rnd, moe_layer, len(plan.rounds) == 1)
-            slot_ids = self.pool.lookup[gid]
+            slot_ids = layer_lookup[top_k_index]
             if pair_out is not None:  # pairs of experts outside this round are skipped (-1)
-                in_round = torch.isin(gid, device_index(rnd.eids, gid.device))
-                slot_ids = slot_ids.masked_fill(~in_round, -1)
-            result = fused_round(kernel, views, hidden_states, slot_ids.view(num_tokens, k), top_k_weights, pair_out)
+                local = device_index([e - moe_layer * self.num_experts for e in rnd.eids], top_k_index.device)
+                slot_ids = slot_ids.masked_fill(~torch.isin(top_k_index, local), -1)
+            result = fused_round(kernel, views, hidden_states, slot_ids, top_k_weights, pair_out)
             self.clock.lap("expert_compute")
         if pair_out is not None:
             result = sum_rounds(kernel, pair_out, hidden_states.dtype)
