@@ -103,6 +103,15 @@ def test_dequantized_weights_equal_the_oracle(ragged):
             assert torch.equal(rows.weight(pname, slice(layer * E, (layer + 1) * E)), want), (layer, pname)
 
 
+def test_prefill_logits_offloaded_equal_fullload_bit_for_bit(ragged):
+    """The offloaded prefill (several rounds at 30% residency, misses) gives FullLoad's logits bit for bit: both run
+    the same experts code on the same decoded weights."""
+    full, off = ragged["full"], ragged["off"]
+    ids = torch.tensor([encode_prompt(full.tokenizer, PROMPT)])
+    with torch.no_grad():
+        assert torch.equal(full.model(input_ids=ids).logits, off.model(input_ids=ids).logits)
+
+
 def test_tokens_offloaded_equal_fullload_and_the_oracle_model(ragged):
     """(b) Offloaded tokens (with misses) == FullLoad's == those of the bf16 model holding the oracle's weights."""
     full, off = ragged["full"], ragged["off"]

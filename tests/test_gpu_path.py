@@ -216,7 +216,8 @@ def test_one_device_to_host_transfer_per_moe_layer(tiny_dirs, monkeypatch, torch
             monkeypatch.undo()
         layers = calls.count("layer")
         assert layers == lm.num_moe_layers and eng.stats.misses > misses
-        assert [c for c in calls if c != "layer"] == ["cpu"] * layers, calls
+        syncs = [c for c in calls if c != "layer"]  # a decode step's ids: a host list (tolist), else via cpu()
+        assert len(syncs) == layers and set(syncs) <= {"cpu", "tolist"}, calls
 
 
 def test_cuda_request_peak_counts_reserved_and_workspace():

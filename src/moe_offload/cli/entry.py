@@ -95,8 +95,6 @@ def _command_threads(args) -> None:
     if isinstance(getattr(args, "threads", None), int):
         torch.set_num_threads(args.threads)
         return
-    if args.cmd not in ("generate", "serve"):
-        return
 
     got = command_threads()
     if got is None or got[0] == got[1]:
@@ -119,8 +117,8 @@ def main(argv: list[str] | None = None) -> int:
 
     threads_before = torch.get_num_threads()
     try:
-        if argv is None or isinstance(getattr(args, "threads", None), int):  # from the shell, or --threads given
-            _command_threads(args)
+        if isinstance(getattr(args, "threads", None), int) or (argv is None and args.cmd in ("generate", "serve")):
+            _command_threads(args)  # --threads given, or generate / serve started from the shell
         return _dispatch(args)
     except MoeOffloadError as e:
         print(f"moe-offload: error: {e}", file=sys.stderr)

@@ -135,7 +135,9 @@ def generate_ids(lm: LoadedModel, prompt_ids: list[int], max_new_tokens: int, *,
     """
     max_new_tokens = token_budget(lm, len(prompt_ids), max_new_tokens)
     dev = lm.device
-    cache_kw = "cache" if "cache" in inspect.signature(lm.model.forward).parameters else "past_key_values"
+    params = inspect.signature(lm.model.forward).parameters
+    cache_kw = "cache" if "cache" in params else "past_key_values"
+    last_only = {"logits_to_keep": 1} if "logits_to_keep" in params else {}  # the prefill's LM head: last position
     gen = make_generator(seed)
     eos = eos_ids(lm)
     engine = lm.engine
@@ -150,7 +152,7 @@ def generate_ids(lm: LoadedModel, prompt_ids: list[int], max_new_tokens: int, *,
 
     ids = torch.tensor([prompt_ids], dtype=torch.long, device=dev)
     t0 = now()
-    out = forward(0, input_ids=ids)
+    out = forward(0, input_ids=ids, **last_only)
     tok = pick(out.logits[:, -1], temperature, top_p, gen, top_k)
     past = out.get(cache_kw)
     new = [int(tok)]

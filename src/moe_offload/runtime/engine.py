@@ -185,8 +185,8 @@ class OffloadEngine:
         st.layer_calls += 1
         st.rounds += len(plan.rounds)
         kernel = kernel_for(module, hidden_states.dtype, hidden_states.device)
-        views = pool_weights(self.pool.rows) if kernel is not None else None
-        if views is not None:
+        if kernel is not None:
+            views = pool_weights(self.pool.rows)  # None: a format to decode (FP8), round by round
             result = self._fused_rounds(plan, kernel, views, moe_layer, top_k_index, hidden_states, top_k_weights)
         else:
             gid = (top_k_index + moe_layer * self.num_experts).reshape(-1)
@@ -202,7 +202,9 @@ class OffloadEngine:
                       hidden_states: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         """The plan's rounds through the native kernel (``runtime.fused_experts``): one call when the layer fits in
         one round; else each round's pairs written per pair and added in routing order at the end (the same float
-        operations as one round)."""
+        operations as one round). ``views`` None: the pool holds a format that needs decoding (FP8 blocks); each
+        round's slots are decoded once into dense groups, the same values FullLoad holds, so the same kernel gives
+        FullLoad's result bit for bit."""
         num_tokens, k = top_k_weights.shape
         pair_out = None if len(plan.rounds) == 1 else torch.zeros(num_tokens, k, hidden_states.shape[-1])
         layer_lookup = self.pool.lookup.view(-1, self.num_experts)[moe_layer]  # this layer's expert -> slot
@@ -212,7 +214,13 @@ class OffloadEngine:
             if pair_out is not None:  # pairs of experts outside this round are skipped (-1)
                 local = device_index([e - moe_layer * self.num_experts for e in rnd.eids], top_k_index.device)
                 slot_ids = slot_ids.masked_fill(~torch.isin(top_k_index, local), -1)
-            result = fused_round(kernel, views, hidden_states, slot_ids, top_k_weights, pair_out)
+            weights = views
+            if views is None:
+                sel = device_index(sorted(rnd.slots), top_k_index.device)
+                rows = self.pool.rows
+                weights = (rows.weight("gate_up_proj", sel), rows.weight("down_proj", sel))
+                slot_ids = torch.where(slot_ids >= 0, torch.searchsorted(sel, slot_ids.clamp(min=0)), -1)
+            result = fused_round(kernel, weights, hidden_states, slot_ids, top_k_weights, pair_out)
             self.clock.lap("expert_compute")
         if pair_out is not None:
             result = sum_rounds(kernel, pair_out, hidden_states.dtype)
