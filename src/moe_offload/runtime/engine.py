@@ -22,7 +22,7 @@ from ..errors import MoeOffloadError
 from .breakdown import StepClock
 from .emulated_clock import now
 from .experts import IMPLEMENTATION_NAME, device_index, register, slot_pair_outputs
-from .fused_experts import fused_round, kernel_for, pool_weights, sum_rounds
+from .fused_experts import fused_round, kernel_for, kernel_operands, sum_rounds
 from .pool import SlotPool
 from .route_rows import observed_routing
 from .store import HostStore, reset_store_stats
@@ -186,8 +186,7 @@ class OffloadEngine:
         st.rounds += len(plan.rounds)
         kernel = kernel_for(module, hidden_states.dtype, hidden_states.device)
         if kernel is not None:
-            views = pool_weights(self.pool.rows)  # None: a format to decode (FP8), round by round
-            result = self._fused_rounds(plan, kernel, views, moe_layer, top_k_index, hidden_states, top_k_weights)
+            result = self._fused_rounds(plan, kernel, moe_layer, top_k_index, hidden_states, top_k_weights)
         else:
             gid = (top_k_index + moe_layer * self.num_experts).reshape(-1)
             result = self._grouped_rounds(plan, module, moe_layer, gid, hidden_states, top_k_weights)
@@ -198,13 +197,12 @@ class OffloadEngine:
             clock.lap("management")
         return result
 
-    def _fused_rounds(self, plan, kernel, views, moe_layer: int, top_k_index: torch.Tensor,
+    def _fused_rounds(self, plan, kernel, moe_layer: int, top_k_index: torch.Tensor,
                       hidden_states: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         """The plan's rounds through the native kernel (``runtime.fused_experts``): one call when the layer fits in
         one round; else each round's pairs written per pair and added in routing order at the end (the same float
-        operations as one round). ``views`` None: the pool holds a format that needs decoding (FP8 blocks); each
-        round's slots are decoded once into dense groups, the same values FullLoad holds, so the same kernel gives
-        FullLoad's result bit for bit."""
+        operations as one round). A pool format that needs decoding (FP8 blocks) has each round's slots decoded once
+        (``runtime.fused_experts.kernel_operands``)."""
         num_tokens, k = top_k_weights.shape
         pair_out = None if len(plan.rounds) == 1 else torch.zeros(num_tokens, k, hidden_states.shape[-1])
         layer_lookup = self.pool.lookup.view(-1, self.num_experts)[moe_layer]  # this layer's expert -> slot
@@ -214,12 +212,7 @@ class OffloadEngine:
             if pair_out is not None:  # pairs of experts outside this round are skipped (-1)
                 local = device_index([e - moe_layer * self.num_experts for e in rnd.eids], top_k_index.device)
                 slot_ids = slot_ids.masked_fill(~torch.isin(top_k_index, local), -1)
-            weights = views
-            if views is None:
-                sel = device_index(sorted(rnd.slots), top_k_index.device)
-                rows = self.pool.rows
-                weights = (rows.weight("gate_up_proj", sel), rows.weight("down_proj", sel))
-                slot_ids = torch.where(slot_ids >= 0, torch.searchsorted(sel, slot_ids.clamp(min=0)), -1)
+            weights, slot_ids = kernel_operands(self.pool.rows, slot_ids, sorted(rnd.slots))
             result = fused_round(kernel, weights, hidden_states, slot_ids, top_k_weights, pair_out)
             self.clock.lap("expert_compute")
         if pair_out is not None:

@@ -16,6 +16,7 @@ import torch
 from transformers.activations import SiLUActivation
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, _default_apply_gate
 
+from .experts import device_index
 from .kernels import native
 
 #: the experts implementation FullLoad runs (``use_fused_fullload``)
@@ -55,6 +56,24 @@ def pool_weights(rows) -> tuple[torch.Tensor, torch.Tensor] | None:
         cached = rows._moe_fused_views = (rows.weight("gate_up_proj", slice(0, n)), rows.weight("down_proj",
                                                                                               slice(0, n)))
     return cached
+
+
+def kernel_operands(rows, slot_ids: torch.Tensor, slots: list[int] | None = None
+                    ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``(weights, slot_ids)`` for ``fused_round``: ``rows``' own slot views when its format needs no decoding,
+    else the rows ``slots`` (the distinct rows the computed pairs use, a sorted host list; None: read from
+    ``slot_ids``, a device->host copy) decoded once into dense
+    groups ``(gate_up [G, 2I, H], down [G, H, I])`` (FP8 blocks: the values FullLoad holds, so the kernel gives
+    FullLoad's result bit for bit) with ``slot_ids`` ``[T, k]`` renumbered into them (-1, a pair not computed,
+    kept). The one rule every engine follows to run the kernel on a slot pool or host rows."""
+    views = pool_weights(rows)
+    if views is not None:
+        return views, slot_ids
+    if slots is None:
+        slots = sorted({s for s in slot_ids.reshape(-1).tolist() if s >= 0})
+    sel = device_index(slots, slot_ids.device)
+    weights = (rows.weight("gate_up_proj", sel), rows.weight("down_proj", sel))
+    return weights, torch.where(slot_ids >= 0, torch.searchsorted(sel, slot_ids.clamp(min=0)), -1)
 
 
 def fused_round(kernel, views, hidden_states: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor,

@@ -31,7 +31,7 @@ from ..errors import MoeOffloadError
 from .emulated_clock import now
 from .engine import EngineStats
 from .experts import IMPLEMENTATION_NAME, device_index, register, slot_pair_outputs
-from .fused_experts import fused_round, kernel_for, pool_weights, sum_rounds
+from .fused_experts import fused_round, kernel_for, kernel_operands, sum_rounds
 from .host_fallback import HostFallback
 from .pool import SlotPool
 from .route_rows import observed_routing
@@ -362,8 +362,7 @@ class RefreshEngine:
     def _kernel(self, module, hidden_states):
         """The native kernel when it computes this layer's pairs (``runtime.fused_experts``; the host store's rows
         share the pool's format), else None."""
-        kernel = kernel_for(module, hidden_states.dtype, hidden_states.device)
-        return kernel if kernel is not None and pool_weights(self.pool.rows) is not None else None
+        return kernel_for(module, hidden_states.dtype, hidden_states.device)
 
     def _pairs(self, module, hidden_states, k: int) -> torch.Tensor:
         """A layer's zeroed pair outputs ``[T * k, H]``: float32 for the native kernel's pairs (added at the end
@@ -385,11 +384,10 @@ class RefreshEngine:
         the sorted distinct rows they use, a host list) into ``pairs`` [T * k, H], without synchronising: with the
         native kernel where it serves the layer (float32 pairs), else the grouped GEMMs."""
         kernel = kernel_for(module, hidden_states.dtype, hidden_states.device)
-        views = pool_weights(source) if kernel is not None else None
-        if views is not None:
+        if kernel is not None:
             T = hidden_states.shape[0]
-            fused_round(kernel, views, hidden_states, rows.masked_fill(~mask, -1).view(T, k), weights.view(T, k),
-                        pair_out=pairs.view(T, k, -1))
+            operands, ids = kernel_operands(source, rows.masked_fill(~mask, -1).view(T, k), slots)
+            fused_round(kernel, operands, hidden_states, ids, weights.view(T, k), pair_out=pairs.view(T, k, -1))
             return
         ids = rows.masked_fill(~mask, slots[-1] + 1)
         out, perm, valid = slot_pair_outputs(module, source, hidden_states, ids, weights, k, slots)

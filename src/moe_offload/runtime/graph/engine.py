@@ -30,7 +30,7 @@ import torch
 from ...errors import MoeOffloadError
 from ..engine import EngineStats
 from ..experts import IMPLEMENTATION_NAME, register, slot_pair_outputs
-from ..fused_experts import fused_round, kernel_for, pool_weights
+from ..fused_experts import fused_round, kernel_for, kernel_operands
 from .cache import GraphCache
 from ..pool import SlotPool
 from ..store import HostStore
@@ -299,10 +299,9 @@ class GraphEngine:
         k = slot_ids.numel() // num_tokens
         module, rows = self.modules[layer], self.pool.rows
         kernel = kernel_for(module, hidden_states.dtype, hidden_states.device)
-        views = pool_weights(rows) if kernel is not None else None
-        if views is not None:  # the native kernel (runtime.fused_experts), as the eager engine and FullLoad run it
-            result = fused_round(kernel, views, hidden_states, slot_ids.view(num_tokens, k),
-                                 pair_weights.view(num_tokens, k))
+        if kernel is not None:  # the native kernel (runtime.fused_experts), as the eager engine and FullLoad run it
+            operands, ids = kernel_operands(rows, slot_ids.view(num_tokens, k))
+            result = fused_round(kernel, operands, hidden_states, ids, pair_weights.view(num_tokens, k))
             self._count(t0)
             return result
         sid = slot_ids.tolist()
