@@ -45,7 +45,7 @@ tok = AutoTokenizer.from_pretrained(d)
 model = AutoModelForCausalLM.from_pretrained(d, dtype="auto").eval()
 ids = torch.tensor([encode_prompt(tok, prompt)])
 class Clock:
-    times = []
+    def __init__(self): self.times = []
     def put(self, value): self.times.append(time.perf_counter())
     def end(self): pass
 clock = Clock()
