@@ -89,8 +89,10 @@ def test_what_the_kernel_does_not_compute_goes_to_sdpa(kw, monkeypatch):
     q, k, v = _qkv(torch.float32)
     assert decode_attention_forward(_Attn(), q, k, v, None, **kw)[0] == "sdpa"
     assert decode_attention_forward(_Attn(), q.expand(-1, -1, 2, -1), k, v, None)[0] == "sdpa"  # two queries
+    longer = torch.ones(q.shape[0], 1, 1, k.shape[2] + 1, dtype=torch.bool)  # a mask of other positions
+    assert decode_attention_forward(_Attn(), q, k, v, longer)[0] == "sdpa"
     out, _ = decode_attention_forward(_Attn(), q, k, v, None, scaling=0.125)
-    assert torch.equal(out, kernel.decode_attention(q, k, v, None, 0.125)) and len(called) == 2
+    assert torch.equal(out, kernel.decode_attention(q, k, v, None, 0.125)) and len(called) == 3
 
 
 def test_a_model_runs_it_and_agrees_with_sdpa(tiny_dirs, monkeypatch):

@@ -9,8 +9,8 @@ in a fixed order: the same result at any thread count and batch position.
 
 ``use_decode_attention`` registers the implementation with transformers (``AttentionInterface``, and sdpa's masks
 through ``AttentionMaskInterface``) and selects it on a model that uses sdpa: calls with one query on the CPU, with
-float32 or bfloat16 keys and values and nothing sdpa-specific (no attention sinks, soft-capping, position bias,
-dropout or returned weights), run the kernel; every other call (prefill, a diffusion block, the GPU) runs
+float32 or bfloat16 keys and values, a mask (if any) over the keys' positions, and nothing sdpa-specific (no
+attention sinks, soft-capping, position bias, dropout or returned weights), run the kernel; every other call (prefill, a diffusion block, the GPU) runs
 transformers' sdpa function unchanged. FullLoad and the offloaded engines load through the same function, so they
 keep agreeing bit for bit.
 """
@@ -40,8 +40,9 @@ def _decode_attention_fake(query, key, value, mask, scale):
     return query.new_empty(query.shape[0], 1, query.shape[1], value.shape[-1])
 
 
-def _kernel_serves(query, key, value, dropout, kwargs) -> bool:
+def _kernel_serves(query, key, value, mask, dropout, kwargs) -> bool:
     return (query.shape[2] == 1 and query.device.type == "cpu" and key.dtype in DTYPES and value.dtype == key.dtype
+            and (mask is None or (mask.dim() == 4 and mask.shape[-1] == key.shape[-2] and mask.shape[-2] == 1))
             and not dropout and not kwargs.get("output_attentions")
             and all(kwargs.get(name) is None for name in SDPA_ONLY)
             and key.stride(-1) == 1 and value.stride(-1) == 1 and query.shape[1] % key.shape[1] == 0)
@@ -54,7 +55,7 @@ def decode_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     D]``, ``value [B, Hkv, S, Dv]``, ``attention_mask`` (sdpa's: None, or bool / additive broadcastable to ``[B, Hq,
     L, S]``) -> ``([B, L, Hq, Dv]`` in the query's dtype, None). The kernel for one query (module docstring), else
     transformers' sdpa function with the same arguments."""
-    if not _kernel_serves(query, key, value, dropout, kwargs):
+    if not _kernel_serves(query, key, value, attention_mask, dropout, kwargs):
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
