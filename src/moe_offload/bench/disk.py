@@ -132,10 +132,9 @@ class DiskBench:
         return cmd + (["--predictor", self.predictor] if spec.needs_predictor and self.predictor else [])
 
     def llama(self) -> list[str]:
-        """llama.cpp's greedy completion of the same prompt (default mmap, no warm-up, no conversation mode)."""
-        return [str(self.llama_bin), "-m", str(self.gguf), "-p", self.llama_prompt or self.prompt, "-n",
-                str(self.max_new_tokens),
-                "--temp", "0", "-t", str(self.threads), "-c", "4096", "-no-cnv", "--no-warmup", "--seed", "0"]
+        """llama.cpp's greedy completion of the same prompt (``llama_command``)."""
+        return llama_command(self.llama_bin, self.gguf, self.llama_prompt or self.prompt, self.max_new_tokens,
+                             self.threads)
 
 
 def _measured_cell(bench: DiskBench, row: str, fraction, limit, cmd, ok, beside=None) -> tuple[Cell, dict]:
@@ -279,6 +278,13 @@ def _finish(cells: list[Cell], full: Cell, one_expert: int) -> None:
             c.physical_limit_tok_s = min(full.decode_tok_s, gbps * 1e3 / c.mb_read_per_token)
         if not c.row.startswith("llama.cpp"):
             c.tokens_equal_full_load = c.token_ids == full.token_ids
+
+
+def llama_command(llama_bin: Path, gguf: Path, prompt: str, max_new_tokens: int, threads: int) -> list[str]:
+    """llama.cpp's ``llama-completion`` argv for a greedy completion of ``prompt`` (the chat template already
+    applied): ``max_new_tokens`` tokens on ``threads`` threads, default mmap, no warm-up, no conversation mode."""
+    return [str(llama_bin), "-m", str(gguf), "-p", prompt, "-n", str(max_new_tokens), "--temp", "0", "-t",
+            str(threads), "-c", "4096", "-no-cnv", "--no-warmup", "--seed", "0"]
 
 
 def llama_paths(arg: str | None) -> tuple[Path | None, Path | None]:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import MoeOffloadError
+from .disk import llama_command
 from .disk_measure import parse_llama_decode
 
 FULL = "ours: FullLoad"
@@ -96,9 +97,8 @@ class PeerBench:
         if engine == HF:
             return [sys.executable, "-c", _HF_SCRIPT, str(self.model_dir), self.prompt, str(self.max_new_tokens),
                     str(threads)]
-        return [str(self.llama_bin), "-m", str(self.gguf), "-p", self.llama_prompt or self.prompt, "-n",
-                str(self.max_new_tokens), "--temp", "0", "-t", str(threads), "-c", "4096", "-no-cnv", "--no-warmup",
-                "--seed", "0"]
+        return llama_command(self.llama_bin, self.gguf, self.llama_prompt or self.prompt, self.max_new_tokens,
+                             threads)
 
 
 def _threads(n: int) -> str:

@@ -47,10 +47,32 @@ def add_parser(bsub) -> None:
     bk.add_argument("--quiet", action="store_true", help="no progress lines")
 
 
-def run(args) -> int:
-    """``moe-offload bench disk``: resolve the inputs, run, write and print the table; exit 0."""
+def llama_inputs(args, model, gguf_stem: str, text: str) -> tuple[Path | None, Path | None, str]:
+    """``(llama-completion, GGUF, prompt as llama.cpp is given it)`` from ``--llama-cpp``, ``--gguf`` and
+    ``--gguf-type`` (``bench disk``, ``bench peers``): without ``--gguf`` the checkpoint is exported once to
+    ``{gguf_stem}.{type}.gguf`` (``export gguf``); the prompt is ``text`` in the model's chat template, when it has one.
+
+    Raises:
+        MoeOffloadError: ``--llama-cpp`` holds no llama-completion; ``--gguf`` is not a file; the export failed.
+    """
     from transformers import AutoTokenizer
 
+    llama_bin, converter = llama_paths(args.llama_cpp)
+    gguf = Path(args.gguf) if args.gguf else None
+    if gguf is not None and not gguf.is_file():
+        raise MoeOffloadError(f"--gguf {gguf}: no such file")
+    if gguf is None and llama_bin is not None:
+        gguf = Path(f"{gguf_stem}.{args.gguf_type}.gguf")
+        if not gguf.exists():
+            export_gguf(model, gguf, args.gguf_type, converter)
+    tok = AutoTokenizer.from_pretrained(model)
+    templated = (tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                         tokenize=False) if getattr(tok, "chat_template", None) else text)
+    return llama_bin, gguf, templated
+
+
+def run(args) -> int:
+    """``moe-offload bench disk``: resolve the inputs, run, write and print the table; exit 0."""
     out = Path(args.out)
     if out.exists():
         raise MoeOffloadError(f"{out} already exists; choose a new --out")
@@ -63,18 +85,8 @@ def run(args) -> int:
     policies = tuple(parse_policies(args.policies))
     require_predictor(policies, args.predictor)
     model = resolve_model(args.model, progress=not args.quiet)
-    llama_bin, converter = llama_paths(args.llama_cpp)
-    gguf = Path(args.gguf) if args.gguf else None
-    if gguf is not None and not gguf.is_file():
-        raise MoeOffloadError(f"--gguf {gguf}: no such file")
-    if gguf is None and llama_bin is not None:
-        gguf = Path(str(out) + f".{args.gguf_type}.gguf")
-        if not gguf.exists():
-            export_gguf(model, gguf, args.gguf_type, converter)
-    tok = AutoTokenizer.from_pretrained(model)
     text = human_turns(1, offset=args.sharegpt_offset)[0]
-    templated = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                        tokenize=False)
+    llama_bin, gguf, templated = llama_inputs(args, model, str(out), text)
     bench = DiskBench(model, gguf, llama_bin, text, args.max_new_tokens, args.threads, policies, args.predictor,
                       fractions, args.reverse, timeout_s=args.cell_timeout, llama_prompt=templated,
                       peers=not args.no_peers)

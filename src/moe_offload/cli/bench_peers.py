@@ -8,6 +8,7 @@ from pathlib import Path
 
 from ..errors import MoeOffloadError
 from .args import int_in, positive_int
+from .bench_disk import llama_inputs
 
 
 def add_parser(bsub) -> None:
@@ -36,10 +37,6 @@ def add_parser(bsub) -> None:
 
 def run(args) -> int:
     """``moe-offload bench peers``: resolve the inputs, run every cell, print the table; exit 0."""
-    from transformers import AutoTokenizer
-
-    from ..bench.disk import llama_paths
-    from ..bench.gguf_export import export_gguf
     from ..bench.peers import PeerBench, markdown, run_peers
     from ..testbed.resolve import resolve_model
     from ..testbed.sharegpt import human_turns
@@ -53,18 +50,8 @@ def run(args) -> int:
     if not threads or min(threads) < 1:
         raise MoeOffloadError(f"--threads must be comma-separated counts >= 1, got {args.threads!r}")
     model = Path(resolve_model(args.model, progress=not args.quiet))
-    llama_bin, converter = llama_paths(args.llama_cpp)
-    gguf = Path(args.gguf) if args.gguf else None
-    if gguf is not None and not gguf.is_file():
-        raise MoeOffloadError(f"--gguf {gguf}: no such file")
-    if gguf is None and llama_bin is not None:
-        gguf = Path((args.out or model.name) + f".{args.gguf_type}.gguf")
-        if not gguf.exists():
-            export_gguf(model, gguf, args.gguf_type, converter)
     text = args.prompt if args.prompt is not None else human_turns(1, offset=args.sharegpt_offset)[0]
-    tok = AutoTokenizer.from_pretrained(model)
-    templated = (tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                         tokenize=False) if getattr(tok, "chat_template", None) else text)
+    llama_bin, gguf, templated = llama_inputs(args, model, args.out or model.name, text)
     bench = PeerBench(model, text, args.max_new_tokens, threads, args.repeats, llama_bin, gguf, templated,
                       transformers=not args.no_transformers, timeout_s=args.cell_timeout)
     result = run_peers(bench, say=(lambda m: None) if args.quiet else (lambda m: print(m, file=sys.stderr)))

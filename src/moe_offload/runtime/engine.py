@@ -212,7 +212,7 @@ class OffloadEngine:
             if pair_out is not None:  # pairs of experts outside this round are skipped (-1)
                 local = device_index([e - moe_layer * self.num_experts for e in rnd.eids], top_k_index.device)
                 slot_ids = slot_ids.masked_fill(~torch.isin(top_k_index, local), -1)
-            weights, slot_ids = kernel_operands(self.pool.rows, slot_ids, sorted(rnd.slots))
+            weights, slot_ids = kernel_operands(self.pool.rows, slot_ids, rnd.slots)
             result = fused_round(kernel, weights, hidden_states, slot_ids, top_k_weights, pair_out)
             self.clock.lap("expert_compute")
         if pair_out is not None:

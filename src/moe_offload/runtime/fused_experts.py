@@ -61,8 +61,8 @@ def pool_weights(rows) -> tuple[torch.Tensor, torch.Tensor] | None:
 def kernel_operands(rows, slot_ids: torch.Tensor, slots: list[int] | None = None
                     ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
     """``(weights, slot_ids)`` for ``fused_round``: ``rows``' own slot views when its format needs no decoding,
-    else the rows ``slots`` (the distinct rows the computed pairs use, a sorted host list; None: read from
-    ``slot_ids``, a device->host copy) decoded once into dense
+    else the rows ``slots`` (the distinct rows the computed pairs use, a host list in any order; None: read
+    from ``slot_ids``, a device->host copy) decoded once into dense
     groups ``(gate_up [G, 2I, H], down [G, H, I])`` (FP8 blocks: the values FullLoad holds, so the kernel gives
     FullLoad's result bit for bit) with ``slot_ids`` ``[T, k]`` renumbered into them (-1, a pair not computed,
     kept). The one rule every engine follows to run the kernel on a slot pool or host rows."""
@@ -70,8 +70,8 @@ def kernel_operands(rows, slot_ids: torch.Tensor, slots: list[int] | None = None
     if views is not None:
         return views, slot_ids
     if slots is None:
-        slots = sorted({s for s in slot_ids.reshape(-1).tolist() if s >= 0})
-    sel = device_index(slots, slot_ids.device)
+        slots = {s for s in slot_ids.reshape(-1).tolist() if s >= 0}
+    sel = device_index(sorted(slots), slot_ids.device)  # ascending: searchsorted renumbers into it
     weights = (rows.weight("gate_up_proj", sel), rows.weight("down_proj", sel))
     return weights, torch.where(slot_ids >= 0, torch.searchsorted(sel, slot_ids.clamp(min=0)), -1)
 

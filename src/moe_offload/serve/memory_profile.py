@@ -13,7 +13,9 @@ pool and the lookup table. Not seen on the CPU: scratch memory a kernel allocate
 tensor of it (e.g. a GEMM's packing buffers) and tensors made from Python data (``torch.tensor([...])``, a few
 bytes of expert ids). Our native routed-experts kernel allocates outside the dispatcher too (its result and
 scratch, which the tracker does not see): it counts the most one call took, and that is added to the tracker's
-peak (an upper bound of what it held at the tracker's peak: one call runs at a time).
+peak (an upper bound of what it held at the tracker's peak: one call runs at a time). Not counted either: the
+results of the decode-step kernels in eager mode (``linear_rows`` at most 8 rows, ``decode_attention`` one query
+per head), a few hundred KB at most, far below a prefill's peak.
 """
 
 from __future__ import annotations
