@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from moe_offload.bench.peers import FULL, HF, OFFLOADED, PeerBench, markdown
+from moe_offload.bench.peers import FULL, FULL_GRAPH, HF, OFFLOADED, OFFLOADED_GRAPH, PeerBench, markdown
 from moe_offload.cli import main
 
 
@@ -57,3 +57,20 @@ def test_peers_table_by_hand(tmp_path):
     assert lines[(FULL, "1")] == ["11.00 [10.0, 12.0]", "1.00x", "1.91x", "reference"]  # 21 / 11
     assert lines[(HF, "1")] == ["5.50 [5.0, 6.0]", "2.00x", "1.45x", "differ from token 2"]  # 11 / 5.5; 8 / 5.5
     assert lines[(OFFLOADED, "2")] == ["21.00 [21.0, 21.0]", "1.00x", "2.00x", "same (3)"]  # 21 / 21; 21 / 10.5
+
+
+def test_peers_compiled_rows_by_hand(tmp_path):
+    """With ``graph``: the compiled rows, a column of compiled FullLoad over each engine, and the compiled offloaded
+    row's tokens compared with the compiled FullLoad's (not the eager one's)."""
+    bench = PeerBench(tmp_path / "m", "p", threads=(1,), repeats=1, transformers=False, graph=True)
+    assert bench.engines() == [FULL, OFFLOADED, FULL_GRAPH, OFFLOADED_GRAPH]
+    assert "--graph" in bench.command(FULL_GRAPH, 1) and "--full-load" in bench.command(FULL_GRAPH, 1)
+    assert bench.command(OFFLOADED_GRAPH, 1).count("--prompt") == 2  # the first request compiles, the second is timed
+    result = {"cells": {(FULL, 1): [10.0], (OFFLOADED, 1): [10.0], (FULL_GRAPH, 1): [15.0],
+                        (OFFLOADED_GRAPH, 1): [12.0]},
+              "tokens": {(FULL, 1): [1, 2, 3], (OFFLOADED, 1): [1, 2, 3], (FULL_GRAPH, 1): [1, 2, 4],
+                         (OFFLOADED_GRAPH, 1): [1, 2, 4]}}
+    lines = {r.split("|")[1].strip(): [c.strip() for c in r.split("|")[3:8]]
+             for r in markdown(bench, result).splitlines() if r.startswith("| ours")}
+    assert lines[FULL_GRAPH] == ["15.00 [15.0]", "0.67x", "1.00x", "-", "reference (compiled)"]
+    assert lines[OFFLOADED_GRAPH] == ["12.00 [12.0]", "0.83x", "1.25x", "-", "same (3)"]

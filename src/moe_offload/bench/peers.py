@@ -2,7 +2,9 @@
 with first, measured side by side in one run (issue 46).
 
 Rows, per thread count: our FullLoad (every weight in memory), our offloaded path at residency 1.0 (every expert in
-a slot, the slot pool and its lookup doing their work: the cost of the runtime itself), transformers' own eager
+a slot, the slot pool and its lookup doing their work: the cost of the runtime itself), with ``graph`` the same two
+with the decode step compiled (``generate --graph``: graph mode; the cell runs the prompt twice and times the second
+request, the first one compiles), transformers' own eager
 ``generate`` on the same checkpoint (the library we build on, as its users run it: default settings, greedy), and
 llama.cpp's ``llama-completion`` on the checkpoint's GGUF (``export gguf``), when given.
 
@@ -30,6 +32,8 @@ from .disk_measure import parse_llama_decode
 
 FULL = "ours: FullLoad"
 OFFLOADED = "ours: offloaded, residency 1.0"
+FULL_GRAPH = "ours: FullLoad, compiled step"
+OFFLOADED_GRAPH = "ours: offloaded, compiled step, residency 1.0"
 HF = "transformers generate (eager)"
 LLAMA = "llama.cpp"
 
@@ -68,7 +72,8 @@ class PeerBench:
             given ``llama_prompt``, the templated text).
         max_new_tokens: greedy tokens per cell; threads: the thread counts measured; repeats: runs per cell.
         llama_bin, gguf: llama.cpp's ``llama-completion`` and the checkpoint as GGUF (None: no llama.cpp row).
-        transformers: include transformers' generate; timeout_s: seconds a cell may run.
+        transformers: include transformers' generate; graph: include our compiled-step rows; timeout_s: seconds
+            a cell may run.
     """
 
     model_dir: Path
@@ -80,20 +85,24 @@ class PeerBench:
     gguf: Path | None = None
     llama_prompt: str | None = None
     transformers: bool = True
+    graph: bool = False
     timeout_s: float = 900.0
     cells: dict = field(default_factory=dict)
 
     def engines(self) -> list[str]:
         """The rows, in the order of a forward repeat."""
-        return [FULL, OFFLOADED] + ([HF] if self.transformers else []) + ([LLAMA] if self.llama_bin else [])
+        return ([FULL, OFFLOADED] + ([FULL_GRAPH, OFFLOADED_GRAPH] if self.graph else [])
+                + ([HF] if self.transformers else []) + ([LLAMA] if self.llama_bin else []))
 
     def command(self, engine: str, threads: int) -> list[str]:
         """The process that measures ``engine`` at ``threads``."""
-        if engine in (FULL, OFFLOADED):
+        if engine in (FULL, OFFLOADED, FULL_GRAPH, OFFLOADED_GRAPH):
+            graph = engine in (FULL_GRAPH, OFFLOADED_GRAPH)
             cmd = [sys.executable, "-m", "moe_offload.cli", "generate", "--model", str(self.model_dir), "--prompt",
-                   self.prompt, "--max-new-tokens", str(self.max_new_tokens), "--json", "--quiet", "--threads",
-                   str(threads)]
-            return cmd + (["--full-load"] if engine == FULL else ["--residency", "1.0", "--policy", "lru"])
+                   self.prompt] + (["--prompt", self.prompt, "--graph"] if graph else []) + [
+                   "--max-new-tokens", str(self.max_new_tokens), "--json", "--quiet", "--threads", str(threads)]
+            return cmd + (["--full-load"] if engine in (FULL, FULL_GRAPH) else ["--residency", "1.0", "--policy",
+                                                                                "lru"])
         if engine == HF:
             return [sys.executable, "-c", _HF_SCRIPT, str(self.model_dir), self.prompt, str(self.max_new_tokens),
                     str(threads)]
@@ -127,6 +136,9 @@ def _run_cell(bench: PeerBench, engine: str, threads: int) -> tuple[float, list[
     d = json.loads(r.stdout.strip().splitlines()[-1])
     if engine == HF:
         return d["decode_tokens_per_s"], d["token_ids"]
+    if engine in (FULL_GRAPH, OFFLOADED_GRAPH):  # the second request: the first one compiled the step
+        o = d["outputs"][-1]
+        return (len(o["token_ids"]) - 1) / o["decode_s"] if o["decode_s"] > 0 else 0.0, o["token_ids"]
     return d["stats"]["decode_tokens_per_s"], d["outputs"][0]["token_ids"]
 
 
@@ -152,9 +164,14 @@ def run_peers(bench: PeerBench, say=print) -> dict:
 
 
 def _same_tokens(tokens: dict, engine: str, threads: int) -> str:
-    ids, ref = tokens.get((engine, threads)), tokens.get((FULL, threads))
-    if engine == FULL or ids is None or ref is None:
-        return "reference" if engine == FULL else "-"
+    """Whether ``engine``'s tokens equal its reference's: the compiled offloaded row against the compiled FullLoad
+    (inductor's generated kernels round differently from the eager operators), every other row against FullLoad."""
+    ref_engine = FULL_GRAPH if engine == OFFLOADED_GRAPH else FULL
+    ids, ref = tokens.get((engine, threads)), tokens.get((ref_engine, threads))
+    if engine in (FULL, FULL_GRAPH) or ids is None or ref is None:
+        if engine == FULL_GRAPH and ids is not None and tokens.get((FULL, threads)) is not None:
+            return "reference (compiled)" + ("; same as eager" if ids == tokens[(FULL, threads)] else "")
+        return "reference" if engine in (FULL, FULL_GRAPH) else "-"
     if ids == ref:
         return f"same ({len(ids)})"
     first = next((i for i, (a, b) in enumerate(zip(ids, ref)) if a != b), min(len(ids), len(ref)))
@@ -163,19 +180,22 @@ def _same_tokens(tokens: dict, engine: str, threads: int) -> str:
 
 def markdown(bench: PeerBench, result: dict) -> str:
     """The results table: per thread count and engine, the median tok/s (and every run), our FullLoad over each
-    peer, the engine's 2-thread (most threads) over 1-thread ratio, and the tokens against our FullLoad's."""
+    peer (and our compiled FullLoad over each, with ``graph``), the engine's 2-thread (most threads) over 1-thread
+    ratio, and the tokens against our FullLoad's."""
     med = {key: statistics.median(v) for key, v in result["cells"].items()}
     lo, hi = min(bench.threads), max(bench.threads)
+    refs = [FULL] + ([FULL_GRAPH] if bench.graph else [])
+    heads = " | ".join("FullLoad / this" if r == FULL else "compiled FullLoad / this" for r in refs)
     lines = [f"model {bench.model_dir.name}, {bench.max_new_tokens} new tokens, greedy, {bench.repeats} runs per cell "
              "(median; every run in brackets)", "",
-             f"| engine | threads | decode tok/s | FullLoad / this | {hi} / {lo} threads | tokens vs FullLoad |",
-             "|---|---:|---:|---:|---:|---|"]
+             f"| engine | threads | decode tok/s | {heads} | {hi} / {lo} threads | tokens vs FullLoad |",
+             "|---|---:|---:|" + "---:|" * len(refs) + "---:|---|"]
     for threads in bench.threads:
         for engine in bench.engines():
             runs = result["cells"][(engine, threads)]
             mine = med[(engine, threads)]
-            ratio = med[(FULL, threads)] / mine if mine > 0 else float("nan")
+            ratios = " | ".join(f"{med[(r, threads)] / mine:.2f}x" if mine > 0 else "nan" for r in refs)
             scale = (f"{med[(engine, hi)] / med[(engine, lo)]:.2f}x" if hi != lo and med[(engine, lo)] > 0 else "-")
             lines.append(f"| {engine} | {threads} | {mine:.2f} [{', '.join(f'{r:.1f}' for r in runs)}] | "
-                         f"{ratio:.2f}x | {scale} | {_same_tokens(result['tokens'], engine, threads)} |")
+                         f"{ratios} | {scale} | {_same_tokens(result['tokens'], engine, threads)} |")
     return "\n".join(lines)

@@ -29,6 +29,9 @@ def add_parser(bsub) -> None:
                     "folder, with `export gguf`)")
     bp.add_argument("--gguf-type", default="bf16", choices=["f32", "bf16", "f16"],
                     help="tensor type of an exported GGUF (default bf16)")
+    bp.add_argument("--graph", action="store_true", help="add our FullLoad and offloaded rows with the decode step "
+                    "compiled (generate --graph; each cell compiles, or loads its compiled step from the cache, on a "
+                    "first request and times a second)")
     bp.add_argument("--no-transformers", action="store_true", help="leave out transformers' generate")
     bp.add_argument("--cell-timeout", type=positive_int, default=900, help="seconds a cell may run (default 900)")
     bp.add_argument("--out", help="also write the table (markdown) to this new file (default: stdout only)")
@@ -53,7 +56,7 @@ def run(args) -> int:
     text = args.prompt if args.prompt is not None else human_turns(1, offset=args.sharegpt_offset)[0]
     llama_bin, gguf, templated = llama_inputs(args, model, args.out or model.name, text)
     bench = PeerBench(model, text, args.max_new_tokens, threads, args.repeats, llama_bin, gguf, templated,
-                      transformers=not args.no_transformers, timeout_s=args.cell_timeout)
+                      transformers=not args.no_transformers, graph=args.graph, timeout_s=args.cell_timeout)
     result = run_peers(bench, say=(lambda m: None) if args.quiet else (lambda m: print(m, file=sys.stderr)))
     table = markdown(bench, result)
     print(table)

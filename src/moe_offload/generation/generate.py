@@ -110,6 +110,13 @@ def sync_device(device: torch.device) -> None:
 
 
 @torch.no_grad()
+def last_position_only(model) -> dict:
+    """The keyword arguments that make ``model``'s forward run its LM head on the last position only (a prefill
+    needs no other logits: on a 518-token prompt the full head is a [518, V] GEMM); empty when the model's forward
+    takes no ``logits_to_keep``."""
+    return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+
+
 def generate_ids(lm: LoadedModel, prompt_ids: list[int], max_new_tokens: int, *, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, seed: int | None = None, request: int = 0,
                  on_step: Callable[[int], None] | None = None,
@@ -137,7 +144,7 @@ def generate_ids(lm: LoadedModel, prompt_ids: list[int], max_new_tokens: int, *,
     dev = lm.device
     params = inspect.signature(lm.model.forward).parameters
     cache_kw = "cache" if "cache" in params else "past_key_values"
-    last_only = {"logits_to_keep": 1} if "logits_to_keep" in params else {}  # the prefill's LM head: last position
+    last_only = last_position_only(lm.model)
     gen = make_generator(seed)
     eos = eos_ids(lm)
     engine = lm.engine

@@ -12,6 +12,7 @@ requests of similar length reuse one compiled step (a longer one compiles a new 
 
 from __future__ import annotations
 
+import inspect
 import time
 
 import torch
@@ -137,7 +138,13 @@ class GraphDecoder:
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, DECODER_GRAPHS)
         opts = dict(fullgraph=True, backend=backend)
         if cuda_graphs and backend == "inductor" and lm.device.type == "cuda":
-            opts["mode"] = "reduce-overhead"
+            opts["mode"] = "reduce-overhead"  # (torch.compile takes a mode or options, not both)
+        elif "isolate_recompiles" in inspect.signature(torch.compile).parameters:
+            # no guards on the model's modules: checking them costs ~1.5 ms per step here, and a decoder's model
+            # never changes after loading (its tensors are the graph's inputs, read at every call). Safe only with
+            # this decoder's graphs kept apart from every other decoder's (which the module guards told apart)
+            opts.update(isolate_recompiles=True,
+                        options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
         self.step = torch.compile(self._step, **opts)
 
     def _step(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache) -> torch.Tensor:
@@ -182,7 +189,7 @@ class GraphDecoder:
 
         Raises:
             MoeOffloadError: the prompt leaves no room for a new token within the model's position limit."""
-        from ..generation.generate import eos_ids, sync_device, token_budget
+        from ..generation.generate import eos_ids, last_position_only, sync_device, token_budget
         from ..generation.sampling import pick
         from ..common.seeds import make_generator
 
@@ -194,7 +201,7 @@ class GraphDecoder:
         t0 = time.perf_counter()
         if engine is not None:
             engine.begin_step(request, 0)
-        out = lm.model(input_ids=ids, cache=cache, use_cache=True)
+        out = lm.model(input_ids=ids, cache=cache, use_cache=True, **last_position_only(lm.model))
         tok = pick(out.logits[:, -1], temperature, top_p, gen, top_k)
         new = [int(tok)]
         sync_device(dev)

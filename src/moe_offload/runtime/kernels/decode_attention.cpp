@@ -67,7 +67,7 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
   TORCH_CHECK(k.size(0) == B && v.size(0) == B && v.size(1) == Hkv && v.size(2) == S && k.size(3) == D && Hkv > 0 &&
                   Hq % Hkv == 0,
               "decode_attention: shapes of q, k and v do not match");
-  auto qs = q.to(at::kFloat).contiguous();
+  FloatIn qs(q);
   torch::Tensor m;
   const bool* keep = nullptr;
   const float* add = nullptr;
@@ -78,12 +78,12 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
     if (m.scalar_type() == at::kBool) keep = m.data_ptr<bool>();
     else add = m.data_ptr<float>();
   }
-  auto out = torch::empty({B, 1, Hq, Dv}, qs.options());
+  FloatOut out({B, 1, Hq, Dv}, q.scalar_type());
   const bool fast = use_fast(portable);
   const float sc = static_cast<float>(scale);
   const int64_t group = Hq / Hkv;
-  const float* qp = qs.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+  const float* qp = qs.get();
+  float* op = out.get();
   {
     pybind11::gil_scoped_release release;
     auto run = [&](auto* kp, auto* vp) {
@@ -102,5 +102,5 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
     else run(reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>()),
              reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>()));
   }
-  return out.to(q.scalar_type());
+  return out.finish();
 }

@@ -18,17 +18,20 @@ torch::Tensor linear_rows(torch::Tensor x, torch::Tensor weight, c10::optional<t
               "linear_rows: float32 or bfloat16 weights");
   const int64_t K = weight.size(1), O = weight.size(0), ld = weight.stride(0);
   TORCH_CHECK(x.size(-1) == K, "linear_rows: x's last dimension must be the weight's");
-  auto xs = x.reshape({-1, K}).to(at::kFloat).contiguous();
-  const int64_t M = xs.size(0);
-  c10::optional<torch::Tensor> bs;
+  const auto x2 = x.reshape({-1, K});
+  const int64_t M = x2.size(0);
+  FloatIn xin(x2);
+  c10::optional<FloatIn> bin;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->numel() == O, "linear_rows: bias [O]");
-    bs = bias->to(at::kFloat).contiguous();
+    bin.emplace(*bias);
   }
-  auto out = torch::empty({M, O}, xs.options());
-  const float* xp = xs.data_ptr<float>();
-  const float* bp = bs.has_value() ? bs->data_ptr<float>() : nullptr;
-  float* op = out.data_ptr<float>();
+  auto sizes = x.sizes().vec();
+  sizes.back() = O;
+  FloatOut out(sizes, x.scalar_type());
+  const float* xp = xin.get();
+  const float* bp = bin.has_value() ? bin->get() : nullptr;
+  float* op = out.get();
   const bool fast = use_fast(portable);
   {
     pybind11::gil_scoped_release release;
@@ -44,9 +47,7 @@ torch::Tensor linear_rows(torch::Tensor x, torch::Tensor weight, c10::optional<t
     if (weight.scalar_type() == at::kFloat) run(weight.data_ptr<float>());
     else run(reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>()));
   }
-  auto sizes = x.sizes().vec();
-  sizes.back() = O;
-  return out.to(x.scalar_type()).view(sizes);
+  return out.finish();
 }
 
 std::string kernel_path() { return use_fast(false) ? "avx2+fma" : "portable"; }

@@ -153,9 +153,8 @@ torch::Tensor routed_experts(torch::Tensor x, torch::Tensor slots, torch::Tensor
   const int64_t T = x.size(0), H = x.size(1), k = slots.size(1), I = down.size(2);
   TORCH_CHECK(gate_up.size(1) == 2 * I && gate_up.size(2) == H && down.size(1) == H,
               "routed_experts: gate_up [S, 2I, H] and down [S, H, I] must match x's H");
-  auto xs = x.to(at::kFloat).contiguous();
-  auto ss = slots.to(at::kLong).contiguous();
-  auto ws = weights.to(at::kFloat).contiguous();
+  FloatIn xs(x), ws(weights);
+  auto ss = slots.scalar_type() == at::kLong && slots.is_contiguous() ? slots : slots.to(at::kLong).contiguous();
   const int64_t* sp = ss.data_ptr<int64_t>();
   const int64_t S = std::min(gate_up.size(0), down.size(0));
   for (int64_t n = 0; n < ss.numel(); ++n)
@@ -167,23 +166,24 @@ torch::Tensor routed_experts(torch::Tensor x, torch::Tensor slots, torch::Tensor
                 "routed_experts: pair_out must be a contiguous float32 [T, k, H]");
     pout = pair_out->data_ptr<float>();
   }
-  auto out = pout ? torch::Tensor() : torch::empty({T, H}, xs.options());
+  c10::optional<FloatOut> out;
+  if (!pout) out.emplace(at::IntArrayRef{T, H}, x.scalar_type());
   const int64_t pairs = T * k;  // x, slots, weights copies; result (and its cast); h and g; y; the sort's indices
   note_workspace(4 * T * H + 12 * pairs + (pout ? 0 : 8 * T * H) + 8 * pairs * I + (pout ? 0 : 4 * pairs * H) +
                  16 * pairs);
-  Problem p{xs.data_ptr<float>(), sp, ws.data_ptr<float>(), T, H, k, I, use_fast(portable)};
+  Problem p{xs.get(), sp, ws.get(), T, H, k, I, use_fast(portable)};
   {
     pybind11::gil_scoped_release release;
     if (gate_up.scalar_type() == at::kFloat) {
       compute<float>(p, gate_up.data_ptr<float>(), gate_up.stride(0), down.data_ptr<float>(), down.stride(0),
-                     pout ? nullptr : out.data_ptr<float>(), pout);
+                     pout ? nullptr : out->get(), pout);
     } else {
       compute<uint16_t>(p, reinterpret_cast<const uint16_t*>(gate_up.data_ptr<at::BFloat16>()), gate_up.stride(0),
                         reinterpret_cast<const uint16_t*>(down.data_ptr<at::BFloat16>()), down.stride(0),
-                        pout ? nullptr : out.data_ptr<float>(), pout);
+                        pout ? nullptr : out->get(), pout);
     }
   }
-  return pout ? *pair_out : out.to(x.scalar_type());
+  return pout ? *pair_out : out->finish();
 }
 
 // pair_out [T, k, H] float32 -> [T, H] in dtype: the pairs added in routing order, as the fused sum adds them.

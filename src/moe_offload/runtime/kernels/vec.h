@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -59,6 +60,64 @@ float dot_portable(const W* w, const float* x, int64_t n) {
   for (; i < n; ++i) s = std::fma(widen(w[i]), x[i], s);
   return s;
 }
+
+// A float32 tensor's values read as contiguous float32 (row-major over its shape): the tensor's own memory when it is
+// float32 and contiguous, else a copy kept here (bfloat16 widened exactly; other dtypes through torch's conversion).
+// Spares a decode step the dispatcher's conversion operators around every kernel call.
+class FloatIn {
+ public:
+  explicit FloatIn(const torch::Tensor& t) {
+    if (t.scalar_type() == at::kFloat && t.is_contiguous()) {
+      ptr_ = t.data_ptr<float>();
+    } else if (t.scalar_type() == at::kBFloat16 && t.is_contiguous()) {
+      const uint16_t* src = reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>());
+      buf_.resize(static_cast<size_t>(t.numel()));
+      for (int64_t i = 0; i < t.numel(); ++i) buf_[i] = widen(src[i]);
+      ptr_ = buf_.data();
+    } else {
+      hold_ = t.to(at::kFloat).contiguous();
+      ptr_ = hold_.data_ptr<float>();
+    }
+  }
+  const float* get() const { return ptr_; }
+
+ private:
+  torch::Tensor hold_;
+  std::vector<float> buf_;
+  const float* ptr_ = nullptr;
+};
+
+// A result computed in float32 and returned in `dtype` (shape `sizes`): float32 results are written in place;
+// bfloat16 ones are narrowed here with torch's rounding (to nearest even, c10::BFloat16), bit for bit what
+// ``Tensor.to(torch.bfloat16)`` gives; other dtypes through torch's conversion.
+class FloatOut {
+ public:
+  FloatOut(at::IntArrayRef sizes, at::ScalarType dtype) : dtype_(dtype) {
+    auto f32 = at::TensorOptions().dtype(at::kFloat);
+    if (dtype == at::kFloat) {
+      out_ = torch::empty(sizes, f32);
+      ptr_ = out_.data_ptr<float>();
+    } else {
+      scratch_ = torch::empty(sizes, f32);
+      ptr_ = scratch_.data_ptr<float>();
+    }
+  }
+  float* get() const { return ptr_; }
+  // The result in its dtype; call once, after the computation, with the interpreter lock held.
+  torch::Tensor finish() {
+    if (dtype_ == at::kFloat) return out_;
+    if (dtype_ != at::kBFloat16) return scratch_.to(dtype_);
+    out_ = torch::empty(scratch_.sizes(), scratch_.options().dtype(at::kBFloat16));
+    at::BFloat16* dst = out_.data_ptr<at::BFloat16>();
+    for (int64_t i = 0; i < scratch_.numel(); ++i) dst[i] = at::BFloat16(ptr_[i]);
+    return out_;
+  }
+
+ private:
+  at::ScalarType dtype_;
+  torch::Tensor out_, scratch_;
+  float* ptr_ = nullptr;
+};
 
 #if MOE_X86
 __attribute__((target("avx2,fma"))) inline float hsum8(__m256 v) {
