@@ -44,6 +44,19 @@ def _reference(x, slots, weights, gate_up, down):
     return out
 
 
+def _same_at_1_and_2_threads(compute):
+    """``compute()`` at 2 threads, asserted bit for bit equal at 1 thread; the thread count restored."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        base = compute()
+        torch.set_num_threads(1)
+        assert torch.equal(compute(), base)
+    finally:
+        torch.set_num_threads(before)
+    return base
+
+
 @needs_kernel
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize("I", [48, 40, 100])  # full steps of 32, a chunk of 8, a tail of single elements
@@ -60,14 +73,7 @@ def test_routed_experts_values(dtype, tol, I):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_routed_experts_bit_for_bit_whatever_the_threads_slots_path_or_rounds(dtype):
     x, slots, weights, gate_up, down = _problem(dtype, I=40)
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        base = kernel.routed_experts(x, slots, weights, gate_up, down)
-        torch.set_num_threads(1)
-        assert torch.equal(kernel.routed_experts(x, slots, weights, gate_up, down), base)
-    finally:
-        torch.set_num_threads(before)
+    base = _same_at_1_and_2_threads(lambda: kernel.routed_experts(x, slots, weights, gate_up, down))
     assert torch.equal(kernel.routed_experts(x, slots, weights, gate_up, down, portable=True), base)
     perm = torch.randperm(gate_up.shape[0], generator=torch.Generator().manual_seed(1))
     where = torch.empty_like(perm)
@@ -78,6 +84,22 @@ def test_routed_experts_bit_for_bit_whatever_the_threads_slots_path_or_rounds(dt
     kernel.routed_experts(x, slots.masked_fill(~first, -1), weights, gate_up, down, pair_out=pairs)
     kernel.routed_experts(x, slots.masked_fill(first, -1), weights, gate_up, down, pair_out=pairs)
     assert torch.equal(kernel.sum_pairs(pairs, dtype), base)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_routed_experts_many_tokens_per_expert_as_one_by_one(dtype):
+    """A prefill's shape: many tokens share each expert, so each row is multiplied with several tokens at once
+    (vec.h's dot_many tiles). Each token's result is bit for bit what a call with that token alone gives (a decode
+    step), on the AVX2 and the portable path and at 1 and 2 threads, and close to the float64 reference."""
+    x, slots, weights, gate_up, down = _problem(dtype, S=4, I=40, T=37, k=2, seed=3)
+    base = _same_at_1_and_2_threads(lambda: kernel.routed_experts(x, slots, weights, gate_up, down))
+    assert torch.equal(kernel.routed_experts(x, slots, weights, gate_up, down, portable=True), base)
+    alone = torch.cat([kernel.routed_experts(x[t:t + 1], slots[t:t + 1], weights[t:t + 1], gate_up, down)
+                       for t in range(x.shape[0])])
+    assert torch.equal(alone, base)
+    ref = _reference(x, slots, weights, gate_up, down)
+    assert (base.double() - ref).abs().max() <= (1e-5 if dtype == torch.float32 else 1e-2) * ref.abs().max()
 
 
 @needs_kernel

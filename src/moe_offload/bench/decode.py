@@ -11,6 +11,7 @@ from ..core.policy_spec import PolicySpec, parse_policies, parse_policy, require
 from ..generation.generate import run
 from ..models.loader import load_full, load_offloaded
 from ..core.forecast import ROLLOUT_EVERY
+from ..runtime.cpu_account import account_table
 from ..runtime.emulated_clock import check_skip_device, now, skipping_waits, wait_until
 
 
@@ -130,7 +131,9 @@ def bench_decode(path: Path, prompts: list[str], residencies: list[float], *, ma
 
         pred += f"; seqmoe-xl's cross-layer blend weights {describe_xl_weights(load_predictor(predictor))}"
     return "\n".join(_table(rows) + [f"\n{len(prompts)} prompts x {max_new_tokens} new tokens, model {path}" + pred
-                                     + regime, "", *breakdown_table(breakdowns)])
+                                     + regime, "", *breakdown_table(breakdowns), "",
+                                     "Decode step CPU by role (ms per step; copies: CPU (wall), every thread):", "",
+                                     *account_table([(f"{p} {r:.2f}", b["cpu_account"]) for p, r, b in breakdowns])])
 
 
 def _disk_entry(host_store: str, link_epl: float | None) -> dict | None:
@@ -195,7 +198,7 @@ def _measure_policy(path, prompts, max_new_tokens, pol, r, device, dtype, progre
         row = DecodeRow(eng.policy_name if pol.family == "auto" else pol.name, pol, r, eng.pool.num_slots,
                         s.decode_tokens_per_s, 0.0, s.offload.hit_rate, s.offload.bytes_loaded,
                         sum(s.ttft_s) / len(s.ttft_s), [o.token_ids for o in outs] == ref_tokens, eng.pool.nbytes)
-        return row, eng.breakdown.as_dict()
+        return row, eng.breakdown.as_dict() | {"cpu_account": eng.account.as_dict(eng.breakdown.steps)}
     finally:
         lm.close()
         del lm

@@ -72,6 +72,7 @@ class Cell:
     peak_beside_bytes: int | None = None
     cached_before_bytes: int | None = None
     page_cached_expert_bytes: int | None = None
+    cpu_account: dict | None = None
     token_ids: list = field(default_factory=list, repr=False)
 
 
@@ -174,6 +175,7 @@ def _ours_cell(bench: DiskBench, row: str, fraction, limit, cmd, beside=None) ->
     cell.hit_rate = st.get("hit_rate")
     cell.token_ids = d["outputs"][0]["token_ids"]
     cell.slot_bytes = st.get("peak_slot_bytes", 0)
+    cell.cpu_account = st.get("cpu_account")
     _rates(cell, r, len(cell.token_ids))
     return cell
 

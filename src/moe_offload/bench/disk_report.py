@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from ..errors import MoeOffloadError
+from ..runtime.cpu_account import account_table
 
 COLUMNS = ("row", "fraction", "limit_bytes", "status", "decode_tok_s", "vs_own_unlimited", "hit_rate",
            "mb_read_per_token", "mb_read_per_token_at_least", "read_gbps", "physical_limit_tok_s", "tokens_equal_full_load", "peak_bytes", "wall_s",
@@ -43,6 +44,11 @@ def markdown(result: dict) -> str:
                  f"{'n/a' if b['llama.cpp'] is None else format(b['llama.cpp'] / 1e9, '.3f')} GB; "
                  f"{result['max_new_tokens']} new tokens per cell, greedy; order "
                  f"{'reversed' if result['reverse'] else 'forward'}.")
+    accounts = [(f"{c['row']} at {'all' if c['fraction'] is None else format(c['fraction'], '.0%')}",
+                 c["cpu_account"]) for c in result["cells"] if c.get("cpu_account")]
+    if accounts:
+        lines += ["", "Decode step CPU by role, our offloaded rows (ms per step; copies: CPU (wall), every thread):",
+                  "", *account_table(accounts)]
     return "\n".join(lines)
 
 

@@ -43,6 +43,7 @@ class SlotTable:
         tick: number of layer executions planned so far (the policies' clock).
         prefetches_wasted: prefetched experts evicted before any layer needed them (the forecast was wrong or came
             too early; a failed or cancelled copy is not counted).
+        prefetches_used: prefetched experts a layer needed (in flight or landed) before they were evicted.
 
     Policy events: ``on_evict`` when a victim leaves its slot (at ``prefetch`` for a prefetch's victim);
     ``on_insert`` when an expert becomes resident: an on-demand load, a successful landing, or the adoption of an
@@ -81,6 +82,7 @@ class SlotTable:
         self._pinned: set[int] = set()                      # experts in Fetch or Compute slots
         self._unused_prefetch: set[int] = set()             # prefetched, not needed by any layer since
         self.prefetches_wasted = 0
+        self.prefetches_used = 0
         self.tick = 0
 
     # ---- queries -------------------------------------------------------------------------------------------
@@ -264,7 +266,9 @@ class SlotTable:
         pairs = sorted(zip(needed, tokens))
         needed = [e for e, _ in pairs]
         if self._unused_prefetch:
+            before = len(self._unused_prefetch)
             self._unused_prefetch.difference_update(needed)
+            self.prefetches_used += before - len(self._unused_prefetch)
         slot_of, fetching = self.slot_of, self._fetching
         if not pinned and not fetching and all(slot_of[e] >= 0 for e in needed):
             return self._plan_all_hits(pairs, needed, hold)

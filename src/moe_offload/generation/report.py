@@ -9,6 +9,7 @@ from ..core.policy_spec import parse_policy
 from ..errors import MoeOffloadError
 from ..models.capability import experts_modules
 from ..models.loader import LoadedModel
+from ..runtime.cpu_account import summary_line
 from ..runtime.fused_experts import experts_path
 from .generate import RunStats
 
@@ -68,7 +69,9 @@ def stats_dict(lm: LoadedModel, s: RunStats) -> dict:
         "host_store_bytes": eng.store.nbytes if eng else 0,
         "device_peak_bytes": torch.cuda.max_memory_reserved(lm.device) if lm.device.type == "cuda" else None,
     } | ({"time_breakdown": eng.breakdown.as_dict()} if getattr(eng, "breakdown", None) is not None
-         and eng.breakdown.steps else {}) | ({"auto_policy": {"choice": eng.auto_policy.choice, "simulated_hit_rates": eng.auto_policy.rates,
+         and eng.breakdown.steps else {}) | ({"cpu_account": eng.account.as_dict(eng.breakdown.steps)}
+                                             if getattr(eng, "account", None) is not None and eng.breakdown.steps
+                                             else {}) | ({"auto_policy": {"choice": eng.auto_policy.choice, "simulated_hit_rates": eng.auto_policy.rates,
                           "decide_s": eng.auto_policy.decide_s}}
          if getattr(eng, "auto_policy", None) is not None else {}) | ({"host_fallback_experts": o.host_experts, "host_fallback_tokens": o.host_tokens,
           "fallback_s": o.fallback_s, "prefetches": o.prefetches, "diffusion_steps": o.steps}
@@ -191,6 +194,8 @@ def stats_table(d: dict) -> str:
     ] if "auto_policy" in d else []) + ([
         ("decode step time", _breakdown_line(d["time_breakdown"])),
     ] if "time_breakdown" in d and not diff else []) + ([
+        ("decode step CPU", summary_line(d["cpu_account"])),
+    ] if "cpu_account" in d and not diff else []) + ([
         ("first block (mean)", f"{d['ttft_s']:.3f} s"),
         ("diffusion", _diffusion_row(diff)),
     ] if diff else [

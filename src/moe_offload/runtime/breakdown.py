@@ -17,8 +17,10 @@ asynchronously, and their time shows up where the host next waits for the device
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
+from .cpu_account import PHASE_ROLE
 from .emulated_clock import now
 
 PHASES = ("expert_compute", "other_compute", "predictor", "management", "stall")
@@ -47,11 +49,17 @@ class TimeBreakdown:
 
 
 class StepClock:
-    """A lap timer over decode steps: ``lap(phase)`` charges the time since the previous lap to ``phase``."""
+    """A lap timer over decode steps: ``lap(phase)`` charges the time since the previous lap to ``phase``.
 
-    def __init__(self) -> None:
+    With ``account`` (a ``runtime.cpu_account.CpuAccount``) each lap also charges the main thread's CPU and wall time
+    to the phase's role, less the expert copies it ran itself in that lap (charged to theirs by the copies), and
+    the account counts only while a decode step runs."""
+
+    def __init__(self, account=None) -> None:
         self.result = TimeBreakdown()
+        self.account = account
         self._mark: float | None = None  # None: not inside a decode step
+        self._cpu_mark = self._wall_mark = 0.0
 
     def begin_step(self, decode: bool) -> None:
         """A forward pass begins (``decode``: a decode step, which is timed); closes the previous step."""
@@ -59,12 +67,18 @@ class StepClock:
         if decode:
             self._mark = now()
             self.result.steps += 1
+            if self.account is not None:
+                self.account.active = True
+                self.account.take_io()
+                self._cpu_mark, self._wall_mark = time.thread_time(), time.perf_counter()
 
     def end_step(self) -> None:
         """The running step ended: its time since the last lap is other compute (the head, sampling)."""
         if self._mark is not None:
             self.lap("other_compute")
             self._mark = None
+            if self.account is not None:
+                self.account.active = False
 
     def lap(self, phase: str) -> None:
         if self._mark is None:
@@ -72,7 +86,15 @@ class StepClock:
         t = now()
         self.result.seconds[phase] += t - self._mark
         self._mark = t
+        if self.account is not None:
+            cpu, wall = time.thread_time(), time.perf_counter()
+            io_cpu, io_wall = self.account.take_io()
+            self.account.charge(PHASE_ROLE[phase], cpu - self._cpu_mark - io_cpu, wall - self._wall_mark - io_wall)
+            self._cpu_mark, self._wall_mark = cpu, wall
 
     def reset(self) -> None:
         self.result = TimeBreakdown()
         self._mark = None
+        if self.account is not None:
+            self.account.reset()
+            self.account.active = False

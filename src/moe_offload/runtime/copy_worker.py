@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from .cpu_account import io
 from .emulated_clock import sleep_until as _sleep_until
 
 _QUEUED, _RUNNING, _DONE = 0, 1, 2
@@ -110,10 +111,14 @@ class CopyWorker:
             CopyCancelled: the copy was cancelled while running and stopped before its end.
         """
         read = getattr(self.store, "read_prefetch", None)
-        if read is None:
-            self.store.copy_to(job.eid, dst, non_blocking=non_blocking)
-        elif not read(job.eid, dst, lambda: job.stop):
-            raise CopyCancelled(job.eid)
+        with io(self.store, "on_demand_reads" if job.urgent else "prefetch_reads"):
+            if read is None:
+                self.store.copy_to(job.eid, dst, non_blocking=non_blocking)
+            elif not read(job.eid, dst, lambda: job.stop):
+                raise CopyCancelled(job.eid)
+        account = getattr(self.store, "account", None)
+        if account is not None and not job.urgent:
+            account.add_bytes("prefetched", self.store.layout.expert_bytes)
 
     def _copy(self, job: _Job) -> None:
         """Copy ``job``'s expert into its slot; returns when the bytes are all in the slot.

@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from ..errors import MoeOffloadError
+from .cpu_account import io
 from .direct_io import IO_ALIGN, _File, _Span, copy_concurrently, open_direct, plan_spans  # noqa: F401 (re-exported)
 from .store import ExpertLayout, gather_rows
 
@@ -234,23 +235,27 @@ class DiskStore:
         t0 = time.perf_counter()
         requests = nread = 0
         done = True
+        role = "prefetch_reads" if gate is not None else "on_demand_reads"
         for span in spans:
             if gate is None:
-                requests += self._read_span(span, view)
+                with io(self, role):
+                    requests += self._read_span(span, view)
             else:
                 for lo in range(0, span.need, self.prefetch_chunk):
                     if not gate():
                         done = False
                         break
-                    requests += self._read_span(span, view, lo, lo + self.prefetch_chunk)
+                    with io(self, role):
+                        requests += self._read_span(span, view, lo, lo + self.prefetch_chunk)
                 if not done:
                     break
             nread += span.length
-            for dst_off, src_off, n in span.pieces:
-                if out is not None:  # numpy's copy: half the overhead of torch's for these ~100 KiB pieces
-                    np.copyto(out[dst_off:dst_off + n], arr[src_off:src_off + n])
-                else:
-                    dst[dst_off:dst_off + n].copy_(torch.from_numpy(arr[src_off:src_off + n]))
+            with io(self, "staging_copies"):
+                for dst_off, src_off, n in span.pieces:
+                    if out is not None:  # numpy's copy: half the overhead of torch's for these ~100 KiB pieces
+                        np.copyto(out[dst_off:dst_off + n], arr[src_off:src_off + n])
+                    else:
+                        dst[dst_off:dst_off + n].copy_(torch.from_numpy(arr[src_off:src_off + n]))
         busy = time.perf_counter() - t0
         with self._lock:
             st = self.stats

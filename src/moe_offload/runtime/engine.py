@@ -20,6 +20,7 @@ import torch
 from ..core.slots import SlotTable
 from ..errors import MoeOffloadError
 from .breakdown import StepClock
+from .cpu_account import CpuAccount, attach as attach_account, io
 from .emulated_clock import now
 from .experts import IMPLEMENTATION_NAME, device_index, register, slot_pair_outputs
 from .fused_experts import fused_round, kernel_for, kernel_operands, sum_rounds
@@ -67,7 +68,9 @@ class OffloadEngine:
         self.table = table
         self.num_experts = num_experts
         self.stats = EngineStats()
-        self.clock = StepClock()   # decode-step time breakdown (runtime.breakdown)
+        self.account = CpuAccount()  # decode-step CPU by thread and role (runtime.cpu_account)
+        attach_account(store, self.account)
+        self.clock = StepClock(self.account)  # decode-step time breakdown (runtime.breakdown)
         self.observers: list = []  # callables(moe_layer, top_k_index, top_k_weights), e.g. trace recorders
         self.prefetcher = None     # runtime.prefetcher.Prefetcher when prefetching (SeqMoE), else None
         self._cuda = pool.device.type == "cuda"
@@ -87,6 +90,7 @@ class OffloadEngine:
     def begin_step(self, request: int, step: int) -> None:
         """Before each forward pass (step 0 = a request's prefill, i = its i-th decode step): tell the slot table
         and every observer that has a ``begin_step(request, step)`` method (e.g. a predictor runner)."""
+        self._count_prefetch_outcomes()
         self.clock.begin_step(step >= 1)
         self.table.begin_step(request, step)
         if self.prefetcher is not None:
@@ -99,7 +103,18 @@ class OffloadEngine:
 
     def end_step(self) -> None:
         """After the last forward pass of a request (closes the decode-step timers)."""
+        self._count_prefetch_outcomes()
         self.clock.end_step()
+
+    def _count_prefetch_outcomes(self) -> None:
+        """The prefetched experts the slot table found needed or evicted unneeded since the last call, as bytes of
+        the step that ends (``runtime.cpu_account``; counted only when it is a decode step)."""
+        table, seen = self.table, getattr(self, "_prefetch_outcomes", (0, 0))
+        now_seen = (getattr(table, "prefetches_used", 0), getattr(table, "prefetches_wasted", 0))
+        nbytes = self.store.layout.expert_bytes
+        self.account.add_bytes("prefetched_used", (now_seen[0] - seen[0]) * nbytes)
+        self.account.add_bytes("prefetched_wasted", (now_seen[1] - seen[1]) * nbytes)
+        self._prefetch_outcomes = now_seen
 
     @property
     def breakdown(self):
@@ -129,10 +144,12 @@ class OffloadEngine:
         if not loads:
             return
         t0 = now()
-        self.pool.load(self.store, [l.eid for l in loads], [l.slot for l in loads],
-                       [l.evicted for l in loads if l.evicted >= 0])
+        with io(self, "on_demand_reads"):
+            self.pool.load(self.store, [l.eid for l in loads], [l.slot for l in loads],
+                           [l.evicted for l in loads if l.evicted >= 0])
         self.stats.load_time_s += now() - t0
         self.stats.bytes_loaded += len(loads) * self.store.layout.expert_bytes
+        self.account.add_bytes("on_demand", len(loads) * self.store.layout.expert_bytes)
 
     def _needed(self, moe_layer: int, top_k_index: torch.Tensor) -> tuple[list[int], list[int]]:
         """The layer's distinct experts as global ids, ascending, and how many of the ``[T, k]`` routed pairs chose
@@ -262,6 +279,7 @@ class OffloadEngine:
         pf.load_on_demand(rnd.loads)
         st.load_time_s += now() - t0
         st.bytes_loaded += len(rnd.loads) * self.store.layout.expert_bytes
+        self.account.add_bytes("on_demand", len(rnd.loads) * self.store.layout.expert_bytes)
         clock.lap("stall")
         if only_round:  # overlap the copies with this layer's compute
             pf.issue(moe_layer)

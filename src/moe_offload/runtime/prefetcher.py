@@ -25,6 +25,7 @@ import torch
 from ..core.prefetch import PrefetchScheduler, position, submit_forecast
 from ..core.prefill_prefetch import PrefillPrefetch
 from ..core.slots import Load, SlotTable
+from .cpu_account import io
 from .pool import SlotPool
 from .store import HostStore
 from .transfer import TransferEngine
@@ -114,7 +115,9 @@ class Prefetcher:
             for ld in loads:
                 if ld.evicted >= 0:
                     self._set_lookup(ld.evicted, -1)
-            if self.transfer.copy_now([ld.eid for ld in loads], [ld.slot for ld in loads]):
+            with io(self.store, "on_demand_reads"):
+                copied = self.transfer.copy_now([ld.eid for ld in loads], [ld.slot for ld in loads])
+            if copied:
                 for ld in loads:
                     self._set_lookup(ld.eid, ld.slot)
                 return

@@ -33,6 +33,7 @@ from typing import Callable
 from ..core.prefetch_tasks import LINK_CHUNKS, link_time_after_chunk
 from ..errors import MoeOffloadError
 from . import emulated_clock
+from .cpu_account import io
 from .landing import Landing, TransferStats
 from .pool import SlotPool
 from .store import HostStore
@@ -132,10 +133,14 @@ class VirtualLinkEngine:
     def _land(self, job: _Copy) -> None:
         """The copy's bytes into its slot; its landing reported at its deadline."""
         try:
-            self.store.copy_to(job.eid, self._dst[job.slot])
+            with io(self.store, "prefetch_reads"):
+                self.store.copy_to(job.eid, self._dst[job.slot])
             err = None
         except Exception as e:  # reported with the landing, as a worker's failed copy
             err = f"{type(e).__name__}: {e}"
+        account = getattr(self.store, "account", None)
+        if account is not None and err is None:
+            account.add_bytes("prefetched", self.store.layout.expert_bytes)
         self._finish(job, err is None, err, job.deadline)
 
     def _finish(self, job: _Copy, ok: bool, error: str | None, at: float) -> None:

@@ -53,50 +53,82 @@ struct Problem {
   bool fast;
 };
 
-// Phase 1: h[pair, i] = silu(gate_i . x_t) * (up_i . x_t) for every computed pair. Work items are (group, row):
-// the pairs of one slot share its rows, which stay in cache while each of the group's tokens is multiplied.
-template <typename W>
-void gate_up_phase(const Problem& p, const W* gate_up, int64_t gu_stride, std::vector<float>& h) {
-  const int64_t n_pairs = p.T * p.k, I = p.I, H = p.H;
-  std::vector<int64_t> order;  // computed pairs sorted by slot (stable): the groups
-  order.reserve(static_cast<size_t>(n_pairs));
+// The computed pairs grouped by slot (stable: routing order within a group): the pairs of one slot share its rows,
+// which stay in cache while each of the group's tokens is multiplied (a prefill's many tokens per expert).
+struct Groups {
+  std::vector<int64_t> order;   // computed pairs sorted by slot
+  std::vector<int64_t> starts;  // group g is order[starts[g] .. starts[g + 1])
+  int64_t count() const { return static_cast<int64_t>(starts.size()) - 1; }
+};
+
+Groups group_pairs(const Problem& p) {
+  Groups gr;
+  const int64_t n_pairs = p.T * p.k;
+  gr.order.reserve(static_cast<size_t>(n_pairs));
   for (int64_t q = 0; q < n_pairs; ++q)
-    if (p.slots[q] >= 0) order.push_back(q);
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return p.slots[a] < p.slots[b]; });
-  std::vector<int64_t> starts;
-  for (size_t q = 0; q < order.size(); ++q)
-    if (q == 0 || p.slots[order[q]] != p.slots[order[q - 1]]) starts.push_back(static_cast<int64_t>(q));
-  starts.push_back(static_cast<int64_t>(order.size()));
-  const int64_t groups = static_cast<int64_t>(starts.size()) - 1;
-  std::vector<float> g(static_cast<size_t>(n_pairs * I));
-  at::parallel_for(0, groups * 2 * I, 8, [&](int64_t begin, int64_t end) {
+    if (p.slots[q] >= 0) gr.order.push_back(q);
+  std::stable_sort(gr.order.begin(), gr.order.end(), [&](int64_t a, int64_t b) { return p.slots[a] < p.slots[b]; });
+  for (size_t q = 0; q < gr.order.size(); ++q)
+    if (q == 0 || p.slots[gr.order[q]] != p.slots[gr.order[q - 1]]) gr.starts.push_back(static_cast<int64_t>(q));
+  gr.starts.push_back(static_cast<int64_t>(gr.order.size()));
+  return gr;
+}
+
+// Blocking of phases 1 and 2: a work item is a block of kRows rows of one group's matrix; inside it the group's
+// tokens go in chunks of kChunk, each chunk multiplied with every row of the block while its vectors stay in the L1
+// cache (a prefill's hundred tokens per expert would otherwise stream them from L2 for every row). The arithmetic
+// of each output is dot's, whatever the blocking.
+constexpr int64_t kRows = 32;
+constexpr int64_t kChunk = 8;
+
+// For every group and every row r < n_rows of its slot's matrix (rows of row_len elements, slot_stride apart),
+// store(r, pair, row_r . vecs[q]) for each pair q of the group; vecs[q] is the vector of the pair order[q].
+template <typename W, typename Store>
+void blocked_dots(const Problem& p, const Groups& gr, const W* matrix, int64_t slot_stride, int64_t row_len,
+                  int64_t n_rows, const std::vector<const float*>& vecs, Store store) {
+  const int64_t blocks = (n_rows + kRows - 1) / kRows;
+  at::parallel_for(0, gr.count() * blocks, 1, [&](int64_t begin, int64_t end) {
+    float v[kChunk];
     for (int64_t n = begin; n < end; ++n) {
-      int64_t grp = n / (2 * I), r = n % (2 * I);
-      const W* row = gate_up + p.slots[order[starts[grp]]] * gu_stride + r * H;
-      for (int64_t q = starts[grp]; q < starts[grp + 1]; ++q) {
-        int64_t pair = order[q];
-        float v = dot(row, p.x + (pair / p.k) * H, H, p.fast);
-        if (r < I) g[pair * I + r] = v;
-        else h[pair * I + (r - I)] = v;
+      const int64_t grp = n / blocks, r0 = (n % blocks) * kRows, r1 = std::min(r0 + kRows, n_rows);
+      const int64_t q0 = gr.starts[grp], q1 = gr.starts[grp + 1];
+      const W* rows = matrix + p.slots[gr.order[q0]] * slot_stride;
+      for (int64_t c = q0; c < q1; c += kChunk) {
+        const int64_t m = std::min(kChunk, q1 - c);
+        for (int64_t r = r0; r < r1; ++r) {
+          dot_many(rows + r * row_len, vecs.data() + c, m, row_len, p.fast, v);
+          for (int64_t q = 0; q < m; ++q) store(r, gr.order[c + q], v[q]);
+        }
       }
     }
   });
-  for (int64_t q : order)
+}
+
+// Phase 1: h[pair, i] = silu(gate_i . x_t) * (up_i . x_t) for every computed pair.
+template <typename W>
+void gate_up_phase(const Problem& p, const Groups& gr, const W* gate_up, int64_t gu_stride, std::vector<float>& h) {
+  const int64_t I = p.I, H = p.H;
+  std::vector<const float*> xs(gr.order.size());  // each grouped pair's token row
+  for (size_t q = 0; q < gr.order.size(); ++q) xs[q] = p.x + (gr.order[q] / p.k) * H;
+  std::vector<float> g(static_cast<size_t>(p.T * p.k * I));
+  blocked_dots(p, gr, gate_up, gu_stride, H, 2 * I, xs, [&](int64_t r, int64_t pair, float v) {
+    if (r < I) g[pair * I + r] = v;
+    else h[pair * I + (r - I)] = v;
+  });
+  for (int64_t q : gr.order)
     for (int64_t i = 0; i < I; ++i) h[q * I + i] = silu(g[q * I + i]) * h[q * I + i];
 }
 
-// Phase 2: y[pair, c] = w[pair] * (down_c . h[pair]) for every computed pair, one pair's rows after another (each
-// pair's down matrix streamed once), into y [T * k, H]; rows of skipped pairs are left as they are.
+// Phase 2: y[pair, c] = w[pair] * (down_c . h[pair]) for every computed pair into y [T * k, H]; rows of skipped
+// pairs are left as they are.
 template <typename W>
-void down_phase(const Problem& p, const W* down, int64_t down_stride, const std::vector<float>& h, float* y) {
+void down_phase(const Problem& p, const Groups& gr, const W* down, int64_t down_stride, const std::vector<float>& h,
+                float* y) {
   const int64_t H = p.H, I = p.I;
-  at::parallel_for(0, p.T * p.k * H, 32, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
-      int64_t pair = n / H, c = n % H;
-      if (p.slots[pair] < 0) continue;
-      y[n] = p.weights[pair] * dot(down + p.slots[pair] * down_stride + c * I, h.data() + pair * I, I, p.fast);
-    }
-  });
+  std::vector<const float*> hs(gr.order.size());
+  for (size_t q = 0; q < gr.order.size(); ++q) hs[q] = h.data() + gr.order[q] * I;
+  blocked_dots(p, gr, down, down_stride, I, H, hs,
+               [&](int64_t c, int64_t pair, float v) { y[pair * H + c] = p.weights[pair] * v; });
 }
 
 // Phase 3: out[t, c] = sum over the computed pairs j of y[t * k + j, c], in routing order, starting from 0.
@@ -116,14 +148,15 @@ void sum_phase(const Problem& p, const float* y, float* out) {
 template <typename W>
 void compute(const Problem& p, const W* gate_up, int64_t gu_stride, const W* down, int64_t down_stride, float* out,
              float* pair_out) {
+  const Groups gr = group_pairs(p);
   std::vector<float> h(static_cast<size_t>(p.T * p.k * p.I));
-  gate_up_phase<W>(p, gate_up, gu_stride, h);
+  gate_up_phase<W>(p, gr, gate_up, gu_stride, h);
   if (pair_out) {
-    down_phase<W>(p, down, down_stride, h, pair_out);
+    down_phase<W>(p, gr, down, down_stride, h, pair_out);
     return;
   }
   std::vector<float> y(static_cast<size_t>(p.T * p.k * p.H));
-  down_phase<W>(p, down, down_stride, h, y.data());
+  down_phase<W>(p, gr, down, down_stride, h, y.data());
   sum_phase(p, y.data(), out);
 }
 
