@@ -124,3 +124,20 @@ def test_account_table_by_hand():
     assert [c.strip() for c in row.split("|")[1:-1]] == [
         "lru 0.25", "40.00", "30.00", "2.50 (6.2%)", "5.50", "0.50 (2.00)", "1.00 (6.00)", "2.50 (2.50)", "3.00",
         "4.00 / 1.00"]
+
+
+def test_a_read_inside_a_callers_block_is_the_callers(monkeypatch):
+    """A disk read inherits its caller's role (an on-demand copy the worker runs through the prefetch path is still
+    on demand); alone on a thread (a reader pool's), it takes its own."""
+    clocks, acc = _FakeClocks(monkeypatch), CpuAccount()
+    acc.active = True
+    with acc.io("on_demand_reads"):
+        with acc.io("prefetch_reads", inherit=True):
+            clocks.spend(0.001, 0.004)
+        with acc.io("staging_copies"):
+            clocks.spend(0.002, 0.002)
+    with acc.io("prefetch_reads", inherit=True):
+        clocks.spend(0.001, 0.001)
+    assert acc.seconds[("main", "on_demand_reads")] == pytest.approx([0.001, 0.004])
+    assert acc.seconds[("main", "staging_copies")] == pytest.approx([0.002, 0.002])
+    assert acc.seconds[("main", "prefetch_reads")] == pytest.approx([0.001, 0.001])

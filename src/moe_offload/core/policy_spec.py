@@ -18,7 +18,9 @@ takes the spec and asks it, so each rule about policies is written once, as a pr
 | ``reactive``, ``tide`` | refresh | - | a diffusion model | - | runtime, diffusion simulator (TIDE) |
 | ``tide-fixed`` | refresh | ``interval`` T (``tide-fixed-T<n>``; none: the caller's) | a diffusion model | - | the same |
 
-Forecast-driven policies evict by probabilistic Belady over their forecasts (SeqMoE §7.1, c = 8, lambda 0.5).
+Forecast-driven policies evict by probabilistic Belady over their forecasts (SeqMoE §7.1, c = 8, lambda 0.5). A
+prefetching policy written with ``+gate`` (``xl+gate``, ``seqmoe+gate``) queues only the prefetch tasks whose
+expected saving exceeds their cost (``core.prefetch_cost``; the runtime measures both as it runs).
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ GRAPH = ("lru", "lfu", "seqmoe-cacheonly", "seqmoe")
 #: the written forms, for messages
 CHOICES = ("auto, lru, lfu, lfru[-H], prefill-hot; with a predictor: seqmoe-cacheonly, seqmoe, seqmoe-infinity, "
            "seqmoe-xl; no predictor: xl; simulator only: belady[-K], seqmoe-oracle; diffusion models: reactive, "
-           "tide-fixed[-T<n>], tide")
+           "tide-fixed[-T<n>], tide; a prefetching policy+gate: only prefetches worth their cost")
 
 _PARAM = re.compile(r"(lfru)-(\d+(?:\.\d+)?)|(belady)-(\d+)|(tide-fixed)-t(\d+)")
 
@@ -69,6 +71,7 @@ class PolicySpec:
     half_life: float | None = None
     window: int | None = None
     interval: int | None = None
+    gated: bool = False
 
     @property
     def name(self) -> str:
@@ -79,7 +82,7 @@ class PolicySpec:
             return f"belady-{self.window}"
         if self.family == "tide-fixed" and self.interval is not None:
             return f"tide-fixed-T{self.interval}"
-        return self.family
+        return self.family + ("+gate" if self.gated else "")
 
     def __str__(self) -> str:
         return self.name
@@ -121,8 +124,8 @@ class PolicySpec:
 
     @property
     def graph(self) -> bool:
-        """Graph mode runs it (``generate --graph``)."""
-        return self.family in GRAPH
+        """Graph mode runs it (``generate --graph``; not gated: its prefetcher has no cost meter)."""
+        return self.family in GRAPH and not self.gated
 
     @property
     def lfru_half_life(self) -> float:
@@ -140,6 +143,12 @@ def parse_policy(text) -> PolicySpec:
     if isinstance(text, PolicySpec):
         return text
     key = str(text).strip().lower()
+    if key.endswith("+gate"):
+        base = parse_policy(key[:-len("+gate")])
+        if base.prefetch is None:
+            raise MoeOffloadError(f"{text!r}: +gate applies to policies that prefetch (seqmoe, seqmoe-infinity, xl, "
+                                  "seqmoe-xl, seqmoe-oracle)")
+        return PolicySpec(base.family, gated=True)
     if key in KINDS:
         return PolicySpec(key)
     m = _PARAM.fullmatch(key)

@@ -56,6 +56,10 @@ class PrefetchScheduler(ABC):
         self._pos: int | None = None
         self._issued = 0
         self._idle = False
+        #: ``core.prefetch_cost.PrefetchCost`` that ``submit_forecast`` admits tasks by (None: every task)
+        self.gate = None
+        #: tasks ``submit_forecast`` left out because the gate found them not worth their cost
+        self.gated = 0
 
     @staticmethod
     def _check_bandwidth(b: float) -> None:
@@ -227,7 +231,8 @@ class PrefetchScheduler(ABC):
 def submit_forecast(scheduler: PrefetchScheduler, forecast, num_moe_layers: int, num_experts: int, top_k: int,
                     table=None) -> None:
     """Queue a forecast's tasks (``tasks_from_forecast``) — the one place the runtime's prefetcher and the simulator
-    turn a forecast into queued tasks.
+    turn a forecast into queued tasks; with ``scheduler.gate`` (a ``core.prefetch_cost.PrefetchCost``) only those
+    worth their cost (counted in ``scheduler.gated`` otherwise).
 
     A cross-layer forecast (``forecast.cross_layer``, ``predictor.cross_layer``: made inside the step it forecasts,
     from this token's hidden state) first drops every queued task of its layers' deadlines in that step: it is newer
@@ -247,4 +252,10 @@ def submit_forecast(scheduler: PrefetchScheduler, forecast, num_moe_layers: int,
         if hi - lo < 2:
             return
         forecast = replace(forecast, layers=(lo + 1, hi), probs=forecast.probs[:, 1:])
-    scheduler.submit(tasks_from_forecast(forecast, num_moe_layers, num_experts, top_k, table=table))
+    tasks = tasks_from_forecast(forecast, num_moe_layers, num_experts, top_k, table=table)
+    gate = scheduler.gate
+    if gate is not None:  # only the tasks worth their cost (core.prefetch_cost)
+        kept = [t for t in tasks if gate.worth(t.conf)]
+        scheduler.gated += len(tasks) - len(kept)
+        tasks = kept
+    scheduler.submit(tasks)

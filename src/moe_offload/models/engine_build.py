@@ -5,7 +5,12 @@ and prefetcher, or ``RefreshEngine``). ``models.loader`` calls these.
 
 from __future__ import annotations
 
+import os
+
+import torch
+
 from ..core.policies import make_policy
+from ..core.prefetch_cost import CostMeter
 from ..core.policy_spec import PolicySpec
 from ..core.slots import SlotTable
 from ..errors import MoeOffloadError
@@ -79,5 +84,13 @@ def make_engine(spec: PolicySpec, store, pool: SlotPool, mods: list, num_slots: 
                                                       auto_ema=False),
                                        make_transfer_engine(store, pool, link_gbps=opts["link_gbps"],
                                                             seconds_per_expert=opts["seconds_per_expert"]),
-                                       L, num_experts, top_k)
+                                       L, num_experts, top_k, meter=_cost_meter(spec))
     return engine
+
+
+def _cost_meter(spec):
+    """A ``+gate`` policy's ``core.prefetch_cost.CostMeter`` (None otherwise). Contention: the share of the cores
+    the compute's threads use (on two cores with two compute threads every CPU second a copy takes is lost)."""
+    if not spec.gated:
+        return None
+    return CostMeter(contention=min(1.0, torch.get_num_threads() / max(1, os.cpu_count() or 1)))

@@ -21,7 +21,7 @@ _QUEUED, _RUNNING, _DONE = 0, 1, 2
 
 class _Job:
     __slots__ = ("eid", "slot", "tag", "state", "urgent", "ready", "event", "started_at", "deadline", "landing",
-                 "stop")
+                 "stop", "on_demand")
 
     def __init__(self, eid: int, slot: int, tag: int, ready):
         self.eid = eid
@@ -35,6 +35,7 @@ class _Job:
         self.deadline = 0.0          # emulated link: the copy is not complete before this perf_counter time
         self.landing = None          # the runtime.transfer.Landing once done
         self.stop = False            # cancelled while running: a store that reads in chunks stops at the next one
+        self.on_demand = False       # a miss's copy (submitted as one), not a prefetch
 
 
 class CopyCancelled(Exception):
@@ -111,13 +112,14 @@ class CopyWorker:
             CopyCancelled: the copy was cancelled while running and stopped before its end.
         """
         read = getattr(self.store, "read_prefetch", None)
-        with io(self.store, "on_demand_reads" if job.urgent else "prefetch_reads"):
+        demand = job.on_demand or job.urgent  # a prefetch a layer waits for is on its critical path too
+        with io(self.store, "on_demand_reads" if demand else "prefetch_reads"):
             if read is None:
                 self.store.copy_to(job.eid, dst, non_blocking=non_blocking)
             elif not read(job.eid, dst, lambda: job.stop):
                 raise CopyCancelled(job.eid)
         account = getattr(self.store, "account", None)
-        if account is not None and not job.urgent:
+        if account is not None and not job.on_demand:
             account.add_bytes("prefetched", self.store.layout.expert_bytes)
 
     def _copy(self, job: _Job) -> None:

@@ -82,11 +82,16 @@ class CpuAccount:
                 self.bytes[kind] += nbytes
 
     @contextmanager
-    def io(self, role: str):
+    def io(self, role: str, inherit: bool = False):
         """Charge the block's CPU and wall time to ``role`` on the calling thread, less what nested ``io`` blocks
-        charged to their own roles; the block's whole time is also kept for the thread's next ``take_io``."""
+        charged to their own roles; the block's whole time is also kept for the thread's next ``take_io``.
+        ``inherit``: inside another ``io`` block, charge nothing here (the time stays the enclosing block's: a disk
+        read is an on-demand or a prefetch read as its caller says); ``role`` only when there is none."""
         loc = self._local
         stack = loc.__dict__.setdefault("stack", [])
+        if inherit and stack:
+            yield
+            return
         stack.append([0.0, 0.0])  # nested blocks' cpu, wall
         c0, w0 = time.thread_time(), time.perf_counter()
         try:
@@ -149,10 +154,11 @@ def attach(store, account: CpuAccount) -> None:
         store = getattr(store, "disk", None)
 
 
-def io(holder, role: str):
-    """``holder.account.io(role)`` when ``holder`` (a store, an engine) has an account, else a no-op block."""
+def io(holder, role: str, inherit: bool = False):
+    """``holder.account.io(role, inherit)`` when ``holder`` (a store, an engine) has an account, else a no-op
+    block."""
     account = getattr(holder, "account", None)
-    return account.io(role) if account is not None else nullcontext()
+    return account.io(role, inherit) if account is not None else nullcontext()
 
 
 def _role_ms(account: dict, role: str, what: str, thread: str | None = None) -> float:

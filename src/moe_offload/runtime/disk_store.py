@@ -238,14 +238,14 @@ class DiskStore:
         role = "prefetch_reads" if gate is not None else "on_demand_reads"
         for span in spans:
             if gate is None:
-                with io(self, role):
+                with io(self, role, inherit=True):
                     requests += self._read_span(span, view)
             else:
                 for lo in range(0, span.need, self.prefetch_chunk):
                     if not gate():
                         done = False
                         break
-                    with io(self, role):
+                    with io(self, role, inherit=True):
                         requests += self._read_span(span, view, lo, lo + self.prefetch_chunk)
                 if not done:
                     break

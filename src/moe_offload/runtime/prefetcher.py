@@ -19,10 +19,12 @@ Forecasts arrive through ``observe(forecast)`` (a ``predictor.runtime.Forecast``
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 
 from ..core.prefetch import PrefetchScheduler, position, submit_forecast
+from ..core.prefetch_cost import CostMeter
 from ..core.prefill_prefetch import PrefillPrefetch
 from ..core.slots import Load, SlotTable
 from .cpu_account import io
@@ -42,6 +44,8 @@ class Prefetcher:
         num_moe_layers, num_experts, top_k: model geometry (L, e, k).
         max_outstanding: prefetch copies queued or in flight at most (default ``ceil(b_avg) + 1``): more would only
             reserve slots early for copies that cannot start yet.
+        meter: a ``core.prefetch_cost.CostMeter`` (a ``+gate`` policy): fed each step's measured copy costs, its
+            cost becomes the scheduler's gate (``core.prefetch_cost``); None: every task is queued.
     Attributes:
         prefetches: copies submitted; landed: landings applied; waited: in-flight experts a layer waited for.
         prefill_prefetches: of ``prefetches``, those issued during prefills by popularity (SeqMoE §8.4).
@@ -50,8 +54,11 @@ class Prefetcher:
 
     def __init__(self, store: HostStore, pool: SlotPool, table: SlotTable, scheduler: PrefetchScheduler,
                  transfer: TransferEngine, num_moe_layers: int, num_experts: int, top_k: int,
-                 max_outstanding: int | None = None):
+                 max_outstanding: int | None = None, meter: CostMeter | None = None):
         self.store, self.pool, self.table, self.scheduler, self.transfer = store, pool, table, scheduler, transfer
+        self.meter = meter
+        self._demand = [0, 0.0]       # this step's on-demand experts and the wall seconds spent on them
+        self._seen_prefetch = (0.0, 0)  # the account's prefetch CPU seconds and prefetched bytes at the last step
         self.L, self.E, self.k = num_moe_layers, num_experts, top_k
         self.max_outstanding = max_outstanding or max(2, math.ceil(scheduler.b_avg) + 1)
         self.step = 0
@@ -65,10 +72,30 @@ class Prefetcher:
         self.prefill = None if popularity is None else PrefillPrefetch(popularity, self.L, self.E)
 
     def begin_step(self, request: int, step: int) -> None:
-        """A forward pass begins; a new request (step 0) drops the previous request's pending tasks."""
+        """A forward pass begins; a new request (step 0) drops the previous request's pending tasks. With a cost
+        meter, the step that ended feeds it and the scheduler's gate becomes its current cost."""
+        if self.meter is not None:
+            self._meter_step()
         self.step = step
         if step == 0:
             self.scheduler.reset()
+
+    def _meter_step(self) -> None:
+        """Feed the meter the ended step's on-demand copies (their count and wall time, measured here) and its
+        prefetch copies (CPU seconds and count from ``runtime.cpu_account``, which counts decode steps only)."""
+        account = getattr(self.store, "account", None)
+        cpu = nbytes = 0.0
+        if account is not None:
+            cpu = sum(c for (thread, role), (c, _) in account.seconds.items()
+                      if role in ("prefetch_reads", "staging_copies") and thread != "main")
+            nbytes = account.bytes["prefetched"]
+        cpu0, bytes0 = self._seen_prefetch
+        if nbytes < bytes0:  # the account was reset
+            cpu0 = bytes0 = 0
+        self.meter.observe(self._demand[0], self._demand[1], int((nbytes - bytes0) // self.store.layout.expert_bytes),
+                           cpu - cpu0)
+        self._seen_prefetch, self._demand = (cpu, nbytes), [0, 0.0]
+        self.scheduler.gate = self.meter.cost
 
     def observe(self, forecast) -> None:
         """Turn a one-step (or cross-layer) forecast into prefetch tasks (SeqMoE §6.1: k + 3 per layer, conf, ddl;
@@ -98,7 +125,7 @@ class Prefetcher:
         for w in waits:
             ld = self.transfer.wait(w.eid)
             if ld is None or not ld.ok or ld.slot != w.slot:  # cancelled or failed: copy it now
-                self.transfer.submit(w.eid, w.slot, w.tag)
+                self.transfer.submit(w.eid, w.slot, w.tag, on_demand=True)
                 self.transfer.wait(w.eid)
             self._set_lookup(w.eid, w.slot)
             self.waited += 1
@@ -110,6 +137,7 @@ class Prefetcher:
         yields at a chunk), else by the ``TransferEngine``'s worker ahead of its queue."""
         if not loads:
             return
+        t0 = time.perf_counter()
         self.transfer.pause()
         try:
             for ld in loads:
@@ -122,7 +150,7 @@ class Prefetcher:
                     self._set_lookup(ld.eid, ld.slot)
                 return
             for ld in loads:
-                self.transfer.submit(ld.eid, ld.slot, ld.tag)
+                self.transfer.submit(ld.eid, ld.slot, ld.tag, on_demand=True)
             for ld in loads:
                 got = self.transfer.wait(ld.eid)
                 if got is None or not got.ok:
@@ -131,6 +159,8 @@ class Prefetcher:
         finally:
             self._flush_lookup()
             self.transfer.resume()
+            self._demand[0] += len(loads)
+            self._demand[1] += time.perf_counter() - t0
 
     def issue(self, layer: int) -> None:
         """Reserve and submit the scheduler's next tasks at position (step, ``layer``) up to ``max_outstanding``;

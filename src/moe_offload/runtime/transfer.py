@@ -132,11 +132,12 @@ class TransferEngine(CopyWorker):
 
     # ---- main-thread API ----------------------------------------------------------------------------------------
 
-    def submit(self, eid: int, slot: int, tag: int = -1) -> None:
+    def submit(self, eid: int, slot: int, tag: int = -1, on_demand: bool = False) -> None:
         """Enqueue a copy of expert ``eid``'s host row into pool slot ``slot``; returns at once.
 
         ``tag`` is carried to the landing unchanged (SeqMoE §8.3: the slot reservation's tag from
         ``SlotTable.prefetch``). While paused the copy is queued but does not start until ``resume``.
+        ``on_demand``: a miss's copy, not a prefetch (what ``runtime.cpu_account`` charges it to).
 
         Raises:
             MoeOffloadError: ``eid`` not in ``[0, store.num_experts_total)``, ``slot`` not in
@@ -159,6 +160,7 @@ class TransferEngine(CopyWorker):
             if eid in self._active:
                 raise MoeOffloadError(f"a copy of expert {eid} is already queued or in flight")
             job = _Job(eid, slot, int(tag), ready)
+            job.on_demand = on_demand
             self._active[eid] = job
             self._queue.append(job)
             self.stats.submitted += 1

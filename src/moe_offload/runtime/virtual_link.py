@@ -63,12 +63,13 @@ def _positive(name: str, value) -> float:
 
 
 class _Copy:
-    __slots__ = ("eid", "slot", "tag", "started_at", "deadline")
+    __slots__ = ("eid", "slot", "tag", "started_at", "deadline", "on_demand")
 
     def __init__(self, eid: int, slot: int, tag: int):
         self.eid, self.slot, self.tag = eid, slot, tag
         self.started_at: float | None = None  # when it took the link (shifted by the time it yielded it)
         self.deadline = 0.0                   # when its link time is over
+        self.on_demand = False                # a miss's copy, not a prefetch
 
 
 class VirtualLinkEngine:
@@ -133,13 +134,13 @@ class VirtualLinkEngine:
     def _land(self, job: _Copy) -> None:
         """The copy's bytes into its slot; its landing reported at its deadline."""
         try:
-            with io(self.store, "prefetch_reads"):
+            with io(self.store, "on_demand_reads" if job.on_demand else "prefetch_reads"):
                 self.store.copy_to(job.eid, self._dst[job.slot])
             err = None
         except Exception as e:  # reported with the landing, as a worker's failed copy
             err = f"{type(e).__name__}: {e}"
         account = getattr(self.store, "account", None)
-        if account is not None and err is None:
+        if account is not None and err is None and not job.on_demand:
             account.add_bytes("prefetched", self.store.layout.expert_bytes)
         self._finish(job, err is None, err, job.deadline)
 
@@ -191,9 +192,10 @@ class VirtualLinkEngine:
 
     # ---- TransferEngine's API -----------------------------------------------------------------------------------
 
-    def submit(self, eid: int, slot: int, tag: int = -1) -> None:
+    def submit(self, eid: int, slot: int, tag: int = -1, on_demand: bool = False) -> None:
         """Queue a copy of expert ``eid``'s host row into pool slot ``slot``; it starts at once when the link is idle
-        and not paused. ``tag`` is carried to the landing unchanged.
+        and not paused. ``tag`` is carried to the landing unchanged; ``on_demand``: a miss's copy, not a prefetch
+        (``runtime.cpu_account``).
 
         Raises:
             MoeOffloadError: ``eid`` or ``slot`` out of range, a copy of ``eid`` already queued or in flight, or the
@@ -207,6 +209,7 @@ class VirtualLinkEngine:
             raise MoeOffloadError(f"a copy of expert {eid} is already queued or in flight")
         now = self._now()
         job = _Copy(eid, slot, int(tag))
+        job.on_demand = on_demand
         self._active[eid] = job
         st = self.stats
         st.submitted += 1

@@ -31,6 +31,7 @@ import heapq
 from dataclasses import dataclass
 
 from ..core.prefetch import LINK_CHUNKS, link_time_after_chunk, make_scheduler, position, submit_forecast
+from ..core.prefetch_cost import PrefetchCost
 from ..core.prefill_prefetch import PrefillPrefetch
 from ..core.slots import SlotTable
 from ..errors import MoeOffloadError
@@ -67,7 +68,7 @@ class PrefetchReplayResult(ReplayResult):
 
 def replay_with_prefetch(trace: Trace, num_slots: int, policy: PolicySpec | str, link_epl: float, forecasts=None,
                          scheduler: str | None = "jsd", needs=None, reserve: int = 1,
-                         prefill_popularity=None) -> PrefetchReplayResult:
+                         prefill_popularity=None, prefetch_cpu: float = 0.0) -> PrefetchReplayResult:
     """Replay ``trace`` with ``num_slots`` slots, eviction ``policy`` and, when ``scheduler`` is given, prefetching
     from the predictor's ``forecasts`` (``sim.forecasts.forecast_stream``) over a link of ``link_epl`` experts
     per layer time.
@@ -80,6 +81,9 @@ def replay_with_prefetch(trace: Trace, num_slots: int, policy: PolicySpec | str,
         reserve: slots a decode prefetch never takes (kept for on-demand misses).
         prefill_popularity: ``[L, E]`` offline expert popularity: prefills prefetch by it (SeqMoE §8.4, keeping
             ``e`` slots free), as the runtime's ``Prefetcher.set_prefill_popularity``; None: no prefill prefetching.
+        prefetch_cpu: with a ``+gate`` policy: the compute time one prefetch copy takes from the layers, in layer
+            times (0: copies run beside the compute, as a GPU's DMA engine does); the gate is
+            ``core.prefetch_cost.PrefetchCost(miss = one copy's link time, prefetch_cpu)``, as the runtime's.
 
     Raises:
         MoeOffloadError: ``link_epl <= 0``, prefetching or a forecast-driven policy without forecasts.
@@ -93,6 +97,8 @@ def replay_with_prefetch(trace: Trace, num_slots: int, policy: PolicySpec | str,
     L, E = trace.num_moe_layers, trace.num_experts
     table = SlotTable(num_slots, L * E, pol, experts_per_layer=E, reserve=reserve)
     sched = make_scheduler(scheduler, num_moe_layers=L, b_avg=link_epl, auto_ema=False) if scheduler else None
+    if sched is not None and parse_policy(policy).gated:
+        sched.gate = PrefetchCost(1.0 / link_epl, prefetch_cpu)
     name = policy if scheduler is None else f"{policy}+{scheduler}"
     prefill = None if prefill_popularity is None or sched is None else PrefillPrefetch(prefill_popularity, L, E)
     replay = _LinkReplay(trace, table, sched, prefill, PrefetchReplayResult(policy=name, num_slots=num_slots),

@@ -1,0 +1,88 @@
+"""Prefetches at the price they are worth (issue 47, part 3; ``core.prefetch_cost``): the cost model, the gate in
+``submit_forecast`` (runtime and simulator alike), ``+gate`` policies, and the runtime's meter."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from moe_offload.core.policy_spec import parse_policy
+from moe_offload.core.prefetch import JSDScheduler, submit_forecast
+from moe_offload.core.prefetch_cost import CostMeter, PrefetchCost
+from moe_offload.errors import MoeOffloadError
+from moe_offload.generation.generate import encode_prompt, generate_ids
+from moe_offload.models.loader import load_full, load_offloaded
+
+PROMPT = "Hello there, how are you today? The slot pool is shared by all MoE layers."
+
+
+def test_a_task_is_worth_its_copy_when_its_saving_exceeds_its_cost():
+    """A miss stalls 2 ms, a prefetch copy takes 0.5 ms of CPU the compute loses: worth it above 25% confidence."""
+    c = PrefetchCost(miss_s=2e-3, prefetch_cpu_s=0.5e-3)
+    assert c.min_confidence == pytest.approx(0.25)
+    assert c.worth(0.3) and not c.worth(0.25) and not c.worth(0.2)
+    free = PrefetchCost(miss_s=2e-3, prefetch_cpu_s=0.5e-3, contention=0.0)  # a GPU's DMA engine: copies are free
+    assert free.worth(0.01) and not free.worth(0.0)
+    assert PrefetchCost(miss_s=1e-3, prefetch_cpu_s=2e-3).min_confidence == 2.0  # no prefetch is worth it
+    for bad in (dict(miss_s=0.0, prefetch_cpu_s=0.0), dict(miss_s=1.0, prefetch_cpu_s=-1.0),
+                dict(miss_s=1.0, prefetch_cpu_s=0.0, contention=1.5), dict(miss_s=float("nan"), prefetch_cpu_s=0.0)):
+        with pytest.raises(MoeOffloadError):
+            PrefetchCost(**bad)
+
+
+def test_the_meter_averages_what_each_step_measured():
+    m = CostMeter(alpha=0.5)
+    m.observe(on_demand_experts=2, on_demand_wall_s=4e-3, prefetched_experts=0, prefetch_cpu_s=0.0)
+    assert m.cost is None  # no prefetch measured yet: no gate
+    m.observe(0, 0.0, 4, 2e-3)
+    assert m.cost == PrefetchCost(2e-3, 0.5e-3, 1.0)
+    m.observe(1, 1e-3, 0, 0.0)  # a step without prefetches leaves their average
+    assert m.miss_s == pytest.approx(1.5e-3) and m.prefetch_cpu_s == pytest.approx(0.5e-3)
+    with pytest.raises(MoeOffloadError):
+        CostMeter(alpha=0.0)
+
+
+def test_gate_policies_parse_and_print():
+    spec = parse_policy("XL+gate")
+    assert spec.gated and spec.family == "xl" and spec.name == "xl+gate" and spec.prefetch == "jsd"
+    assert parse_policy(spec.name) == spec and not spec.graph and parse_policy("seqmoe").graph
+    assert parse_policy("seqmoe+gate").needs_predictor
+    with pytest.raises(MoeOffloadError, match="prefetch"):
+        parse_policy("lru+gate")
+
+
+def test_submit_forecast_queues_only_the_tasks_worth_their_cost():
+    """One layer's forecast for the next step: 5 experts, top-1 plus 3 extra tasks of confidence 0.6, 0.3, 0.2,
+    0.1; with the gate of the first test (25%) the two below it are left out and counted."""
+    probs = np.array([[[0.6, 0.3, 0.2, 0.1, 0.05]]], dtype=np.float32)  # [rows, layers, experts]
+    fc = SimpleNamespace(probs=probs, layers=(0, 1), step=0, cross_layer=False)
+    sched = JSDScheduler(b_avg=4.0, auto_ema=False)
+    submit_forecast(sched, fc, num_moe_layers=2, num_experts=5, top_k=1)
+    assert len(sched) == 4 and sched.gated == 0
+    gated = JSDScheduler(b_avg=4.0, auto_ema=False)
+    gated.gate = PrefetchCost(miss_s=2e-3, prefetch_cpu_s=0.5e-3)
+    submit_forecast(gated, fc, num_moe_layers=2, num_experts=5, top_k=1)
+    assert len(gated) == 2 and gated.gated == 2
+    assert sorted(round(e[0], 2) for e in gated._queue.values()) == [0.3, 0.6]
+
+
+def test_gated_prefetching_from_disk_is_lossless_and_measures_its_costs(tiny_dirs):
+    """xl+gate over the disk store: the tokens are FullLoad's, and the meter has measured both costs, which the
+    scheduler gates by."""
+    from moe_offload.predictor.cross_layer import attach_cross_layer
+
+    full = load_full(tiny_dirs["qwen3_moe"])
+    ids = encode_prompt(full.tokenizer, PROMPT)
+    ref = generate_ids(full, ids, 16)[0]
+    lm = load_offloaded(tiny_dirs["qwen3_moe"], device="cpu", residency=0.4, policy="xl+gate", progress=False,
+                        host_store="disk")
+    try:
+        attach_cross_layer(lm, None)
+        assert generate_ids(lm, ids, 16)[0] == ref
+        pf = lm.engine.prefetcher
+        assert pf.meter is not None and pf.meter.miss_s is not None and pf.meter.miss_s > 0
+        if pf.meter.prefetch_cpu_s is not None:
+            assert pf.scheduler.gate == pf.meter.cost
+        assert lm.engine.policy_name == "xl+gate"
+    finally:
+        lm.close()
