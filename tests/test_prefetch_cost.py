@@ -52,18 +52,22 @@ def test_gate_policies_parse_and_print():
 
 
 def test_submit_forecast_queues_only_the_tasks_worth_their_cost():
-    """One layer's forecast for the next step: 5 experts, top-1 plus 3 extra tasks of confidence 0.6, 0.3, 0.2,
-    0.1; with the gate of the first test (25%) the two below it are left out and counted."""
-    probs = np.array([[[0.6, 0.3, 0.2, 0.1, 0.05]]], dtype=np.float32)  # [rows, layers, experts]
+    """One layer's forecast for the next step over 5 experts, a distribution (it sums to 1, as cross-layer forecasts
+    do): with top-1 routing the tasks' chances of use are 0.4, 0.3, 0.2, 0.1, and the gate of the first test (25%)
+    leaves out the two below it; with top-2 routing the same forecast means chances 0.8, 0.6, 0.4 (and 0.2 for the
+    fourth, which only top-1's 3 extra tasks include)."""
+    probs = np.array([[[0.4, 0.3, 0.2, 0.1, 0.0]]], dtype=np.float32)  # [rows, layers, experts]
     fc = SimpleNamespace(probs=probs, layers=(0, 1), step=0, cross_layer=False)
     sched = JSDScheduler(b_avg=4.0, auto_ema=False)
     submit_forecast(sched, fc, num_moe_layers=2, num_experts=5, top_k=1)
     assert len(sched) == 4 and sched.gated == 0
-    gated = JSDScheduler(b_avg=4.0, auto_ema=False)
-    gated.gate = PrefetchCost(miss_s=2e-3, prefetch_cpu_s=0.5e-3)
-    submit_forecast(gated, fc, num_moe_layers=2, num_experts=5, top_k=1)
-    assert len(gated) == 2 and gated.gated == 2
-    assert sorted(round(e[0], 2) for e in gated._queue.values()) == [0.3, 0.6]
+    gate = PrefetchCost(miss_s=2e-3, prefetch_cpu_s=0.5e-3)
+    for top_k, kept, left_out in ((1, [0.3, 0.4], 2), (2, [0.2, 0.3, 0.4], 1)):
+        gated = JSDScheduler(b_avg=4.0, auto_ema=False)
+        gated.gate = gate
+        submit_forecast(gated, fc, num_moe_layers=2, num_experts=5, top_k=top_k)
+        assert gated.gated == left_out
+        assert sorted(round(e[0], 2) for e in gated._queue.values()) == kept  # queued with their own confidence
 
 
 def test_gated_prefetching_from_disk_is_lossless_and_measures_its_costs(tiny_dirs):
@@ -81,6 +85,8 @@ def test_gated_prefetching_from_disk_is_lossless_and_measures_its_costs(tiny_dir
         assert generate_ids(lm, ids, 16)[0] == ref
         pf = lm.engine.prefetcher
         assert pf.meter is not None and pf.meter.miss_s is not None and pf.meter.miss_s > 0
+        st = pf.transfer.stats  # prefetches only: the on-demand copies the worker ran are not counted
+        assert st.prefetch_copies <= pf.prefetches and st.prefetch_cpu_s >= 0
         if pf.meter.prefetch_cpu_s is not None:
             assert pf.scheduler.gate == pf.meter.cost
         assert lm.engine.policy_name == "xl+gate"

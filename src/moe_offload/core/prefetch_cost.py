@@ -1,7 +1,8 @@
 """A prefetch at the price it is worth (issue 47, part 3; DESIGN.md §12 "A forecast's value is seconds").
 
-A prefetch task of confidence ``conf`` (the forecast's probability that its expert is needed by its deadline)
-saves, in expectation, ``conf x miss_s``: the seconds a decode step stalls on an on-demand copy of one expert. It
+A prefetch task whose expert its layer uses with probability ``conf`` (``core.prefetch_queue.inclusion_probabilities``:
+the forecast row scaled to sum to top-k, whichever scale the forecast came in) saves, in expectation,
+``conf x miss_s``: the seconds a decode step stalls on an on-demand copy of one expert. It
 costs ``prefetch_cpu_s x contention`` whether or not the forecast was right: the CPU seconds its copy takes (the
 reads' system time, the staging copy into the slot) times the share of them the compute loses, 1.0 when every core
 computes (this machine: two cores, two compute threads), 0 when the copy runs where nothing computes (a GPU's DMA

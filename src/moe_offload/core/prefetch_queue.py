@@ -12,6 +12,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from dataclasses import replace
 
+import numpy as np
+
 from ..errors import MoeOffloadError
 from .prefetch_tasks import PrefetchTask, position, tasks_from_forecast
 
@@ -254,8 +256,20 @@ def submit_forecast(scheduler: PrefetchScheduler, forecast, num_moe_layers: int,
         forecast = replace(forecast, layers=(lo + 1, hi), probs=forecast.probs[:, 1:])
     tasks = tasks_from_forecast(forecast, num_moe_layers, num_experts, top_k, table=table)
     gate = scheduler.gate
-    if gate is not None:  # only the tasks worth their cost (core.prefetch_cost)
-        kept = [t for t in tasks if gate.worth(t.conf)]
+    if gate is not None:  # only the tasks worth their cost (core.prefetch_cost), by their chance of being used
+        used = inclusion_probabilities(forecast, top_k)
+        lo = forecast.layers[0]
+        kept = [t for t in tasks if gate.worth(used[t.layer - lo, t.expert])]
         scheduler.gated += len(tasks) - len(kept)
         tasks = kept
     scheduler.submit(tasks)
+
+
+def inclusion_probabilities(forecast, top_k: int) -> np.ndarray:
+    """``[n, E]``: each forecast expert's chance of being among the ``top_k`` its layer uses, what a prefetch's
+    saving is weighed by. Forecasts come in two scales: per-expert activation probabilities (a row sums to about
+    ``top_k``: SeqMoE's predictor) and a distribution over the experts (a row sums to 1: cross-layer forecasts,
+    ``runtime.cross_layer``). Each row of ``forecast.probs[0]`` is scaled to sum to ``top_k``, capped at 1."""
+    p = np.asarray(forecast.probs[0], dtype=np.float64)
+    sums = p.sum(axis=-1, keepdims=True)
+    return np.minimum(1.0, p * top_k / np.where(sums > 0, sums, 1.0))

@@ -113,11 +113,16 @@ class CopyWorker:
         """
         read = getattr(self.store, "read_prefetch", None)
         demand = job.on_demand or job.urgent  # a prefetch a layer waits for is on its critical path too
+        cpu0 = time.thread_time()
         with io(self.store, "on_demand_reads" if demand else "prefetch_reads"):
             if read is None:
                 self.store.copy_to(job.eid, dst, non_blocking=non_blocking)
             elif not read(job.eid, dst, lambda: job.stop):
                 raise CopyCancelled(job.eid)
+        if not job.on_demand:
+            with self._cond:
+                self.stats.prefetch_copies += 1
+                self.stats.prefetch_cpu_s += time.thread_time() - cpu0
         account = getattr(self.store, "account", None)
         if account is not None and not job.on_demand:
             account.add_bytes("prefetched", self.store.layout.expert_bytes)

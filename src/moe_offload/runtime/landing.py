@@ -41,7 +41,9 @@ class TransferStats:
     or stopped at a chunk (the disk tier);
     failed: copies that started but raised; bytes_copied: bytes of the ok copies; busy_s: seconds the link was busy
     (sum over started copies of finish - start, emulated link time included); max_queued: the longest the queue
-    of not-yet-started copies has been.
+    of not-yet-started copies has been; prefetch_copies / prefetch_cpu_s: the prefetch copies (not submitted as
+    on demand) that landed ok and the CPU seconds of the thread that ran them (what a ``+gate`` policy's meter
+    charges a prefetch, ``core.prefetch_cost``).
     """
 
     submitted: int = 0
@@ -51,6 +53,8 @@ class TransferStats:
     bytes_copied: int = 0
     busy_s: float = 0.0
     max_queued: int = 0
+    prefetch_copies: int = 0
+    prefetch_cpu_s: float = 0.0
 
     @property
     def gbps(self) -> float:

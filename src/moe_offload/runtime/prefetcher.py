@@ -58,7 +58,7 @@ class Prefetcher:
         self.store, self.pool, self.table, self.scheduler, self.transfer = store, pool, table, scheduler, transfer
         self.meter = meter
         self._demand = [0, 0.0]       # this step's on-demand experts and the wall seconds spent on them
-        self._seen_prefetch = (0.0, 0)  # the account's prefetch CPU seconds and prefetched bytes at the last step
+        self._seen_prefetch = (0, 0.0)  # the transfer engine's prefetch copies and their CPU seconds at the last step
         self.L, self.E, self.k = num_moe_layers, num_experts, top_k
         self.max_outstanding = max_outstanding or max(2, math.ceil(scheduler.b_avg) + 1)
         self.step = 0
@@ -82,19 +82,14 @@ class Prefetcher:
 
     def _meter_step(self) -> None:
         """Feed the meter the ended step's on-demand copies (their count and wall time, measured here) and its
-        prefetch copies (CPU seconds and count from ``runtime.cpu_account``, which counts decode steps only)."""
-        account = getattr(self.store, "account", None)
-        cpu = nbytes = 0.0
-        if account is not None:
-            cpu = sum(c for (thread, role), (c, _) in account.seconds.items()
-                      if role in ("prefetch_reads", "staging_copies") and thread != "main")
-            nbytes = account.bytes["prefetched"]
-        cpu0, bytes0 = self._seen_prefetch
-        if nbytes < bytes0:  # the account was reset
-            cpu0 = bytes0 = 0
-        self.meter.observe(self._demand[0], self._demand[1], int((nbytes - bytes0) // self.store.layout.expert_bytes),
-                           cpu - cpu0)
-        self._seen_prefetch, self._demand = (cpu, nbytes), [0, 0.0]
+        prefetch copies (their count and the CPU seconds of the thread that ran them: the transfer engine's
+        ``prefetch_copies`` / ``prefetch_cpu_s``; on-demand copies run by the same worker are not in them)."""
+        st = self.transfer.stats
+        copies0, cpu0 = self._seen_prefetch
+        if st.prefetch_copies < copies0:  # the transfer engine's stats were reset
+            copies0, cpu0 = 0, 0.0
+        self.meter.observe(self._demand[0], self._demand[1], st.prefetch_copies - copies0, st.prefetch_cpu_s - cpu0)
+        self._seen_prefetch, self._demand = (st.prefetch_copies, st.prefetch_cpu_s), [0, 0.0]
         self.scheduler.gate = self.meter.cost
 
     def observe(self, forecast) -> None:

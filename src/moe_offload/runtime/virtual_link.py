@@ -27,6 +27,7 @@ Single-threaded: one thread (the inference thread) drives the engine. Units: sec
 from __future__ import annotations
 
 import math
+import time
 from collections import deque
 from typing import Callable
 
@@ -134,8 +135,12 @@ class VirtualLinkEngine:
     def _land(self, job: _Copy) -> None:
         """The copy's bytes into its slot; its landing reported at its deadline."""
         try:
+            cpu0 = time.thread_time()
             with io(self.store, "on_demand_reads" if job.on_demand else "prefetch_reads"):
                 self.store.copy_to(job.eid, self._dst[job.slot])
+            if not job.on_demand:
+                self.stats.prefetch_copies += 1
+                self.stats.prefetch_cpu_s += time.thread_time() - cpu0
             err = None
         except Exception as e:  # reported with the landing, as a worker's failed copy
             err = f"{type(e).__name__}: {e}"
