@@ -60,6 +60,7 @@ class StepClock:
         self.account = account
         self._mark: float | None = None  # None: not inside a decode step
         self._cpu_mark = self._wall_mark = 0.0
+        self._cells: dict[str, list[float]] = {}  # role -> the account's cell of this thread (lap_cell)
 
     def begin_step(self, decode: bool) -> None:
         """A forward pass begins (``decode``: a decode step, which is timed); closes the previous step."""
@@ -70,6 +71,7 @@ class StepClock:
             if self.account is not None:
                 self.account.active = True
                 self.account.take_io()
+                self._cells = {}  # this step's thread may not be the last one's (a server's worker)
                 self._cpu_mark, self._wall_mark = time.thread_time(), time.perf_counter()
 
     def end_step(self) -> None:
@@ -89,7 +91,12 @@ class StepClock:
         if self.account is not None:
             cpu, wall = time.thread_time(), time.perf_counter()
             io_cpu, io_wall = self.account.take_io()
-            self.account.charge(PHASE_ROLE[phase], cpu - self._cpu_mark - io_cpu, wall - self._wall_mark - io_wall)
+            role = PHASE_ROLE[phase]
+            cell = self._cells.get(role)
+            if cell is None:
+                cell = self._cells[role] = self.account.lap_cell(role)
+            cell[0] += cpu - self._cpu_mark - io_cpu
+            cell[1] += wall - self._wall_mark - io_wall
             self._cpu_mark, self._wall_mark = cpu, wall
 
     def reset(self) -> None:
@@ -98,3 +105,4 @@ class StepClock:
         if self.account is not None:
             self.account.reset()
             self.account.active = False
+            self._cells = {}

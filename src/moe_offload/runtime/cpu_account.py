@@ -75,6 +75,18 @@ class CpuAccount:
             cell[0] += cpu_s
             cell[1] += wall_s
 
+    def lap_cell(self, role: str) -> list[float]:
+        """The calling thread's ``[cpu_s, wall_s]`` of ``role``, for a lap timer to add to directly (only that
+        thread writes it; a lap then costs no lock: ``runtime.breakdown.StepClock`` laps several times per MoE
+        layer). Valid until ``reset``.
+
+        Raises:
+            ValueError: an unknown role."""
+        if role not in ROLES:
+            raise ValueError(f"unknown role {role!r}; one of {ROLES}")
+        with self._lock:
+            return self.seconds.setdefault((thread_label(), role), [0.0, 0.0])
+
     def add_bytes(self, kind: str, nbytes: int) -> None:
         """Count ``nbytes`` of ``kind`` (``BYTE_KINDS``) while ``active``."""
         if self.active:
@@ -104,12 +116,15 @@ class CpuAccount:
                 stack[-1][0] += cpu
                 stack[-1][1] += wall
             else:
-                loc.taken = [a + b for a, b in zip(loc.__dict__.get("taken", [0.0, 0.0]), (cpu, wall))]
+                taken = loc.__dict__.get("taken") or (0.0, 0.0)
+                loc.taken = (taken[0] + cpu, taken[1] + wall)
 
     def take_io(self) -> tuple[float, float]:
         """``(cpu_s, wall_s)`` the calling thread spent in outermost ``io`` blocks since its previous call."""
-        taken = self._local.__dict__.get("taken", [0.0, 0.0])
-        self._local.taken = [0.0, 0.0]
+        taken = self._local.__dict__.get("taken")
+        if taken is None:
+            return 0.0, 0.0
+        self._local.taken = None
         return taken[0], taken[1]
 
     def reset(self) -> None:

@@ -71,6 +71,7 @@ class OffloadEngine:
         self.account = CpuAccount()  # decode-step CPU by thread and role (runtime.cpu_account)
         attach_account(store, self.account)
         self.clock = StepClock(self.account)  # decode-step time breakdown (runtime.breakdown)
+        self._prefetch_outcomes = (0, 0)  # the table's (prefetches_used, prefetches_wasted) when last counted
         self.observers: list = []  # callables(moe_layer, top_k_index, top_k_weights), e.g. trace recorders
         self.prefetcher = None     # runtime.prefetcher.Prefetcher when prefetching (SeqMoE), else None
         self._cuda = pool.device.type == "cuda"
@@ -109,8 +110,8 @@ class OffloadEngine:
     def _count_prefetch_outcomes(self) -> None:
         """The prefetched experts the slot table found needed or evicted unneeded since the last call, as bytes of
         the step that ends (``runtime.cpu_account``; counted only when it is a decode step)."""
-        table, seen = self.table, getattr(self, "_prefetch_outcomes", (0, 0))
-        now_seen = (getattr(table, "prefetches_used", 0), getattr(table, "prefetches_wasted", 0))
+        seen = self._prefetch_outcomes
+        now_seen = (self.table.prefetches_used, self.table.prefetches_wasted)
         nbytes = self.store.layout.expert_bytes
         self.account.add_bytes("prefetched_used", (now_seen[0] - seen[0]) * nbytes)
         self.account.add_bytes("prefetched_wasted", (now_seen[1] - seen[1]) * nbytes)
