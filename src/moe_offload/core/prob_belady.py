@@ -9,6 +9,17 @@ gets the retention priority
 (the mean is over the batch of requests), a discounted average that favours experts likely to be activated in
 the nearer future, approximating Belady's preference for the earliest reuse. The victim is the resident,
 unpinned expert with the lowest score.
+
+With ``layer_cycle`` (the cross-layer policies ``xl`` and ``seqmoe-xl``, whose forecasts cover a few layers of
+one token) the policy also follows the cycle of the layers (issue 47):
+  * a forecast's rows are consumed as the model runs: once MoE layer ``p`` has run in step ``i + j``, row ``j`` of
+    its forecast is the past and the score is the same weighted mean over the rows still ahead; a layer whose rows
+    are all consumed scores as one without a forecast. Without this, the experts a one-row forecast left out of
+    its top-k were evicted before the ones it named, whatever the layer then used.
+  * experts without a forecast (most of them: a cross-layer forecast covers 3 of the layers) are ordered as
+    Belady would order them under the cyclic layer sequence: first those not used for more runs of their layer
+    (the likelihood of reuse falls with that age), then, among equals, those whose layer runs again farthest
+    from now (the layer just run before the one about to run), then the least recently used.
 """
 
 from __future__ import annotations
@@ -41,12 +52,16 @@ class ProbabilisticBelady(EvictionPolicy):
     ``no_forecast_score`` (default 0: nothing suggests they will be reused). Ties, including all experts without
     a forecast, are broken by least recent access or insertion (LRU), then by the smaller expert id; so with no
     forecast at all the policy is plain LRU. A new request (``on_step(request, 0)``) forgets all forecasts.
+    With ``layer_cycle``, rows are consumed as their layers run and experts without a forecast are ordered by the
+    layer cycle (module docstring); ``observe`` then passes the step of a forecast's row 0 (``Forecast.step + 1``).
 
     Args:
         num_experts: e, routed experts per MoE layer (expert ids are ``layer * e + expert``).
         horizon: c, forecast rows used (>= 1).
         lam: lambda, the discount, ``0 < lam < 1``.
         no_forecast_score: the score of an expert whose layer has no forecast.
+        layer_cycle: consume forecast rows as their layers run, and order experts without a forecast by the layer
+            cycle (module docstring) instead of LRU.
     Raises:
         MoeOffloadError: ``num_experts < 1``, ``horizon < 1`` or ``lam`` outside ``(0, 1)``.
 
@@ -60,7 +75,8 @@ class ProbabilisticBelady(EvictionPolicy):
 
     name = "prob-belady"
 
-    def __init__(self, num_experts: int, horizon: int = 8, lam: float = 0.5, no_forecast_score: float = 0.0):
+    def __init__(self, num_experts: int, horizon: int = 8, lam: float = 0.5, no_forecast_score: float = 0.0,
+                 layer_cycle: bool = False):
         super().__init__()
         if num_experts < 1:
             raise MoeOffloadError(f"num_experts must be >= 1, got {num_experts}")
@@ -72,6 +88,7 @@ class ProbabilisticBelady(EvictionPolicy):
         self.horizon = horizon
         self.lam = float(lam)
         self.no_forecast_score = float(no_forecast_score)
+        self.layer_cycle = bool(layer_cycle)
         # per global expert id (grown on demand): CacheScore, recency sequence number, residency. Arrays, so that
         # ``victim`` is a handful of vectorised passes instead of a Python loop over every resident expert.
         self._score = np.empty(0, dtype=np.float64)
@@ -81,6 +98,13 @@ class ProbabilisticBelady(EvictionPolicy):
         self._ranking: list[int] | None = None  # resident experts by (score, last use, id) when ranked; None: stale
         self._fresh: set[int] = set()           # experts accessed or inserted since the ranking was made
         self._weights: dict[int, np.ndarray] = {}  # rows -> ``weights(rows)``
+        self._step = 0                             # the current step (``on_step``)
+        self._rows: dict[int, tuple[np.ndarray, int]] = {}  # layer -> (its forecast rows [R, e], row 0's step)
+        # layer_cycle: per MoE layer the last step it ran in, per expert the last step it was used in (-1: not yet),
+        # the layer running now
+        self._ran = np.full(0, -1, dtype=np.int64)
+        self._used = np.full(0, -1, dtype=np.int64)
+        self._cur = 0
 
     def _grow(self, n: int) -> None:
         """Make the per-expert arrays hold ids ``< n`` (new entries: no forecast, never used, not resident)."""
@@ -92,6 +116,7 @@ class ProbabilisticBelady(EvictionPolicy):
         self._score = np.concatenate([self._score, np.full(n - old, self.no_forecast_score)])
         self._last = np.concatenate([self._last, np.zeros(n - old, dtype=np.int64)])
         self._in = np.concatenate([self._in, np.zeros(n - old, dtype=bool)])
+        self._used = np.concatenate([self._used, np.full(n - old, -1, dtype=np.int64)])
 
     def weights(self, rows: int) -> np.ndarray:
         """float64 ``[min(rows, c)]``: ``lambda^j / sum_j lambda^j``, the weight of forecast row j (made once per
@@ -103,13 +128,15 @@ class ProbabilisticBelady(EvictionPolicy):
             w = self._weights[n] = w / w.sum()
         return w
 
-    def update_forecast(self, layers: tuple[int, int], probs) -> None:
+    def update_forecast(self, layers: tuple[int, int], probs, first_step: int | None = None) -> None:
         """Replace the scores of MoE layers ``l <= p < l'`` from a forecast.
 
         Args:
             layers: ``(l, l')``, ``0 <= l < l'``.
             probs: float array or tensor ``[R, n, e]`` (``Forecast.probs``: row j = step i + j, R >= 1) or
                 ``[b, R, n, e]`` for a batch (averaged over b), with ``n = l' - l``.
+            first_step: i, the step of row 0: the rows are then consumed as their layers run (class docstring);
+                None: rows ``0 .. c-1`` score the layers until their next forecast.
         Raises:
             MoeOffloadError: a shape that does not match ``layers``/``num_experts``, or non-finite values.
         """
@@ -126,34 +153,103 @@ class ProbabilisticBelady(EvictionPolicy):
                                   f"dimension), got shape {tuple(np.shape(probs))}")
         if not np.isfinite(a).all():
             raise MoeOffloadError("probs contains non-finite values")
-        w = self.weights(a.shape[0])
         E = self.num_experts
         self._grow(hi * E)
-        self._score[lo * E:hi * E] = w @ a[:len(w)].reshape(len(w), -1)    # [n * e]: sum_j w_j * row j
+        self._ranking = None
+        if first_step is None:
+            for p in range(lo, hi):
+                self._rows.pop(p, None)
+            w = self.weights(a.shape[0])
+            self._score[lo * E:hi * E] = w @ a[:len(w)].reshape(len(w), -1)    # [n * e]: sum_j w_j * row j
+            return
+        self._grow_layers(hi)
+        for p in range(lo, hi):
+            self._rows[p] = (a[:, p - lo], int(first_step))
+            self._score_layer(p)
+
+    def _grow_layers(self, n: int) -> None:
+        """Make ``_ran`` hold MoE layers ``< n`` (new layers: not run yet)."""
+        if self._ran.size < n:
+            self._ran = np.concatenate([self._ran, np.full(n - self._ran.size, -1, dtype=np.int64)])
+
+    def _score_layer(self, p: int) -> None:
+        """Score MoE layer ``p`` from the rows of its forecast still ahead (those of steps after the last one ``p``
+        ran in): their weighted mean, or ``no_forecast_score`` when none is left (the forecast is then dropped)."""
+        rows, first = self._rows[p]
+        done = max(0, int(self._ran[p]) - first + 1)
+        E = self.num_experts
+        if done >= rows.shape[0]:
+            del self._rows[p]
+            self._score[p * E:(p + 1) * E] = self.no_forecast_score
+        else:
+            ahead = rows[done:]
+            w = self.weights(ahead.shape[0])
+            self._score[p * E:(p + 1) * E] = w @ ahead[:len(w)]
         self._ranking = None
 
     def observe(self, forecast) -> None:
-        """``update_forecast(forecast.layers, forecast.probs)`` for a ``predictor.runtime.Forecast``."""
-        self.update_forecast(forecast.layers, forecast.probs)
+        """``update_forecast(forecast.layers, forecast.probs)`` for a ``predictor.runtime.Forecast``; with
+        ``layer_cycle`` its row 0 is step ``forecast.step + 1`` and its rows are consumed as their layers run."""
+        first = forecast.step + 1 if self.layer_cycle else None
+        self.update_forecast(forecast.layers, forecast.probs, first_step=first)
 
     def score(self, eid: int) -> float:
         """CacheScore of expert ``eid`` (``no_forecast_score`` when its layer has no forecast)."""
         return float(self._score[eid]) if eid < self._score.size else self.no_forecast_score
 
     def on_step(self, request: int, step: int) -> None:
+        self._step = step
         if step == 0:
             self._score.fill(self.no_forecast_score)
+            self._rows.clear()
+            self._ran.fill(-1)
+            self._used.fill(-1)
             self._ranking = None
 
     def on_access(self, eid: int, tick: int, tokens: int = 1) -> None:
+        if self.layer_cycle:
+            self._cycle_access(eid)
         if eid in self.resident:
             self._seq += 1
             self._last[eid] = self._seq
             self._touch(eid)
 
+    def _cycle_access(self, eid: int) -> None:
+        """``layer_cycle``: ``eid`` is used now; its layer's first access in this step means the layer runs, so the
+        row of this step of its forecast is consumed; a new running layer changes the order of the cycle."""
+        p = eid // self.num_experts
+        if p >= self._ran.size:
+            self._grow_layers(p + 1)
+        if self._ran[p] != self._step or p != self._cur:  # the ages or the distances change: rank again
+            self._ranking = None
+            self._cur = p
+            if self._ran[p] != self._step:
+                self._ran[p] = self._step
+                if p in self._rows:
+                    self._score_layer(p)
+        self._grow(eid + 1)
+        self._used[eid] = self._step
+
+    def _key_arrays(self, ids: np.ndarray) -> tuple:
+        """``np.lexsort`` keys ranking experts ``ids`` (last key first): (score, last use, id), with ``layer_cycle``
+        (score, -runs of its layer since its last use, -layers until its layer runs again, last use, id): 1 for the
+        layer after the running one, L for the running layer itself (its next run is the next step's)."""
+        if not self.layer_cycle:
+            return (ids, self._last[ids], self._score[ids])
+        layer = ids // self.num_experts
+        ahead = (layer - self._cur - 1) % max(self._ran.size, 1) + 1
+        age = self._ran[layer] - self._used[ids]
+        return (ids, self._last[ids], -ahead, -age, self._score[ids])
+
+    def _key(self, e: int) -> tuple:
+        """The rank key of one expert, ``_key_arrays``' keys in order of precedence."""
+        return tuple(k[0] for k in reversed(self._key_arrays(np.array([e]))))
+
     def on_insert(self, eid: int, tick: int) -> None:
         super().on_insert(eid, tick)
         self._grow(eid + 1)
+        if self.layer_cycle:
+            self._grow_layers(eid // self.num_experts + 1)
         self._seq += 1
         self._last[eid] = self._seq
         self._in[eid] = True
@@ -175,14 +271,15 @@ class ProbabilisticBelady(EvictionPolicy):
             self._last[eid] = 0
 
     def victim(self, pinned: set[int]) -> int:
-        """The resident expert not in ``pinned`` with the lowest (score, last use, id).
+        """The resident expert not in ``pinned`` that ranks first: the lowest (score, last use, id), with
+        ``layer_cycle`` the order of ``_key_arrays``.
 
         Raises:
             RuntimeError: every resident expert is pinned (the slot table never asks then).
         """
         if self._ranking is None:
             ids = np.flatnonzero(self._in)
-            self._ranking = ids[np.lexsort((ids, self._last[ids], self._score[ids]))].tolist()
+            self._ranking = ids[np.lexsort(self._key_arrays(ids))].tolist()
             self._fresh = set()
         resident, fresh = self.resident, self._fresh
         best = -1
@@ -191,7 +288,7 @@ class ProbabilisticBelady(EvictionPolicy):
                 best = e
                 break
         if fresh:
-            key = (lambda e: (self._score[e], self._last[e], e))  # noqa: E731
+            key = self._key
             cands = [e for e in fresh if e in resident and e not in pinned]
             if cands:
                 f = min(cands, key=key)
@@ -209,3 +306,18 @@ class ProbabilisticBelady(EvictionPolicy):
         self._seq = 0
         self._ranking = None
         self._fresh = set()
+        self._step = 0
+        self._rows.clear()
+        self._ran.fill(-1)
+        self._used.fill(-1)
+        self._cur = 0
+
+
+def forecast_eviction(spec, num_experts: int) -> ProbabilisticBelady:
+    """The eviction policy of a forecast-driven ``spec`` (a ``core.policy_spec.PolicySpec``), for the runtime and
+    the simulator alike: probabilistic Belady with SeqMoE's c = 8 and lambda = 0.5 (§9.1), following the layer
+    cycle for the cross-layer policies (``spec.cross_layer``: ``xl``, ``seqmoe-xl``), named as the spec."""
+    pol = ProbabilisticBelady(num_experts, horizon=8, lam=0.5, layer_cycle=spec.cross_layer)
+    pol.name = spec.name
+    return pol
+

@@ -59,9 +59,9 @@ def make_engine(spec: PolicySpec, store, pool: SlotPool, mods: list, num_slots: 
         planner = make_refresh_planner(spec, L, num_experts, budget, costs=costs, interval=opts["interval"])
         return RefreshEngine(store, pool, planner, L, num_experts, transfer, **host)
     if spec.forecast_driven:  # SeqMoE §7.1 eviction; forecasts come from a predictor (ForecastFeed)
-        from ..core.prob_belady import ProbabilisticBelady
+        from ..core.prob_belady import forecast_eviction
 
-        policy_obj = ProbabilisticBelady(num_experts, horizon=8, lam=0.5)
+        policy_obj = forecast_eviction(spec, num_experts)
     elif spec.family == "auto":  # LRU until its chooser swaps in the best history policy after the first prefill
         policy_obj = make_policy("lru")
     else:

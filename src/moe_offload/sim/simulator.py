@@ -54,11 +54,9 @@ def build_policy(policy: PolicySpec | str, trace: Trace, num_slots: int, needs=N
         MoeOffloadError: an unknown name, or a policy that is not an eviction policy (a refresh planner, auto)."""
     spec = parse_policy(policy)
     if spec.forecast_driven:
-        from ..core.prob_belady import ProbabilisticBelady
+        from ..core.prob_belady import forecast_eviction
 
-        pol = ProbabilisticBelady(trace.num_experts, horizon=8, lam=0.5)
-        pol.name = spec.name
-        return pol
+        return forecast_eviction(spec, trace.num_experts)
     future = None
     if spec.family == "belady":
         needs = needs if needs is not None else layer_needs(trace)

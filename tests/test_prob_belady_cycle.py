@@ -1,0 +1,148 @@
+"""Probabilistic Belady following the layer cycle (``core.prob_belady``, ``layer_cycle=True``; the cross-layer
+policies ``xl`` and ``seqmoe-xl``, issue 47): forecast rows consumed as their layers run, and the Belady order of
+the experts without a forecast, on hand-worked event sequences and against a full scan."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from moe_offload.core.policy_spec import parse_policy
+from moe_offload.core.prob_belady import ProbabilisticBelady, forecast_eviction
+
+
+def _forecast(step: int, layers: tuple[int, int], probs) -> SimpleNamespace:
+    return SimpleNamespace(step=step, layers=layers, probs=np.asarray(probs, dtype=np.float64))
+
+
+def test_a_one_row_forecast_protects_its_experts_until_its_layer_runs():
+    pb = ProbabilisticBelady(num_experts=4, horizon=8, lam=0.5, layer_cycle=True)
+    pb.on_step(0, 1)
+    pb.on_access(0, 1)                                        # layer 0 runs in step 1 ...
+    pb.observe(_forecast(0, (1, 2), [[[0.7, 0.1, 0.1, 0.1]]]))  # ... and forecasts layer 1 for step 1
+    assert [pb.score(e) for e in range(4, 8)] == pytest.approx([0.7, 0.1, 0.1, 0.1])
+    pb.on_access(5, 2)                                        # layer 1 runs: its only row is the past
+    assert [pb.score(e) for e in range(4, 8)] == [0.0] * 4
+    pb.on_access(6, 2)                                        # a second expert of the same run changes nothing
+    assert pb.score(4) == 0.0
+
+
+def test_rows_of_a_multi_step_forecast_are_consumed_one_per_run():
+    # rows of steps 2, 3, 4 (a forecast made in step 1, after layer 0 ran in it); c = 8, lambda = 0.5
+    rows = [[[0.4, 0.6]], [[0.8, 0.2]], [[1.0, 0.0]]]
+    pb = ProbabilisticBelady(num_experts=2, horizon=8, lam=0.5, layer_cycle=True)
+    pb.on_step(0, 1)
+    pb.on_access(0, 1)
+    pb.observe(_forecast(1, (0, 1), rows))
+    # not consumed in step 1: row 0 is step 2's; (4 * .4 + 2 * .8 + 1 * 1.0) / 7
+    assert pb.score(0) == pytest.approx((1.6 + 1.6 + 1.0) / 7)
+    pb.on_step(0, 2)
+    pb.on_access(1, 2)                                        # step 2's run: rows of steps 3, 4 are left
+    assert pb.score(0) == pytest.approx((2 * 0.8 + 1 * 1.0) / 3)
+    assert pb.score(1) == pytest.approx((2 * 0.2 + 0.0) / 3)
+    pb.on_step(0, 3)
+    pb.on_access(1, 3)
+    assert pb.score(0) == pytest.approx(1.0)
+    pb.on_step(0, 4)
+    pb.on_access(1, 4)
+    assert pb.score(0) == 0.0                                 # all consumed: no forecast
+
+
+def test_without_layer_cycle_a_forecast_scores_until_the_next_one():
+    pb = ProbabilisticBelady(num_experts=4, horizon=8, lam=0.5)
+    pb.on_step(0, 1)
+    pb.observe(_forecast(0, (1, 2), [[[0.7, 0.1, 0.1, 0.1]]]))
+    pb.on_access(5, 1)
+    assert pb.score(4) == pytest.approx(0.7)
+
+
+def test_experts_without_a_forecast_go_in_the_cycle_order():
+    # 3 MoE layers of 2 experts (ids layer * 2 + e); no forecasts
+    pb = ProbabilisticBelady(num_experts=2, horizon=8, lam=0.5, layer_cycle=True)
+    pb.on_step(0, 1)
+    for e in (0, 1, 2, 4):                  # step 1: layer 0 uses 0 and 1, layer 1 uses 2, layer 2 uses 4
+        pb.on_access(e, 1)
+        pb.on_insert(e, 1)
+    pb.on_step(0, 2)
+    pb.on_access(1, 2)                      # step 2, layer 0 runs with expert 1 only
+    # ages (runs of its layer since its last use): 0 -> 1; 1, 2, 4 -> 0. Layers ahead of the running layer 0:
+    # layer 1 -> 1, layer 2 -> 2, layer 0 -> 3
+    assert pb.victim(set()) == 0            # not used at its layer's last run
+    assert pb.victim({0}) == 1              # age 0; its layer runs again farthest from now (next step)
+    assert pb.victim({0, 1}) == 4           # layer 2 runs after layer 1
+    assert pb.victim({0, 1, 4}) == 2
+    pb.on_access(2, 2)                      # layer 1 runs with expert 2 (pinned while it runs): layer 2 is now
+    assert pb.victim({0, 2}) == 1           # 1 layer ahead, layer 0 2 layers, layer 1 itself 3
+    assert pb.victim({0, 1, 2}) == 4
+
+
+def test_cycle_ranked_victims_equal_a_full_scan():
+    """The ranking reused between calls picks exactly what a full scan of the cycle order picks, over random
+    forecasts, steps, accesses, inserts, evictions and pinned sets."""
+    rng = np.random.default_rng(11)
+    E, L = 3, 4
+    pb = ProbabilisticBelady(num_experts=E, horizon=3, lam=0.5, layer_cycle=True)
+    last, used, ran, seq, step, cur = {}, {}, [-1] * L, 0, 1, 0
+    rows: dict[int, tuple[np.ndarray, int]] = {}
+    pb.on_step(0, step)
+
+    def score(e):
+        p = e // E
+        if p not in rows:
+            return 0.0
+        a, first = rows[p]
+        done = max(0, ran[p] - first + 1)
+        if done >= len(a):
+            return 0.0
+        w = 0.5 ** np.arange(min(len(a) - done, 3))
+        return float((w / w.sum()) @ a[done:done + len(w), e % E])
+
+    for p in range(L):                      # every layer seen once, so the cycle's length is L from the start
+        pb.on_access(p * E, 0)
+        ran[p], used[p * E], cur = step, step, p
+    for _ in range(3000):
+        op = rng.integers(7)
+        if op == 0:
+            lo = int(rng.integers(L))
+            hi = int(rng.integers(lo + 1, L + 1))
+            a = np.round(rng.random((int(rng.integers(1, 4)), hi - lo, E)), 1)
+            f = int(rng.integers(step - 1, step + 1))
+            pb.observe(_forecast(f, (lo, hi), a))
+            for p in range(lo, hi):
+                rows[p] = (a[:, p - lo], f + 1)
+        elif op == 1:
+            e = int(rng.integers(L * E))
+            pb.on_access(e, 0)
+            p = e // E
+            ran[p], used[e], cur = step, step, p
+            if e in pb.resident:
+                seq += 1
+                last[e] = seq
+        elif op == 2:
+            e = int(rng.integers(L * E))
+            if e not in pb.resident:
+                pb.on_insert(e, 0)
+                seq += 1
+                last[e] = seq
+        elif op == 3 and pb.resident:
+            pb.on_evict(int(rng.choice(sorted(pb.resident))))
+        elif op == 4 and rng.random() < 0.3:
+            step += 1
+            pb.on_step(0, step)
+        elif pb.resident:
+            pinned = {int(e) for e in sorted(pb.resident) if rng.random() < 0.4}
+            free = [e for e in pb.resident if e not in pinned]
+            if free:
+                def key(e):
+                    p = e // E
+                    return (score(e), -(ran[p] - used.get(e, -1)), -((p - cur - 1) % L + 1), last[e], e)
+                assert pb.victim(pinned) == min(free, key=key)
+
+
+def test_the_cross_layer_policies_follow_the_cycle():
+    assert forecast_eviction(parse_policy("xl"), 8).layer_cycle
+    assert forecast_eviction(parse_policy("seqmoe-xl"), 8).layer_cycle
+    assert forecast_eviction(parse_policy("xl+gate"), 8).name == "xl+gate"
+    assert not forecast_eviction(parse_policy("seqmoe"), 8).layer_cycle
