@@ -42,6 +42,33 @@ def test_the_meter_averages_what_each_step_measured():
         CostMeter(alpha=0.0)
 
 
+def test_a_busy_link_and_unused_prefetches_raise_the_bar():
+    """The same copy costs (2 ms miss, 0.5 ms of CPU): with the misses keeping the link busy half of the step a task
+    needs 0.25 + 0.5 = 0.75; when only half of what the forecasts promised is used, a forecast's chance must be
+    1.5 (no task passes)."""
+    busy = PrefetchCost(miss_s=2e-3, prefetch_cpu_s=0.5e-3, link_busy=0.5)
+    assert busy.min_confidence == pytest.approx(0.75)
+    assert busy.worth(0.8) and not busy.worth(0.7)
+    # the saving at 0.8: 0.8 x 2 x 0.5 = 0.8 ms > 0.5 + 0.2 x 2 x 0.5 = 0.7 ms
+    halved = PrefetchCost(miss_s=2e-3, prefetch_cpu_s=0.5e-3, link_busy=0.5, used_scale=0.5)
+    assert halved.min_confidence == pytest.approx(1.5) and not halved.worth(1.0)
+    for bad in (dict(link_busy=1.5), dict(used_scale=0.0)):
+        with pytest.raises(MoeOffloadError):
+            PrefetchCost(miss_s=1.0, prefetch_cpu_s=0.0, **bad)
+
+
+def test_the_meter_measures_the_link_and_the_forecasts_calibration():
+    m = CostMeter(alpha=1.0)
+    # a 20 ms step waited 8 ms for 4 misses; 1 of 4 decided prefetches was used; 2 tasks queued promised 0.9 each
+    m.observe(4, 8e-3, 2, 1e-3, step_wall_s=20e-3, used=1, wasted=3, promised=(1.8, 2))
+    c = m.cost
+    assert (c.miss_s, c.prefetch_cpu_s) == pytest.approx((2e-3, 0.5e-3))
+    assert c.link_busy == pytest.approx(0.4) and c.used_scale == pytest.approx(0.25 / 0.9)
+    assert c.min_confidence == pytest.approx((0.25 + 0.4) * 0.9 / 0.25)
+    m.observe(4, 8e-3, 2, 1e-3, step_wall_s=20e-3, used=0, wasted=5, promised=(0.9, 1))
+    assert m.cost.used_scale == CostMeter.MIN_USED_SCALE
+
+
 def test_gate_policies_parse_and_print():
     spec = parse_policy("XL+gate")
     assert spec.gated and spec.family == "xl" and spec.name == "xl+gate" and spec.prefetch == "jsd"

@@ -1,14 +1,24 @@
 """A prefetch at the price it is worth (issue 47, part 3; DESIGN.md §12 "A forecast's value is seconds").
 
-A prefetch task whose expert its layer uses with probability ``conf`` (``core.prefetch_queue.inclusion_probabilities``:
-the forecast row scaled to sum to top-k, whichever scale the forecast came in) saves, in expectation,
-``conf x miss_s``: the seconds a decode step stalls on an on-demand copy of one expert. It
-costs ``prefetch_cpu_s x contention`` whether or not the forecast was right: the CPU seconds its copy takes (the
-reads' system time, the staging copy into the slot) times the share of them the compute loses, 1.0 when every core
-computes (this machine: two cores, two compute threads), 0 when the copy runs where nothing computes (a GPU's DMA
-engine). A task is queued only when the saving exceeds the cost:
+A prefetch task whose expert its layer uses with probability ``c`` is weighed in seconds:
 
-    conf x miss_s > prefetch_cpu_s x contention,   i.e.  conf > min_confidence = prefetch_cpu_s x contention / miss_s
+- ``c`` is the forecast's chance (``core.prefetch_queue.inclusion_probabilities``: the forecast row scaled to sum
+  to top-k, whichever scale the forecast came in) times ``used_scale``, the measured share of prefetches used over
+  the share the forecasts promised (1 until measured), capped at 1.
+- Its copy costs ``prefetch_cpu_s x contention`` whether or not it is used: the CPU seconds of its reads and
+  staging copy, times the share of them the compute loses (1.0 when every core computes, as on this machine's two
+  cores; 0 when the copy runs where nothing computes, a GPU's DMA engine).
+- It shares the link (the disk, the PCIe bus) with the misses, which keep it busy a share ``link_busy`` of the
+  step. A used prefetch saves a miss's wait ``miss_s`` only where the link would otherwise idle: ``c x miss_s x
+  (1 - link_busy)``. A wasted one delays the misses queued behind it by one read: ``(1 - c) x miss_s x
+  link_busy``.
+
+A task is queued only when the saving exceeds the cost:
+
+    c x miss_s x (1 - link_busy) > prefetch_cpu_s x contention + (1 - c) x miss_s x link_busy,
+    i.e.  c > min_confidence = prefetch_cpu_s x contention / miss_s + link_busy
+
+With an idle link (``link_busy`` 0, as before issue 47's session 40) only the CPU counts.
 
 ``submit_forecast`` (``core.prefetch_queue``) applies it for the runtime's prefetcher and the simulator alike. The
 runtime measures both costs as it runs (``CostMeter``: the on-demand copies' wall time and the prefetch copies' CPU
@@ -33,6 +43,9 @@ class PrefetchCost:
         miss_s: wall seconds a step waits for one on-demand expert copy (> 0).
         prefetch_cpu_s: CPU seconds one prefetch copy takes (>= 0).
         contention: the share of ``prefetch_cpu_s`` the compute loses, in [0, 1].
+        link_busy: the share of a step the link carries the misses' reads (the step's wait on them), in [0, 1].
+        used_scale: a forecast's chance of use times this is the chance a prefetch is used (> 0; measured: the
+            share of prefetches used over the mean chance of the tasks queued).
     Raises:
         MoeOffloadError: a value out of its range or not finite.
     """
@@ -40,6 +53,8 @@ class PrefetchCost:
     miss_s: float
     prefetch_cpu_s: float
     contention: float = 1.0
+    link_busy: float = 0.0
+    used_scale: float = 1.0
 
     def __post_init__(self):
         if not (math.isfinite(self.miss_s) and self.miss_s > 0):
@@ -48,21 +63,29 @@ class PrefetchCost:
             raise MoeOffloadError(f"prefetch_cpu_s must be >= 0 seconds, got {self.prefetch_cpu_s}")
         if not 0.0 <= self.contention <= 1.0:
             raise MoeOffloadError(f"contention must be in [0, 1], got {self.contention}")
+        if not 0.0 <= self.link_busy <= 1.0:
+            raise MoeOffloadError(f"link_busy must be in [0, 1], got {self.link_busy}")
+        if not (math.isfinite(self.used_scale) and self.used_scale > 0):
+            raise MoeOffloadError(f"used_scale must be a positive number, got {self.used_scale}")
 
     @property
     def min_confidence(self) -> float:
-        """The confidence a task needs to be worth its copy (may exceed 1: then no prefetch is)."""
-        return self.prefetch_cpu_s * self.contention / self.miss_s
+        """The forecast's chance of use a task needs to be worth its copy (may exceed 1: then no prefetch is)."""
+        return (self.prefetch_cpu_s * self.contention / self.miss_s + self.link_busy) / self.used_scale
 
     def worth(self, conf: float) -> bool:
-        """Whether a task of confidence ``conf`` saves more than it costs (strictly)."""
-        return conf * self.miss_s > self.prefetch_cpu_s * self.contention
+        """Whether a task the forecast gives chance ``conf`` of use saves more than it costs (strictly)."""
+        c = min(1.0, conf * self.used_scale)
+        saving = c * self.miss_s * (1.0 - self.link_busy)
+        return saving > self.prefetch_cpu_s * self.contention + (1.0 - c) * self.miss_s * self.link_busy
 
 
 class CostMeter:
-    """A ``PrefetchCost`` measured as the runtime runs: exponential moving averages of the on-demand copies' wall
-    seconds per expert and the prefetch copies' CPU seconds per expert, each fed per decode step with that step's
-    totals (``observe``). ``cost`` is None until both have been seen (no gate before the first measurements).
+    """A ``PrefetchCost`` measured as the runtime runs, from exponential moving averages of per-decode-step samples
+    (``observe``): the on-demand copies' wall seconds per expert (``miss_s``), the prefetch copies' CPU seconds per
+    expert, the share of the step spent waiting on the misses (``link_busy``) and the share of prefetches used over
+    the chance the forecasts promised them (``used_scale``). ``cost`` is None until the first two have been seen
+    (no gate before the first measurements); the last two start at 0 and 1.
 
     Args:
         contention: as ``PrefetchCost``.
@@ -70,6 +93,9 @@ class CostMeter:
     Raises:
         MoeOffloadError: ``alpha`` outside (0, 1], or ``contention`` outside [0, 1].
     """
+
+    #: the least ``used_scale`` (a run of wasted prefetches must not make the gate divide by zero)
+    MIN_USED_SCALE = 0.05
 
     def __init__(self, contention: float = 1.0, alpha: float = 0.2):
         if not 0.0 < alpha <= 1.0:
@@ -79,22 +105,37 @@ class CostMeter:
         self.contention, self.alpha = contention, alpha
         self.miss_s: float | None = None
         self.prefetch_cpu_s: float | None = None
+        self.link_busy: float | None = None
+        self.used_share: float | None = None   # of the prefetches whose fate was decided, the share used
+        self.promised: float | None = None     # the mean chance of use of the tasks queued
 
     def _ema(self, old: float | None, sample: float) -> float:
         return sample if old is None else (1.0 - self.alpha) * old + self.alpha * sample
 
     def observe(self, on_demand_experts: int, on_demand_wall_s: float, prefetched_experts: int,
-                prefetch_cpu_s: float) -> None:
+                prefetch_cpu_s: float, step_wall_s: float = 0.0, used: int = 0, wasted: int = 0,
+                promised: tuple[float, int] = (0.0, 0)) -> None:
         """One step's totals: experts copied on demand and the wall seconds the step spent on them; experts
-        prefetched and the CPU seconds their copies took. A count of 0 leaves its average as it was."""
+        prefetched and the CPU seconds their copies took; the step's wall seconds; prefetched experts a layer used
+        and ones evicted unused; the summed chance of use of the tasks queued and their count. A count (or
+        ``step_wall_s``) of 0 leaves its average as it was."""
         if on_demand_experts > 0 and on_demand_wall_s > 0:
             self.miss_s = self._ema(self.miss_s, on_demand_wall_s / on_demand_experts)
         if prefetched_experts > 0:
             self.prefetch_cpu_s = self._ema(self.prefetch_cpu_s, max(0.0, prefetch_cpu_s) / prefetched_experts)
+        if step_wall_s > 0:
+            self.link_busy = self._ema(self.link_busy, min(1.0, max(0.0, on_demand_wall_s) / step_wall_s))
+        if used + wasted > 0:
+            self.used_share = self._ema(self.used_share, used / (used + wasted))
+        if promised[1] > 0:
+            self.promised = self._ema(self.promised, promised[0] / promised[1])
 
     @property
     def cost(self) -> PrefetchCost | None:
-        """The current ``PrefetchCost``, or None before both costs were measured."""
+        """The current ``PrefetchCost``, or None before both copy costs were measured."""
         if self.miss_s is None or self.prefetch_cpu_s is None:
             return None
-        return PrefetchCost(self.miss_s, self.prefetch_cpu_s, self.contention)
+        scale = 1.0
+        if self.used_share is not None and self.promised:
+            scale = max(self.MIN_USED_SCALE, self.used_share / self.promised)
+        return PrefetchCost(self.miss_s, self.prefetch_cpu_s, self.contention, self.link_busy or 0.0, scale)

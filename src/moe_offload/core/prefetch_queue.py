@@ -62,6 +62,9 @@ class PrefetchScheduler(ABC):
         self.gate = None
         #: tasks ``submit_forecast`` left out because the gate found them not worth their cost
         self.gated = 0
+        #: the summed chance of use (``inclusion_probabilities``) of the tasks the gate queued, and their count,
+        #: since the cost meter last read them (``runtime.prefetcher``)
+        self.promised = [0.0, 0]
 
     @staticmethod
     def _check_bandwidth(b: float) -> None:
@@ -261,6 +264,8 @@ def submit_forecast(scheduler: PrefetchScheduler, forecast, num_moe_layers: int,
         lo = forecast.layers[0]
         kept = [t for t in tasks if gate.worth(used[t.layer - lo, t.expert])]
         scheduler.gated += len(tasks) - len(kept)
+        scheduler.promised[0] += float(sum(used[t.layer - lo, t.expert] for t in kept))
+        scheduler.promised[1] += len(kept)
         tasks = kept
     scheduler.submit(tasks)
 

@@ -59,6 +59,8 @@ class Prefetcher:
         self.meter = meter
         self._demand = [0, 0.0]       # this step's on-demand experts and the wall seconds spent on them
         self._seen_prefetch = (0, 0.0)  # the transfer engine's prefetch copies and their CPU seconds at the last step
+        self._seen_fate = (0, 0)        # the slot table's prefetches used and wasted at the last step
+        self._step_t0 = 0.0             # when the current step began (perf_counter seconds)
         self.L, self.E, self.k = num_moe_layers, num_experts, top_k
         self.max_outstanding = max_outstanding or max(2, math.ceil(scheduler.b_avg) + 1)
         self.step = 0
@@ -76,21 +78,33 @@ class Prefetcher:
         meter, the step that ended feeds it and the scheduler's gate becomes its current cost."""
         if self.meter is not None:
             self._meter_step()
+            self._step_t0 = time.perf_counter()
         self.step = step
         if step == 0:
             self.scheduler.reset()
 
     def _meter_step(self) -> None:
-        """Feed the meter the ended step's on-demand copies (their count and wall time, measured here) and its
+        """Feed the meter the ended step's on-demand copies (their count and wall time, measured here), its
         prefetch copies (their count and the CPU seconds of the thread that ran them: the transfer engine's
-        ``prefetch_copies`` / ``prefetch_cpu_s``; on-demand copies run by the same worker are not in them)."""
-        st = self.transfer.stats
+        ``prefetch_copies`` / ``prefetch_cpu_s``; on-demand copies run by the same worker are not in them), its wall
+        time (decode steps only), the prefetches the slot table saw used or wasted in it and the chance of use the
+        queued tasks were given (``core.prefetch_cost.CostMeter.observe``)."""
+        st, table, sched = self.transfer.stats, self.table, self.scheduler
+        now = time.perf_counter()
         copies0, cpu0 = self._seen_prefetch
         if st.prefetch_copies < copies0:  # the transfer engine's stats were reset
             copies0, cpu0 = 0, 0.0
-        self.meter.observe(self._demand[0], self._demand[1], st.prefetch_copies - copies0, st.prefetch_cpu_s - cpu0)
+        used0, wasted0 = self._seen_fate
+        if table.prefetches_used < used0 or table.prefetches_wasted < wasted0:  # the table's counts were reset
+            used0, wasted0 = 0, 0
+        self.meter.observe(self._demand[0], self._demand[1], st.prefetch_copies - copies0, st.prefetch_cpu_s - cpu0,
+                           step_wall_s=now - self._step_t0 if self.step >= 1 and self._step_t0 else 0.0,
+                           used=table.prefetches_used - used0, wasted=table.prefetches_wasted - wasted0,
+                           promised=tuple(sched.promised))
         self._seen_prefetch, self._demand = (st.prefetch_copies, st.prefetch_cpu_s), [0, 0.0]
-        self.scheduler.gate = self.meter.cost
+        self._seen_fate = (table.prefetches_used, table.prefetches_wasted)
+        sched.promised = [0.0, 0]
+        sched.gate = self.meter.cost
 
     def observe(self, forecast) -> None:
         """Turn a one-step (or cross-layer) forecast into prefetch tasks (SeqMoE §6.1: k + 3 per layer, conf, ddl;
