@@ -51,7 +51,10 @@ def test_a_busy_link_and_unused_prefetches_raise_the_bar():
     assert busy.worth(0.8) and not busy.worth(0.7)
     # the saving at 0.8: 0.8 x 2 x 0.5 = 0.8 ms > 0.5 + 0.2 x 2 x 0.5 = 0.7 ms
     halved = PrefetchCost(miss_s=2e-3, prefetch_cpu_s=0.5e-3, link_busy=0.5, used_scale=0.5)
-    assert halved.min_confidence == pytest.approx(1.5) and not halved.worth(1.0)
+    assert halved.min_confidence == pytest.approx(1.5) and not halved.worth(1.0) and not halved.closed
+    assert halved.worth(1.0 / 0.5 * 0.8)   # a row scaled up by a calibration above 1 could still pass
+    shut = PrefetchCost(miss_s=2e-3, prefetch_cpu_s=0.5e-3, link_busy=0.75)
+    assert shut.closed and not shut.worth(1.0) and not shut.worth(100.0)
     for bad in (dict(link_busy=1.5), dict(used_scale=0.0)):
         with pytest.raises(MoeOffloadError):
             PrefetchCost(miss_s=1.0, prefetch_cpu_s=0.0, **bad)
@@ -95,6 +98,11 @@ def test_submit_forecast_queues_only_the_tasks_worth_their_cost():
         submit_forecast(gated, fc, num_moe_layers=2, num_experts=5, top_k=top_k)
         assert gated.gated == left_out
         assert sorted(round(e[0], 2) for e in gated._queue.values()) == kept  # queued with their own confidence
+        assert gated.promised == [pytest.approx(sum(kept) * top_k), len(kept)]  # in chances of use
+    shut = JSDScheduler(b_avg=4.0, auto_ema=False)
+    shut.gate = PrefetchCost(miss_s=2e-3, prefetch_cpu_s=0.5e-3, link_busy=0.8)   # closed: no task is even made
+    submit_forecast(shut, fc, num_moe_layers=2, num_experts=5, top_k=1)
+    assert len(shut) == 0 and shut.gated == 0
 
 
 def test_gated_prefetching_from_disk_is_lossless_and_measures_its_costs(tiny_dirs):

@@ -73,6 +73,11 @@ class PrefetchCost:
         """The forecast's chance of use a task needs to be worth its copy (may exceed 1: then no prefetch is)."""
         return (self.prefetch_cpu_s * self.contention / self.miss_s + self.link_busy) / self.used_scale
 
+    @property
+    def closed(self) -> bool:
+        """Whether no task can be worth its copy: even a certain use (c = 1) would not pay for it."""
+        return self.prefetch_cpu_s * self.contention / self.miss_s + self.link_busy >= 1.0
+
     def worth(self, conf: float) -> bool:
         """Whether a task the forecast gives chance ``conf`` of use saves more than it costs (strictly)."""
         c = min(1.0, conf * self.used_scale)

@@ -248,17 +248,21 @@ def submit_forecast(scheduler: PrefetchScheduler, forecast, num_moe_layers: int,
     at, and every selection from there on discards tasks due by ``pos + 1`` (``PrefetchScheduler.advance``), so they
     could never be chosen.
 
+    While the gate is closed (``PrefetchCost.closed``: no task could pass it) no task is made at all.
+
     Raises:
         MoeOffloadError: as ``generate_tasks``.
     """
+    gate = scheduler.gate
     if getattr(forecast, "cross_layer", False):
         lo, hi = forecast.layers
         scheduler.drop_deadlines(position(forecast.step + 1, p, num_moe_layers) for p in range(lo, hi))
         if hi - lo < 2:
             return
         forecast = replace(forecast, layers=(lo + 1, hi), probs=forecast.probs[:, 1:])
+    if gate is not None and gate.closed:
+        return
     tasks = tasks_from_forecast(forecast, num_moe_layers, num_experts, top_k, table=table)
-    gate = scheduler.gate
     if gate is not None:  # only the tasks worth their cost (core.prefetch_cost), by their chance of being used
         used = inclusion_probabilities(forecast, top_k)
         lo = forecast.layers[0]
