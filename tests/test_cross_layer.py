@@ -92,6 +92,29 @@ def test_router_calls_equal_the_models_routing(model_type):
     fc.close()
 
 
+def test_bfloat16_routers_forecast_one_token_in_numpy():
+    """A bfloat16 model's linear softmax routers take the one-token numpy path too (their weights widened once):
+    the forecast equals the routers' own to bfloat16 rounding, with the same top-k."""
+    from moe_offload.models.capability import experts_modules
+
+    model = _tiny_model("mixtral").to(torch.bfloat16)
+    mods = experts_modules(model)
+    fc = CrossLayerForecaster(model, mods, mods[0][1].num_experts, depth=2)
+    assert fc._host_w[0] is not None   # the native kernel's bfloat16 weights, or numpy's widened copy
+    with torch.no_grad():
+        model(input_ids=torch.randint(3, 200, (1, 5)))
+        k = model.config.num_experts_per_tok
+        for layer in range(len(mods) - 1):
+            n = min(2, len(mods) - 1 - layer)
+            x1 = fc.inputs[layer][..., -1:, :]
+            fc.inputs[layer] = x1
+            want = torch.stack([xl_probabilities(fc.route(layer + 1 + j, x1), fc.E).mean(0) for j in range(n)])
+            got = torch.from_numpy(fc.probs(layer))
+            torch.testing.assert_close(got, want, rtol=0.05, atol=2e-3)
+            assert torch.equal(*[t.topk(k, -1).indices.sort(-1).values for t in (got, want)]), layer
+    fc.close()
+
+
 class _Record:
     """A consumer that keeps every forecast it is handed."""
 

@@ -225,3 +225,24 @@ def test_a_failed_build_is_remembered_and_the_fallback_runs(tmp_path, monkeypatc
     with pytest.raises(MoeOffloadError, match="did not build"):
         kernels.build(force=True, say=lambda m: None)
     assert len(calls) == 2
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_router_forecast_equals_the_numpy_forecast(dtype):
+    """``router_forecast``: n routers' one-token forecast in one call, the numpy path's values (to float32
+    rounding) and top-k, bit for bit the same on the portable path; one line for a wrong shape."""
+    from moe_offload.runtime.cross_layer import _one_token_mixture
+
+    gen = torch.Generator().manual_seed(3)
+    n, E, H, k = 3, 32, 576, 8
+    w = (torch.randn(n * E, H, generator=gen) * 0.3).to(dtype)
+    x = torch.randn(H, generator=gen).to(dtype)
+    got = kernel.router_forecast(w, x, n, k)
+    want = torch.from_numpy(_one_token_mixture(w.float().numpy(), x.float().numpy(), n, k))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+    assert torch.equal(got.topk(k, -1).indices.sort(-1).values, want.topk(k, -1).indices.sort(-1).values)
+    assert torch.allclose(got.sum(-1), torch.ones(n))
+    assert torch.equal(kernel.router_forecast(w, x, n, k, portable=True), got)
+    with pytest.raises(RuntimeError, match="n \\* E"):
+        kernel.router_forecast(w, x, 5, k)

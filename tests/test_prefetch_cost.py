@@ -51,8 +51,8 @@ def test_a_busy_link_and_unused_prefetches_raise_the_bar():
     assert busy.worth(0.8) and not busy.worth(0.7)
     # the saving at 0.8: 0.8 x 2 x 0.5 = 0.8 ms > 0.5 + 0.2 x 2 x 0.5 = 0.7 ms
     halved = PrefetchCost(miss_s=2e-3, prefetch_cpu_s=0.5e-3, link_busy=0.5, used_scale=0.5)
-    assert halved.min_confidence == pytest.approx(1.5) and not halved.worth(1.0) and not halved.closed
-    assert halved.worth(1.0 / 0.5 * 0.8)   # a row scaled up by a calibration above 1 could still pass
+    assert halved.min_confidence == pytest.approx(1.5) and not halved.worth(1.0) and halved.closed
+    assert not PrefetchCost(miss_s=2e-3, prefetch_cpu_s=0.5e-3, link_busy=0.5, used_scale=0.8).closed
     shut = PrefetchCost(miss_s=2e-3, prefetch_cpu_s=0.5e-3, link_busy=0.75)
     assert shut.closed and not shut.worth(1.0) and not shut.worth(100.0)
     for bad in (dict(link_busy=1.5), dict(used_scale=0.0)):

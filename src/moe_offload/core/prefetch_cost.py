@@ -75,8 +75,9 @@ class PrefetchCost:
 
     @property
     def closed(self) -> bool:
-        """Whether no task can be worth its copy: even a certain use (c = 1) would not pay for it."""
-        return self.prefetch_cpu_s * self.contention / self.miss_s + self.link_busy >= 1.0
+        """Whether no task can be worth its copy: not even one the forecast is sure of (chance 1, which a
+        chance of use, ``inclusion_probabilities``, never exceeds)."""
+        return self.prefetch_cpu_s * self.contention / self.miss_s + self.link_busy >= min(1.0, self.used_scale)
 
     def worth(self, conf: float) -> bool:
         """Whether a task the forecast gives chance ``conf`` of use saves more than it costs (strictly)."""

@@ -18,11 +18,14 @@ import numpy as np
 import torch
 
 from ..errors import MoeOffloadError
+from .kernels import native
 from .route_rows import router_of
 
 
 #: d, the number of later MoE layers each MoE layer forecasts (default of ``--xl-depth``)
 XL_DEPTH = 3
+#: router weight dtypes the one-token decode path of ``CrossLayerForecaster.probs`` runs in numpy (as float32)
+HOST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _router_of(model: torch.nn.Module, experts_name: str, where: str) -> tuple[torch.nn.Module, torch.nn.Module]:
@@ -181,6 +184,7 @@ class CrossLayerForecaster:
         self._handles = [r.register_forward_pre_hook(self._capture(i), with_kwargs=True)
                          for i, (_, r, _) in enumerate(self.routers)]
         self._stacked = self._stack_routers()
+        self._kernel = native()   # router_forecast, the one-token path, when the native kernels are built
         self._host_w = self._host_weights()
 
     def _stack_routers(self) -> list[tuple[torch.Tensor, int] | None]:
@@ -201,11 +205,22 @@ class CrossLayerForecaster:
             out.append((torch.cat([w.detach() for w in ws]), ks[nxt[0]]))
         return out
 
-    def _host_weights(self) -> list[np.ndarray | None]:
-        """Per MoE layer: the stacked router weights (``_stacked``) as a numpy float32 ``[n * E, H]`` view when they
-        are float32 on the CPU (the one-token decode path of ``probs``), else None."""
-        return [None if f is None or f[0].device.type != "cpu" or f[0].dtype != torch.float32
-                else f[0].contiguous().numpy() for f in self._stacked]
+    def _host_weights(self) -> list[torch.Tensor | np.ndarray | None]:
+        """Per MoE layer, the stacked router weights (``_stacked``) for the one-token decode path of ``probs`` when
+        they are on the CPU in one of ``HOST_DTYPES``, else None: as they are (float32, bfloat16) for the native
+        ``router_forecast``; else as numpy float32 ``[n * E, H]`` (a widened copy for the 16-bit ones: d x the
+        routers' bytes, e.g. 6.6 MB for 30 layers of 32 x 576). The forecast's logits are then float32 dot products
+        of the router's own weights, where the router computes them in its dtype: the chance of each expert moves
+        by the rounding, the model's output not at all."""
+        out: list[torch.Tensor | np.ndarray | None] = []
+        for f in self._stacked:
+            if f is None or f[0].device.type != "cpu" or f[0].dtype not in HOST_DTYPES:
+                out.append(None)
+            elif self._kernel is not None and f[0].dtype in (torch.float32, torch.bfloat16):
+                out.append(f[0].contiguous())
+            else:
+                out.append(f[0].float().contiguous().numpy())
+        return out
 
     def _capture(self, layer: int):
         def hook(module, args, kwargs):
@@ -230,8 +245,10 @@ class CrossLayerForecaster:
         if fast is not None:  # linear softmax top-k routers: one GEMM for the n layers
             w, k = fast
             hw = self._host_w[layer]
-            if hw is not None and x.dtype == torch.float32 and x.device.type == "cpu" and x.numel() == hw.shape[1]:
-                return _one_token_mixture(hw, x.detach().reshape(-1).numpy(), n, k)
+            if hw is not None and x.device.type == "cpu" and x.numel() == hw.shape[1]:
+                if isinstance(hw, torch.Tensor):  # one native call (runtime.kernels: router_forecast)
+                    return self._kernel.router_forecast(hw, x.detach(), n, k).numpy()
+                return _one_token_mixture(hw, x.detach().reshape(-1).float().numpy(), n, k)
             x = x.reshape(-1, w.shape[1])
             logits = torch.nn.functional.linear(x, w).view(x.shape[0], n, -1).transpose(0, 1).float()
             soft = torch.softmax(logits, dim=-1)                           # [n, T, E]

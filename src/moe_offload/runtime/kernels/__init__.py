@@ -8,6 +8,8 @@
   (``runtime.fast_linear``), and ``kernel_path``.
 - ``decode_attention.cpp``: ``decode_attention(q, k, v, mask=None, scale=1.0, portable=False)``, the attention of
   a decode step (``runtime.decode_attention``).
+- ``router_forecast.cpp``: ``router_forecast(weight, x, n, k, portable=False)``, the cross-layer forecast of one
+  decode token (``runtime.cross_layer``).
 - ``vec.h``: the dot product, bfloat16 widening and axpy they share (an AVX2 + FMA path and a portable path, bit
   for bit the same); ``bindings.cpp``: the Python module.
 
@@ -31,7 +33,7 @@ from pathlib import Path
 
 from ...errors import MoeOffloadError
 
-SOURCES = ("bindings.cpp", "routed_experts.cpp", "linear_rows.cpp", "decode_attention.cpp")
+SOURCES = ("bindings.cpp", "routed_experts.cpp", "linear_rows.cpp", "decode_attention.cpp", "router_forecast.cpp")
 #: included by the sources (part of the cache key, not compiled on their own)
 HEADERS = ("vec.h",)
 #: compiler flags: optimised, and no contraction of a * b + c into one fused multiply-add behind the source's back

@@ -11,6 +11,7 @@ torch::Tensor sum_pairs(torch::Tensor pair_out, at::ScalarType dtype);
 int64_t workspace_peak_bytes(bool reset);
 torch::Tensor linear_rows(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias, bool portable);
 std::string kernel_path();
+torch::Tensor router_forecast(torch::Tensor weight, torch::Tensor x, int64_t n, int64_t k, bool portable);
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::optional<torch::Tensor> mask,
                                double scale, bool portable);
 
@@ -27,5 +28,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "one query per sequence and head against its key/value cache",
         pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("mask") = pybind11::none(),
         pybind11::arg("scale") = 1.0, pybind11::arg("portable") = false);
+  m.def("router_forecast", &router_forecast, "n linear softmax top-k routers' forecast of one token",
+        pybind11::arg("weight"), pybind11::arg("x"), pybind11::arg("n"), pybind11::arg("k"),
+        pybind11::arg("portable") = false);
   m.def("kernel_path", &kernel_path, "which path the kernels run on this CPU");
 }
