@@ -142,3 +142,48 @@ def test_bench_decode_replays_the_routing_of_its_own_runs(tiny_dirs, capsys):
     out = capsys.readouterr().out
     rows = [ln.split(" | ") for ln in out.splitlines() if ln.startswith("| lru")]
     assert "its waits skipped on a virtual clock" in out and 0 < float(rows[0][5]) <= 1 and rows[0][9] == "yes"
+
+
+def test_core_costs_lengthen_each_decode_layer():
+    """Issue 47 part 4: the forecasts' and management's time per decode layer, and each prefetch copy's CPU, are
+    charged to the clock; with no scheduler the projection is ``link_fraction``'s with the same overhead."""
+    import pytest
+
+    from moe_offload.sim.prefetch_sim import CoreCosts, link_fraction
+
+    tr = planted_trace(requests=4, length=20, L=3, E=16, k=2)
+    needs = layer_needs(tr)
+    fc = oracle_forecasts(tr)
+    plain = replay(tr, 12, "seqmoe-cacheonly", needs=needs, forecasts=fc)
+    costs = CoreCosts(overhead=0.25)
+    pf = replay_with_prefetch(tr, 12, "seqmoe-cacheonly", 1.5, forecasts=fc, scheduler=None, needs=needs, costs=costs)
+    assert pf.decode_overhead == pytest.approx(0.25 * pf.decode_layers)
+    assert pf.decode_fraction_of_full_load == pytest.approx(link_fraction(plain, tr, 1.5, costs))
+    assert link_fraction(plain, tr, 1.5, costs) < link_fraction(plain, tr, 1.5)
+    # prefetch copies: each started in a decode step costs its CPU there
+    free = replay_with_prefetch(tr, 24, "seqmoe-cacheonly", 2.0, forecasts=fc, scheduler="jsd", needs=needs)
+    paid = replay_with_prefetch(tr, 24, "seqmoe-cacheonly", 2.0, forecasts=fc, scheduler="jsd", needs=needs,
+                                costs=CoreCosts(prefetch_cpu=0.1))
+    assert free.decode_overhead == 0.0 and paid.prefetches > 0
+    assert paid.decode_overhead == pytest.approx(0.1 * paid.decode_prefetches) and paid.decode_prefetches > 0
+    assert paid.decode_fraction_of_full_load < free.decode_fraction_of_full_load
+    with pytest.raises(Exception, match="overhead"):
+        CoreCosts(overhead=-1.0)
+
+
+def test_the_simulated_gate_measures_as_the_runtime_does():
+    """A ``+gate`` policy in the simulator: the runtime's ``CostMeter`` fed each decode step's measurements; copies
+    whose CPU exceeds any saving close the gate after the first measured step, free ones keep it open."""
+    tr = planted_trace(requests=4, length=20, L=3, E=16, k=2)
+    needs = layer_needs(tr)
+    fc = oracle_forecasts(tr)
+    from moe_offload.sim.prefetch_sim import CoreCosts
+
+    # 10 slots and a slow link: decode steps miss, so the meter measures a miss's stall
+    open_ = replay_with_prefetch(tr, 10, "seqmoe+gate", 0.5, forecasts=fc, scheduler="jsd", needs=needs)
+    ungated = replay_with_prefetch(tr, 10, "seqmoe", 0.5, forecasts=fc, scheduler="jsd", needs=needs)
+    assert ungated.decode_misses > 0 and ungated.decode_prefetches > 0
+    assert open_.decode_prefetches > ungated.decode_prefetches / 2
+    dear = replay_with_prefetch(tr, 10, "seqmoe+gate", 0.5, forecasts=fc, scheduler="jsd", needs=needs,
+                                costs=CoreCosts(prefetch_cpu=5.0))
+    assert 0 < dear.decode_prefetches < ungated.decode_prefetches / 4

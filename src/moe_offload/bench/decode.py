@@ -98,7 +98,8 @@ def bench_decode(path: Path, prompts: list[str], residencies: list[float], *, ma
     full_row = DecodeRow("FullLoad", "FullLoad", None, None, ref.decode_tokens_per_s, 1.0, None, 0,
                          sum(ref.ttft_s) / len(ref.ttft_s), True,
                          full.num_moe_layers * full.num_experts * full.expert_bytes, 1.0)
-    t_layer = ref.decode_s / max(1, ref.decode_tokens) / full.num_moe_layers
+    L = full.num_moe_layers
+    t_layer = ref.decode_s / max(1, ref.decode_tokens) / L
     spe = t_layer / link_epl if link_epl else None
     regime = ""
     if disk is not None:  # the disk is the link: the scheduler's B_avg and the simulator's link from its speed
@@ -121,7 +122,8 @@ def bench_decode(path: Path, prompts: list[str], residencies: list[float], *, ma
     if link_epl:
         trace = _record_routing(path, prompts, max_new_tokens, device, dtype,
                                 xl=any(p.cross_layer for p in policies))
-        _simulate_rows(rows[1:], trace, link_epl, predictor, rollout_every, predictor_lag)
+        costs = [core_costs(bd, t_layer, L) for _, _, bd in breakdowns]
+        _simulate_rows(rows[1:], trace, link_epl, predictor, rollout_every, predictor_lag, costs)
     lag = ("" if predictor_lag is None else
            f"; in a process of its own, forecasts used {predictor_lag} MoE layers after their trigger layer")
     pred = f", predictor {predictor} (rollout every {rollout_every} steps{lag})" if predictor else ""
@@ -198,7 +200,10 @@ def _measure_policy(path, prompts, max_new_tokens, pol, r, device, dtype, progre
         row = DecodeRow(eng.policy_name if pol.family == "auto" else pol.name, pol, r, eng.pool.num_slots,
                         s.decode_tokens_per_s, 0.0, s.offload.hit_rate, s.offload.bytes_loaded,
                         sum(s.ttft_s) / len(s.ttft_s), [o.token_ids for o in outs] == ref_tokens, eng.pool.nbytes)
-        return row, eng.breakdown.as_dict() | {"cpu_account": eng.account.as_dict(eng.breakdown.steps)}
+        st = eng.prefetcher.transfer.stats if getattr(eng, "prefetcher", None) is not None else None
+        per_copy = st.prefetch_cpu_s / st.prefetch_copies if st is not None and st.prefetch_copies else 0.0
+        return row, eng.breakdown.as_dict() | {"cpu_account": eng.account.as_dict(eng.breakdown.steps),
+                                               "prefetch_cpu_s_per_copy": per_copy}
     finally:
         lm.close()
         del lm
@@ -236,10 +241,28 @@ def _record_routing(path, prompts, max_new_tokens, device, dtype, xl: bool = Fal
         lm.close()
 
 
+def core_costs(breakdown: dict, t_layer: float, num_moe_layers: int):
+    """The ``sim.prefetch_sim.CoreCosts`` one measured row paid on the compute's cores, in FullLoad layer times
+    ``t_layer`` (seconds): per decode MoE layer its predictor and management time (``breakdown``'s ms per step),
+    per prefetch copy the CPU the transfer engine measured, times the share of the cores the compute uses."""
+    import os
+
+    import torch
+
+    from ..sim.prefetch_sim import CoreCosts
+
+    ms = breakdown.get("ms_per_step", {})
+    overhead = (ms.get("predictor", 0.0) + ms.get("management", 0.0)) * 1e-3 / num_moe_layers / t_layer
+    contention = min(1.0, torch.get_num_threads() / max(1, os.cpu_count() or 1))
+    return CoreCosts(overhead=overhead,
+                     prefetch_cpu=breakdown.get("prefetch_cpu_s_per_copy", 0.0) * contention / t_layer)
+
+
 def _simulate_rows(rows: list[DecodeRow], trace, link_epl: float, predictor: str | None, rollout_every: int,
-                   lag: int | None = None) -> None:
+                   lag: int | None = None, costs: list | None = None) -> None:
     """Fill each row's ``simulated``: the replay of ``trace`` with the row's policy and slot count under the link
-    model of ``sim.prefetch_sim`` at ``link_epl``, the predictor's forecasts replayed with the runtime's settings."""
+    model of ``sim.prefetch_sim`` at ``link_epl``, the predictor's forecasts replayed with the runtime's settings,
+    charging each row the ``CoreCosts`` it measured (``costs``, one per row; None: none)."""
     from ..sim.forecasts import forecast_stream, xl_stream
     from ..sim.prefetch_sim import replay_policy
     from ..sim.simulator import layer_needs
@@ -255,13 +278,13 @@ def _simulate_rows(rows: list[DecodeRow], trace, link_epl: float, predictor: str
                                 forecast_stream(pset, trace, rollout_every=rollout_every, lag=lag))
     for p in {p for p in wanted if p.cross_layer}:
         streams[p] = xl_stream(trace, pset if p.needs_predictor else None, rollout_every=rollout_every)
-    for row in rows:
+    for i, row in enumerate(rows):
         if row.requested.family == "auto" or not row.same:  # auto starts from its own simulation's state
             continue
         popularity = pset.header.prefill_popularity if pset is not None and row.requested.needs_predictor else None
         _, row.simulated = replay_policy(trace, row.requested, row.slots, link_epl,
                                          forecasts=streams.get(row.requested), prefill_popularity=popularity,
-                                         needs=needs)
+                                         needs=needs, costs=costs[i] if costs else None)
 
 
 def _table(rows: list[DecodeRow]) -> list[str]:

@@ -21,8 +21,14 @@ copy at a time in FIFO order. For each layer, in the runtime's order:
    layer is counted as 1 layer time like a decode layer (conservative: a long prompt's layer hides more copies).
 
 The scheduler, the policy and the slot table are the objects the runtime uses. In-flight experts a layer needs
-count as misses (SeqMoE §9.1: a hit is resident before on-demand loading) and are reported as ``late``. The decode
-speed projection is ``FullLoad time / (FullLoad time + stalls)`` over decode steps (predictor time not included).
+count as misses (SeqMoE §9.1: a hit is resident before on-demand loading) and are reported as ``late``.
+
+The costs the runtime pays on its cores (``CoreCosts``, issue 47 part 4; all 0 unless given, as on a GPU whose
+copies run on a DMA engine): each decode MoE layer's forecast and management work (``overhead``) and each
+prefetch copy's CPU (``prefetch_cpu``), both taken from the compute, so they lengthen the layer they fall in. The
+decode speed projection is ``FullLoad time / (FullLoad time + stalls + those costs)`` over decode steps. A
+``+gate`` policy's gate is the runtime's: a ``core.prefetch_cost.CostMeter`` fed each step what this replay
+measured (a miss's stall, a prefetch's CPU, the share of the step spent stalled, the prefetches used and wasted).
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ import heapq
 from dataclasses import dataclass
 
 from ..core.prefetch import LINK_CHUNKS, link_time_after_chunk, make_scheduler, position, submit_forecast
-from ..core.prefetch_cost import PrefetchCost
+from ..core.prefetch_cost import CostMeter
 from ..core.prefill_prefetch import PrefillPrefetch
 from ..core.slots import SlotTable
 from ..errors import MoeOffloadError
@@ -42,11 +48,34 @@ from .simulator import build_policy, layer_needs
 
 
 
+@dataclass(frozen=True)
+class CoreCosts:
+    """What the runtime's decode step spends on the compute's cores besides computing, in layer times (one MoE
+    layer's FullLoad compute = 1), as measured on a machine (``bench decode`` takes them from each row's own
+    account, ``runtime.cpu_account``).
+
+    Attributes:
+        overhead: per decode MoE layer, the forecasts' and the slot management's time on the compute's thread.
+        prefetch_cpu: per prefetch copy, the CPU its reads and staging copy take from the compute.
+    Raises:
+        MoeOffloadError: a negative or non-finite value.
+    """
+
+    overhead: float = 0.0
+    prefetch_cpu: float = 0.0
+
+    def __post_init__(self):
+        for name in ("overhead", "prefetch_cpu"):
+            v = getattr(self, name)
+            if not (v >= 0.0 and v != float("inf")):
+                raise MoeOffloadError(f"{name} must be >= 0 layer times, got {v}")
+
+
 @dataclass
 class PrefetchReplayResult(ReplayResult):
     """Totals of one replay with prefetching: ``ReplayResult``'s counts (distinct experts per layer execution; no
     ``per_step``) plus the prefetch and time counts (times in layer times).
-    ``decode_fraction_of_full_load`` = decode FullLoad time / (that + decode stalls)."""
+    ``decode_fraction_of_full_load`` = decode FullLoad time / (that + decode stalls + decode ``CoreCosts``)."""
 
     decode_late: int = 0
     prefetches: int = 0
@@ -55,10 +84,14 @@ class PrefetchReplayResult(ReplayResult):
     on_demand_loads: int = 0
     decode_layers: int = 0
     decode_stall: float = 0.0
+    decode_overhead: float = 0.0
+    decode_prefetches: int = 0
 
     @property
     def decode_fraction_of_full_load(self) -> float:
-        return self.decode_layers / (self.decode_layers + self.decode_stall) if self.decode_layers else 1.0
+        if not self.decode_layers:
+            return 1.0
+        return self.decode_layers / (self.decode_layers + self.decode_stall + self.decode_overhead)
 
     @property
     def prefetch_accuracy(self) -> float:
@@ -68,7 +101,7 @@ class PrefetchReplayResult(ReplayResult):
 
 def replay_with_prefetch(trace: Trace, num_slots: int, policy: PolicySpec | str, link_epl: float, forecasts=None,
                          scheduler: str | None = "jsd", needs=None, reserve: int = 1,
-                         prefill_popularity=None, prefetch_cpu: float = 0.0) -> PrefetchReplayResult:
+                         prefill_popularity=None, costs: CoreCosts | None = None) -> PrefetchReplayResult:
     """Replay ``trace`` with ``num_slots`` slots, eviction ``policy`` and, when ``scheduler`` is given, prefetching
     from the predictor's ``forecasts`` (``sim.forecasts.forecast_stream``) over a link of ``link_epl`` experts
     per layer time.
@@ -81,9 +114,8 @@ def replay_with_prefetch(trace: Trace, num_slots: int, policy: PolicySpec | str,
         reserve: slots a decode prefetch never takes (kept for on-demand misses).
         prefill_popularity: ``[L, E]`` offline expert popularity: prefills prefetch by it (SeqMoE §8.4, keeping
             ``e`` slots free), as the runtime's ``Prefetcher.set_prefill_popularity``; None: no prefill prefetching.
-        prefetch_cpu: with a ``+gate`` policy: the compute time one prefetch copy takes from the layers, in layer
-            times (0: copies run beside the compute, as a GPU's DMA engine does); the gate is
-            ``core.prefetch_cost.PrefetchCost(miss = one copy's link time, prefetch_cpu)``, as the runtime's.
+        costs: the runtime's ``CoreCosts`` on this machine (None: none, copies beside the compute as a GPU's DMA
+            engine); charged to the clock, and measured by a ``+gate`` policy's gate (module docstring).
 
     Raises:
         MoeOffloadError: ``link_epl <= 0``, prefetching or a forecast-driven policy without forecasts.
@@ -97,13 +129,14 @@ def replay_with_prefetch(trace: Trace, num_slots: int, policy: PolicySpec | str,
     L, E = trace.num_moe_layers, trace.num_experts
     table = SlotTable(num_slots, L * E, pol, experts_per_layer=E, reserve=reserve)
     sched = make_scheduler(scheduler, num_moe_layers=L, b_avg=link_epl, auto_ema=False) if scheduler else None
-    if sched is not None and parse_policy(policy).gated:
-        sched.gate = PrefetchCost(1.0 / link_epl, prefetch_cpu)
+    meter = CostMeter(contention=1.0) if sched is not None and parse_policy(policy).gated else None
     name = policy if scheduler is None else f"{policy}+{scheduler}"
     prefill = None if prefill_popularity is None or sched is None else PrefillPrefetch(prefill_popularity, L, E)
     replay = _LinkReplay(trace, table, sched, prefill, PrefetchReplayResult(policy=name, num_slots=num_slots),
-                         link_epl)
+                         link_epl, costs or CoreCosts())
     for i, (req, step, needed, tokens) in enumerate(needs):
+        if meter is not None:
+            replay.meter_step(meter)
         table.begin_step(req, step)
         if step == 0 and sched is not None:
             sched.reset()
@@ -120,8 +153,14 @@ class _LinkReplay:
     layer at a time, its forecasts fed, its misses copied on demand (a prefetch in flight yields the link at its
     next chunk boundary, SeqMoE §8.3), then the link's spare time until the layer ends filled with prefetches."""
 
-    def __init__(self, trace: Trace, table: SlotTable, sched, prefill, res: PrefetchReplayResult, link_epl: float):
+    def __init__(self, trace: Trace, table: SlotTable, sched, prefill, res: PrefetchReplayResult, link_epl: float,
+                 costs: CoreCosts):
         self.L, self.E, self.k = trace.num_moe_layers, trace.num_experts, trace.top_k
+        self.costs = costs
+        # this step so far: on-demand loads, stall, prefetches started, its start; the table's used / wasted counts
+        # when it began (``meter_step``)
+        self.step_loads, self.step_stall, self.step_prefetches, self.step_t0 = 0, 0.0, 0, 0.0
+        self.step_decode, self.fate0 = False, (0, 0)
         self.table, self.sched, self.prefill, self.res = table, sched, prefill, res
         self.observe = getattr(table.policy, "observe", None)
         self.d = 1.0 / link_epl              # one expert copy
@@ -131,6 +170,20 @@ class _LinkReplay:
         self.finish_of: dict[int, float] = {}
         self.prefetched: set[int] = set()     # landed/adopted prefetches not yet needed by a layer
         self.prefill_reserve = min(self.E, table.num_slots)
+
+    def meter_step(self, meter: CostMeter) -> None:
+        """A step begins: feed ``meter`` what the step that ended measured (a decode step's; ``CostMeter.observe``,
+        in layer times) and make its cost the scheduler's gate, as the runtime's prefetcher does."""
+        table, sched = self.table, self.sched
+        if self.step_decode:
+            meter.observe(self.step_loads, self.step_stall, self.step_prefetches,
+                          self.step_prefetches * self.costs.prefetch_cpu, step_wall_s=self.now - self.step_t0,
+                          used=table.prefetches_used - self.fate0[0], wasted=table.prefetches_wasted - self.fate0[1],
+                          promised=tuple(sched.promised))
+            sched.gate = meter.cost
+        sched.promised = [0.0, 0]
+        self.step_loads, self.step_stall, self.step_prefetches, self.step_t0 = 0, 0.0, 0, self.now
+        self.fate0 = (table.prefetches_used, table.prefetches_wasted)
 
     def start(self, ld, t0: float) -> float:
         """Queue prefetch ``ld`` on the link from ``t0`` (after what it carries); returns when it lands."""
@@ -169,16 +222,27 @@ class _LinkReplay:
         self.now = ready
         res.hits += plan.hits
         res.misses += plan.misses
-        if step > 0:
+        decode = step > 0
+        overhead = self.costs.overhead if decode else 0.0
+        end = self.now + 1.0 + overhead
+        started = res.prefetches
+        self.prefetch_until(step, p, end)
+        started = res.prefetches - started
+        table.release(p)  # after creating this layer's prefetches: they never evict what it computes with
+        cpu = started * self.costs.prefetch_cpu if decode else 0.0  # the copies started take CPU from the layer
+        if decode:
             res.decode_hits += plan.hits
             res.decode_misses += plan.misses
             res.decode_late += plan.late
             res.decode_layers += 1
             res.decode_stall += stall
-        end = self.now + 1.0
-        self.prefetch_until(step, p, end)
-        table.release(p)  # after creating this layer's prefetches: they never evict what it computes with
-        self.now = end
+            res.decode_overhead += overhead + cpu
+            res.decode_prefetches += started
+        self.step_decode = decode
+        self.step_loads += plan.num_loads
+        self.step_stall += stall
+        self.step_prefetches += started
+        self.now = end + cpu
 
     def on_demand(self, plan) -> float:
         """Copy ``plan``'s misses on demand; returns when the layer has every expert (copies it waits for
@@ -228,16 +292,19 @@ class _LinkReplay:
                     self.link_free = self.start(ld, self.now)
 
 
-def link_fraction(res: ReplayResult, trace: Trace, link_epl: float) -> float:
+def link_fraction(res: ReplayResult, trace: Trace, link_epl: float, costs: CoreCosts | None = None) -> float:
     """Decode speed as a fraction of FullLoad under this module's link model for a replay without prefetching
     (``simulator.replay``): every decode miss stalls its layer by ``1 / link_epl`` layer times (the link is idle at
-    layer start), so the fraction is ``decode layers / (decode layers + decode misses / link_epl)``."""
+    layer start) and every decode layer pays ``costs.overhead``, so the fraction is ``decode layers / (decode
+    layers x (1 + overhead) + decode misses / link_epl)``."""
     layers = int((res.per_step.step > 0).sum()) * trace.num_moe_layers
-    return layers / (layers + res.decode_misses / link_epl) if layers else 1.0
+    overhead = costs.overhead if costs is not None else 0.0
+    return layers / (layers * (1.0 + overhead) + res.decode_misses / link_epl) if layers else 1.0
 
 
 def replay_policy(trace: Trace, policy: PolicySpec | str, num_slots: int, link_epl: float | None, forecasts=None,
-                  prefill_popularity=None, needs=None, on_loads=None) -> tuple[ReplayResult, float | None]:
+                  prefill_popularity=None, needs=None, on_loads=None,
+                  costs: CoreCosts | None = None) -> tuple[ReplayResult, float | None]:
     """One policy's replay as ``simulate`` and ``bench decode`` run it: a policy with a prefetch scheduler
     (``PolicySpec.prefetch``: the SeqMoE pipelines; ``seqmoe-oracle`` fed perfect forecasts,
     ``sim.forecasts.oracle_stream``; ``xl`` / ``seqmoe-xl`` fed cross-layer forecasts, ``sim.forecasts.xl_stream``)
@@ -250,6 +317,7 @@ def replay_policy(trace: Trace, policy: PolicySpec | str, num_slots: int, link_e
         forecasts: ``sim.forecasts.forecast_stream`` of ``trace`` (for the forecast-driven policies).
         prefill_popularity: the predictor's ``[L, E]`` prefill popularity (SeqMoE §8.4) or None.
         on_loads: ``simulator.replay``'s hook for a tier below the slots (not for the prefetching pipelines).
+        costs: the runtime's ``CoreCosts`` on the machine projected for (None: none).
     Returns:
         ``(result, decode fraction of FullLoad under the link model or None)``.
     Raises:
@@ -266,8 +334,8 @@ def replay_policy(trace: Trace, policy: PolicySpec | str, num_slots: int, link_e
             raise MoeOffloadError(f"--policy {spec.name} prefetches over one link: the host cache tier is projected "
                                   "for the history policies only")
         pr = replay_with_prefetch(trace, num_slots, spec, link_epl, forecasts=forecasts, scheduler=spec.prefetch,
-                                  needs=needs, prefill_popularity=prefill_popularity)
+                                  needs=needs, prefill_popularity=prefill_popularity, costs=costs)
         return pr, pr.decode_fraction_of_full_load
     res = replay(trace, num_slots, spec, needs=needs, forecasts=forecasts if spec.forecast_driven else None,
                  on_loads=on_loads)
-    return res, (link_fraction(res, trace, link_epl) if link_epl else None)
+    return res, (link_fraction(res, trace, link_epl, costs) if link_epl else None)
