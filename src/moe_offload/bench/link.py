@@ -4,14 +4,13 @@ model (``core.costs``) read with ``--hardware this-machine``."""
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import statistics
 import time
 
 from ..errors import MoeOffloadError
-from ..core.profiles import THIS_MACHINE, this_machine_path
+from ..core.profiles import THIS_MACHINE, merge_this_machine
 
 
 def _median_time(fn, repeats: int, sync=None) -> float:
@@ -109,11 +108,7 @@ def measure_link(device=None, size_mb: int = 256, repeats: int = 5) -> dict:
     when = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     profile = _link_profile(dev, device_name, mem_gb, link, method, samples, size_mb, repeats, when,
                             measure_compute(dev))
-    path = this_machine_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".partial")
-    tmp.write_text(json.dumps(profile, indent=2) + "\n")
-    tmp.replace(path)
+    merge_this_machine(profile)  # the link's section; a disk section (`bench link --disk`) is kept
     return profile
 
 

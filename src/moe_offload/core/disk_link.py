@@ -15,7 +15,7 @@ import math
 from pathlib import Path
 
 from ..errors import MoeOffloadError
-from .profiles import THIS_MACHINE, this_machine_path
+from .profiles import merge_this_machine, this_machine_path
 
 
 def _interp(points: dict, request_bytes: int) -> float:
@@ -100,17 +100,6 @@ def readers_for(request_bytes: int, default: int) -> int:
 
 
 def save_disk(entry: dict) -> Path:
-    """Store ``entry`` as the ``disk`` of the ``this-machine`` profile (other keys kept; a profile that did not
-    exist gets only a name and this entry: ``bench link`` fills the rest)."""
-    path = this_machine_path()
-    try:
-        profile = json.loads(path.read_text())
-    except (OSError, ValueError):
-        profile = {"name": THIS_MACHINE}
-    profile["disk"] = entry
-    profile.setdefault("sources", {})["disk"] = f"measured by bench.disk_link.measure_disk at {entry['time']}"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".partial")
-    tmp.write_text(json.dumps(profile, indent=2) + "\n")
-    tmp.replace(path)
-    return path
+    """Store ``entry`` as the ``disk`` section of the ``this-machine`` profile, every other section kept
+    (``core.profiles.merge_this_machine``; ``bench link`` measures the link's)."""
+    return merge_this_machine({"disk": entry}, f"measured by bench.disk_link.measure_disk at {entry['time']}")

@@ -4,8 +4,11 @@ Profiles are JSON data files shipped in ``moe_offload/data/profiles/{hardware,mo
 in them has an entry in ``sources`` (paper section / figure / spec sheet / config it comes from, or the arithmetic
 it is derived by) or is listed in ``unsourced`` with a ``note`` saying what was assumed.
 
-One hardware profile is not shipped: ``this-machine``, written by ``bench.link.measure_link`` into
-``<cache>/hardware/this-machine.json`` (cache = ``$MOE_OFFLOAD_CACHE`` or ``~/.cache/moe-offload``).
+One hardware profile is not shipped: ``this-machine``, in ``<cache>/hardware/this-machine.json`` (cache =
+``$MOE_OFFLOAD_CACHE`` or ``~/.cache/moe-offload``). Its sections are measured by different commands and each
+merges only its own (issue 48): the host->device link (``bench link``: ``bench.link.measure_link``) and the disk
+(``bench link --disk``: ``core.disk_link.save_disk``). A command that needs a section the file lacks says which
+command measures it; one that does not need it never reads it.
 """
 
 from __future__ import annotations
@@ -134,6 +137,47 @@ def _shipped(kind: str) -> list[str]:
     return sorted(p.name[:-5] for p in d.iterdir() if p.name.endswith(".json"))
 
 
+def this_machine_has_link() -> bool:
+    """Whether the this-machine profile holds ``bench link``'s host->device link section (a file with only ``bench
+    link --disk``'s section does not)."""
+    try:
+        data = json.loads(this_machine_path().read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and all(k in data for k in _HW_FIELDS)
+
+
+def merge_this_machine(section: dict, source: str | None = None) -> Path:
+    """Write ``section``'s keys into the this-machine profile, keeping every other key (another command's section:
+    the link's fields, ``disk``) and their ``sources``; a profile that does not exist starts as ``{"name":
+    "this-machine"}``. Written to a temporary file and moved into place, so a reader never sees half a file.
+
+    Args:
+        section: the keys this command measured (e.g. ``{"disk": {...}}``, or the link's fields).
+        source: a ``sources`` entry for each of ``section``'s keys (None: the section brings its own ``sources``).
+    Returns:
+        The profile's path.
+    """
+    path = this_machine_path()
+    try:
+        profile = json.loads(path.read_text())
+        if not isinstance(profile, dict):
+            profile = {}
+    except (OSError, ValueError):
+        profile = {}
+    profile.setdefault("name", THIS_MACHINE)
+    sources = {**profile.get("sources", {}), **section.get("sources", {})}
+    profile.update({k: v for k, v in section.items() if k != "sources"})
+    if source is not None:
+        sources.update(dict.fromkeys((k for k in section if k != "sources"), source))
+    profile["sources"] = sources
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".partial")
+    tmp.write_text(json.dumps(profile, indent=2) + "\n")
+    tmp.replace(path)
+    return path
+
+
 def list_hardware() -> list[str]:
     """Names accepted by :func:`load_hardware`: the shipped profiles plus ``"this-machine"`` (measured)."""
     return _shipped("hardware") + [THIS_MACHINE]
@@ -183,6 +227,10 @@ def load_hardware(name: str) -> HardwareProfile:
         if not path.is_file():
             raise MoeOffloadError(f"no measured profile for this machine at {path}: run `moe-offload bench link` first")
         data = _read_json(path, "hardware")
+        if not all(k in data for k in _HW_FIELDS[1:]):
+            has = ", ".join(k for k in data if k not in ("name", "sources")) or "nothing"
+            raise MoeOffloadError(f"the this-machine profile at {path} holds no host->device link measurement (it has: "
+                                  f"{has}): run `moe-offload bench link` first")
     else:
         known = _shipped("hardware")
         if name not in known:
@@ -230,10 +278,10 @@ def model_profile_for(num_moe_layers: int, num_experts: int, top_k: int, model_t
 def default_hardware(model: ModelProfile) -> tuple[str, str]:
     """The hardware profile to use with ``model`` when none is named, and why: a platform the model profile has a
     measured FullLoad speed on (rtx4090 first), else the measured ``this-machine`` profile if ``bench link`` wrote
-    one, else rtx4090."""
+    its link section (``bench link --disk`` alone does not), else rtx4090."""
     if model.full_load_tok_s:
         name = "rtx4090" if "rtx4090" in model.full_load_tok_s else sorted(model.full_load_tok_s)[0]
         return name, f"{model.name} has a measured FullLoad speed on it"
-    if this_machine_path().is_file():
+    if this_machine_has_link():
         return THIS_MACHINE, f"{model.name} runs on this machine; measured by `moe-offload bench link`"
     return "rtx4090", "default; `moe-offload bench link` would measure this machine"
