@@ -169,6 +169,14 @@ def test_core_costs_lengthen_each_decode_layer():
     assert paid.decode_fraction_of_full_load < free.decode_fraction_of_full_load
     with pytest.raises(Exception, match="overhead"):
         CoreCosts(overhead=-1.0)
+    # a staging copy after each read keeps the copy engine busy: every miss stalls 1 / link_epl + copy
+    slow = CoreCosts(copy=0.5)
+    staged = replay_with_prefetch(tr, 12, "seqmoe-cacheonly", 1.5, forecasts=fc, scheduler=None, needs=needs,
+                                  costs=slow)
+    layers = staged.decode_layers
+    assert staged.decode_stall == pytest.approx(staged.decode_misses * (1 / 1.5 + 0.5))
+    assert staged.decode_fraction_of_full_load == pytest.approx(layers / (layers + staged.decode_stall))
+    assert link_fraction(plain, tr, 1.5, slow) == pytest.approx(staged.decode_fraction_of_full_load)
 
 
 def test_the_simulated_gate_measures_as_the_runtime_does():
@@ -187,3 +195,24 @@ def test_the_simulated_gate_measures_as_the_runtime_does():
     dear = replay_with_prefetch(tr, 10, "seqmoe+gate", 0.5, forecasts=fc, scheduler="jsd", needs=needs,
                                 costs=CoreCosts(prefetch_cpu=5.0))
     assert 0 < dear.decode_prefetches < ungated.decode_prefetches / 4
+
+
+def test_bench_decode_charges_each_row_the_costs_it_measured(monkeypatch):
+    """``bench.decode.core_costs`` by hand: a 2 ms layer time, 30 layers; 6 ms of predictor + management per step
+    -> 0.1 layer times per layer; a prefetch copy's 1 ms of CPU on both cores -> 0.5; 10 ms of staging copies per
+    step over 4 experts copied (2 on demand, 2 prefetched) -> 1.25."""
+    import pytest
+    import torch
+
+    from moe_offload.bench.decode import core_costs
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    bd = {"ms_per_step": {"predictor": 4.0, "management": 2.0, "stall": 50.0},
+          "prefetch_cpu_s_per_copy": 1e-3,
+          "cpu_account": {"ms_per_step": {"main": {"compute": {"cpu": 40.0, "wall": 40.0}},
+                                          "copy worker": {"staging_copies": {"cpu": 9.0, "wall": 10.0}}},
+                          "bytes_per_step": {"on_demand": 200.0, "prefetched": 200.0}}}
+    c = core_costs(bd, 2e-3, 30, expert_bytes=100)
+    assert (c.overhead, c.prefetch_cpu, c.copy) == pytest.approx((0.1, 0.5, 1.25))
+    assert core_costs({}, 2e-3, 30, expert_bytes=100).copy == 0.0

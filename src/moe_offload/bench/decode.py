@@ -98,7 +98,7 @@ def bench_decode(path: Path, prompts: list[str], residencies: list[float], *, ma
     full_row = DecodeRow("FullLoad", "FullLoad", None, None, ref.decode_tokens_per_s, 1.0, None, 0,
                          sum(ref.ttft_s) / len(ref.ttft_s), True,
                          full.num_moe_layers * full.num_experts * full.expert_bytes, 1.0)
-    L = full.num_moe_layers
+    L, expert_bytes = full.num_moe_layers, full.expert_bytes
     t_layer = ref.decode_s / max(1, ref.decode_tokens) / L
     spe = t_layer / link_epl if link_epl else None
     regime = ""
@@ -122,7 +122,7 @@ def bench_decode(path: Path, prompts: list[str], residencies: list[float], *, ma
     if link_epl:
         trace = _record_routing(path, prompts, max_new_tokens, device, dtype,
                                 xl=any(p.cross_layer for p in policies))
-        costs = [core_costs(bd, t_layer, L) for _, _, bd in breakdowns]
+        costs = [core_costs(bd, t_layer, L, expert_bytes) for _, _, bd in breakdowns]
         _simulate_rows(rows[1:], trace, link_epl, predictor, rollout_every, predictor_lag, costs)
     lag = ("" if predictor_lag is None else
            f"; in a process of its own, forecasts used {predictor_lag} MoE layers after their trigger layer")
@@ -241,10 +241,11 @@ def _record_routing(path, prompts, max_new_tokens, device, dtype, xl: bool = Fal
         lm.close()
 
 
-def core_costs(breakdown: dict, t_layer: float, num_moe_layers: int):
-    """The ``sim.prefetch_sim.CoreCosts`` one measured row paid on the compute's cores, in FullLoad layer times
-    ``t_layer`` (seconds): per decode MoE layer its predictor and management time (``breakdown``'s ms per step),
-    per prefetch copy the CPU the transfer engine measured, times the share of the cores the compute uses."""
+def core_costs(breakdown: dict, t_layer: float, num_moe_layers: int, expert_bytes: int):
+    """The ``sim.prefetch_sim.CoreCosts`` one measured row paid, in FullLoad layer times ``t_layer`` (seconds): per
+    decode MoE layer its predictor and management time (``breakdown``'s ms per step); per prefetch copy the CPU the
+    transfer engine measured, times the share of the cores the compute uses; per expert copied (``expert_bytes``
+    each), the staging copies' wall time (its ``cpu_account``)."""
     import os
 
     import torch
@@ -254,8 +255,14 @@ def core_costs(breakdown: dict, t_layer: float, num_moe_layers: int):
     ms = breakdown.get("ms_per_step", {})
     overhead = (ms.get("predictor", 0.0) + ms.get("management", 0.0)) * 1e-3 / num_moe_layers / t_layer
     contention = min(1.0, torch.get_num_threads() / max(1, os.cpu_count() or 1))
+    account = breakdown.get("cpu_account", {})
+    staging_ms = sum(roles.get("staging_copies", {}).get("wall", 0.0)
+                     for roles in account.get("ms_per_step", {}).values())
+    moved = account.get("bytes_per_step", {})
+    copies = (moved.get("on_demand", 0.0) + moved.get("prefetched", 0.0)) / expert_bytes
     return CoreCosts(overhead=overhead,
-                     prefetch_cpu=breakdown.get("prefetch_cpu_s_per_copy", 0.0) * contention / t_layer)
+                     prefetch_cpu=breakdown.get("prefetch_cpu_s_per_copy", 0.0) * contention / t_layer,
+                     copy=staging_ms * 1e-3 / copies / t_layer if copies > 0 else 0.0)
 
 
 def _simulate_rows(rows: list[DecodeRow], trace, link_epl: float, predictor: str | None, rollout_every: int,

@@ -25,7 +25,8 @@ count as misses (SeqMoE §9.1: a hit is resident before on-demand loading) and a
 
 The costs the runtime pays on its cores (``CoreCosts``, issue 47 part 4; all 0 unless given, as on a GPU whose
 copies run on a DMA engine): each decode MoE layer's forecast and management work (``overhead``) and each
-prefetch copy's CPU (``prefetch_cpu``), both taken from the compute, so they lengthen the layer they fall in. The
+prefetch copy's CPU (``prefetch_cpu``), both taken from the compute, so they lengthen the layer they fall in; and
+each expert's staging copy after its read (``copy``), which keeps the copy engine busy as long as the link. The
 decode speed projection is ``FullLoad time / (FullLoad time + stalls + those costs)`` over decode steps. A
 ``+gate`` policy's gate is the runtime's: a ``core.prefetch_cost.CostMeter`` fed each step what this replay
 measured (a miss's stall, a prefetch's CPU, the share of the step spent stalled, the prefetches used and wasted).
@@ -57,15 +58,18 @@ class CoreCosts:
     Attributes:
         overhead: per decode MoE layer, the forecasts' and the slot management's time on the compute's thread.
         prefetch_cpu: per prefetch copy, the CPU its reads and staging copy take from the compute.
+        copy: per expert copied (on demand or prefetched), the staging copy into its slot after the read: the copy
+            engine's time on top of the link's ``1 / link_epl`` (0 where reads land in the slot).
     Raises:
         MoeOffloadError: a negative or non-finite value.
     """
 
     overhead: float = 0.0
     prefetch_cpu: float = 0.0
+    copy: float = 0.0
 
     def __post_init__(self):
-        for name in ("overhead", "prefetch_cpu"):
+        for name in ("overhead", "prefetch_cpu", "copy"):
             v = getattr(self, name)
             if not (v >= 0.0 and v != float("inf")):
                 raise MoeOffloadError(f"{name} must be >= 0 layer times, got {v}")
@@ -163,7 +167,7 @@ class _LinkReplay:
         self.step_decode, self.fate0 = False, (0, 0)
         self.table, self.sched, self.prefill, self.res = table, sched, prefill, res
         self.observe = getattr(table.policy, "observe", None)
-        self.d = 1.0 / link_epl              # one expert copy
+        self.d = 1.0 / link_epl + costs.copy  # one expert copy: its read, then its staging copy
         self.chunk = self.d / LINK_CHUNKS
         self.now = self.link_free = 0.0
         self.inflight: list[tuple[float, int, int, int]] = []     # heap of (finish, eid, slot, tag)
@@ -294,12 +298,12 @@ class _LinkReplay:
 
 def link_fraction(res: ReplayResult, trace: Trace, link_epl: float, costs: CoreCosts | None = None) -> float:
     """Decode speed as a fraction of FullLoad under this module's link model for a replay without prefetching
-    (``simulator.replay``): every decode miss stalls its layer by ``1 / link_epl`` layer times (the link is idle at
-    layer start) and every decode layer pays ``costs.overhead``, so the fraction is ``decode layers / (decode
-    layers x (1 + overhead) + decode misses / link_epl)``."""
+    (``simulator.replay``): every decode miss stalls its layer by ``1 / link_epl + costs.copy`` layer times (the
+    link is idle at layer start) and every decode layer pays ``costs.overhead``, so the fraction is ``decode layers
+    / (decode layers x (1 + overhead) + decode misses x (1 / link_epl + copy))``."""
     layers = int((res.per_step.step > 0).sum()) * trace.num_moe_layers
-    overhead = costs.overhead if costs is not None else 0.0
-    return layers / (layers * (1.0 + overhead) + res.decode_misses / link_epl) if layers else 1.0
+    c = costs or CoreCosts()
+    return layers / (layers * (1.0 + c.overhead) + res.decode_misses * (1.0 / link_epl + c.copy)) if layers else 1.0
 
 
 def replay_policy(trace: Trace, policy: PolicySpec | str, num_slots: int, link_epl: float | None, forecasts=None,
