@@ -311,3 +311,22 @@ def test_cli_disk_store_and_memory_budget(tiny_dirs, refs, capsys, monkeypatch, 
     monkeypatch.setattr(disk_link, "this_machine_disk", lambda: None)
     one_line(["bench", "decode", "--model", d, "--host-store", "disk", "--residencies", "0.5", "--quiet",
               "--max-new-tokens", "2", "--prompt", "hi"], "run `moe-offload bench link --disk DIR` first")
+
+
+def test_a_disk_store_shortens_the_interpreters_switch_interval(tiny_dirs, monkeypatch):
+    """Its reader threads get the interpreter lock between requests within 0.5 ms (``common.threads``); a shorter
+    interval the user set is kept."""
+    import sys
+
+    from moe_offload.common.threads import IO_SWITCH_INTERVAL_S, short_switch_interval
+
+    monkeypatch.setattr(sys, "getswitchinterval", lambda: 0.005)
+    got = []
+    monkeypatch.setattr(sys, "setswitchinterval", got.append)
+    lm = load_offloaded(tiny_dirs["qwen3_moe"], device="cpu", residency=0.5, progress=False, host_store="disk")
+    lm.close()
+    assert got and got[0] == IO_SWITCH_INTERVAL_S
+    monkeypatch.setattr(sys, "getswitchinterval", lambda: 1e-4)
+    got.clear()
+    short_switch_interval()
+    assert got == []

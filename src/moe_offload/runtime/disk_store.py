@@ -43,6 +43,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..common.threads import short_switch_interval
 from ..errors import MoeOffloadError
 from .cpu_account import io
 from .direct_io import IO_ALIGN, _File, _Span, copy_concurrently, open_direct, plan_spans  # noqa: F401 (re-exported)
@@ -133,6 +134,7 @@ class DiskStore:
         self.layout = layout
         self.num_experts_total = num_experts_total
         self.readers = readers
+        short_switch_interval()  # a reader gets the interpreter lock between its requests within 0.5 ms
         self.allow_direct = allow_direct
         self.stats = DiskReadStats()
         self.buffered_reason: str | None = None

@@ -48,6 +48,7 @@ from collections import deque
 
 import torch
 
+from ..common.threads import short_switch_interval
 from ..errors import MoeOffloadError
 from .copy_worker import _DONE, _QUEUED, _RUNNING, CopyWorker, _Job, _sleep_until
 from .landing import Landing, TransferStats
@@ -128,6 +129,7 @@ class TransferEngine(CopyWorker):
         self._stop = False                   # worker exits once the queue is empty
         self.stats = TransferStats()
         self._thread = threading.Thread(target=self._run, name="moe-offload-transfer", daemon=True)
+        short_switch_interval()  # the worker gets the interpreter lock between its copies within 0.5 ms
         self._thread.start()
 
     # ---- main-thread API ----------------------------------------------------------------------------------------
