@@ -119,6 +119,16 @@ class CpuAccount:
                 taken = loc.__dict__.get("taken") or (0.0, 0.0)
                 loc.taken = (taken[0] + cpu, taken[1] + wall)
 
+    def charge_within(self, role: str, cpu_s: float, wall_s: float) -> None:
+        """Charge ``role`` with a part of the calling thread's current ``io`` block that native code measured inside
+        it (e.g. the staging copy of a native disk read): the enclosing block is charged that much less, as for a
+        nested ``io`` block."""
+        self.charge(role, cpu_s, wall_s)
+        stack = self._local.__dict__.get("stack")
+        if stack:
+            stack[-1][0] += cpu_s
+            stack[-1][1] += wall_s
+
     def take_io(self) -> tuple[float, float]:
         """``(cpu_s, wall_s)`` the calling thread spent in outermost ``io`` blocks since its previous call."""
         taken = self._local.__dict__.get("taken")
@@ -174,6 +184,13 @@ def io(holder, role: str, inherit: bool = False):
     block."""
     account = getattr(holder, "account", None)
     return account.io(role, inherit) if account is not None else nullcontext()
+
+
+def charge_within(holder, role: str, cpu_s: float, wall_s: float) -> None:
+    """``holder.account.charge_within(role, cpu_s, wall_s)`` when ``holder`` has an account, else nothing."""
+    account = getattr(holder, "account", None)
+    if account is not None:
+        account.charge_within(role, cpu_s, wall_s)
 
 
 def _role_ms(account: dict, role: str, what: str, thread: str | None = None) -> float:

@@ -16,6 +16,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+import torch
+
 from ..errors import MoeOffloadError
 
 #: alignment of direct reads: file offset, length and buffer address (the page size covers every logical block size)
@@ -136,3 +139,32 @@ def plan_spans(segments: list[tuple[int, int, int, int]], merge_gap: int = MERGE
     if group:
         close_group()
     return spans
+
+
+def native_plan(spans: list[_Span]) -> tuple[torch.Tensor, torch.Tensor]:
+    """An expert's spans as the native ``read_expert`` takes them: int64 ``[S, 4]`` (file, start, length, need) and
+    its pieces int64 ``[P, 4]`` (span index, destination offset, offset in the span, bytes)."""
+    return (torch.tensor([[s.file, s.start, s.length, s.need] for s in spans], dtype=torch.int64).reshape(-1, 4),
+            torch.tensor([[i, d, o, n] for i, s in enumerate(spans) for d, o, n in s.pieces],
+                         dtype=torch.int64).reshape(-1, 4))
+
+
+def read_native(kernel, files: list[_File], fds: list[int], direct: list[bool], spans: list[_Span],
+                plan: tuple[torch.Tensor, torch.Tensor], staging: np.ndarray,
+                out: np.ndarray) -> tuple[int, float, float]:
+    """One expert read by the native kernels' ``read_expert`` (``runtime.kernels``): its spans read into
+    ``staging`` (page-aligned uint8) and its fields copied into ``out`` (uint8, host memory) without the interpreter
+    lock. Returns ``(requests, the copies' CPU s, their wall s)``.
+
+    Raises:
+        MoeOffloadError: a read failed, or a file ended early (truncated or replaced while running)."""
+    res = kernel.read_expert(fds, direct, plan[0], plan[1], torch.from_numpy(staging), torch.from_numpy(out))
+    error, where = res[5], res[7]
+    if error:
+        path = files[spans[res[6]].file].path
+        if error > 0:
+            raise MoeOffloadError(f"reading {path} at byte {where} failed: {os.strerror(error)}")
+        raise MoeOffloadError(f"{path} ended at byte {where} while an expert was read from it: the checkpoint file "
+                              "was truncated or replaced while running")
+    return res[0], res[3], res[4]
+

@@ -8,6 +8,9 @@ file closer than ``MERGE_GAP`` are merged (reading the gap costs less than anoth
 boundaries, because safetensors offsets are not aligned and ``O_DIRECT`` wants offset, length and buffer address
 aligned (``runtime.direct_io``: the span plan, opening files, concurrent reads). A span is read with ``os.preadv`` (which releases the GIL) into a page-aligned staging buffer of the reading
 thread, and the expert's fields are copied from there into the destination (a slot of the pool, or a host row).
+With the native kernels built, a whole on-demand read into host memory is one call (``read_expert``) that reads
+every span and copies every field without the interpreter lock (issue 47: between Python's requests a reader
+waited for the lock while the main thread ran Python).
 
 Several experts are read at once by ``copy_many`` (a pool of ``readers`` threads: the queue depth of the on-demand
 misses of one layer; the calling thread reads one of them itself). A prefetch copy runs on the transfer engine's
@@ -45,8 +48,10 @@ import torch
 
 from ..common.threads import short_switch_interval
 from ..errors import MoeOffloadError
-from .cpu_account import io
-from .direct_io import IO_ALIGN, _File, _Span, copy_concurrently, open_direct, plan_spans  # noqa: F401 (re-exported)
+from .cpu_account import charge_within, io
+from .direct_io import (IO_ALIGN, _File, _Span, copy_concurrently, native_plan, open_direct,  # noqa: F401 (re-exported)
+                        plan_spans, read_native)
+from .kernels import native
 from .store import ExpertLayout, gather_rows
 
 #: default reader threads (queue depth of ``copy_many``)
@@ -148,6 +153,10 @@ class DiskStore:
         self._demand = 0                                      # on-demand calls outstanding, all threads
         self._demand_since = 0.0
         self._pool: ThreadPoolExecutor | None = None
+        self._kernel = native()           # read_expert, when the native kernels are built
+        self._fds: list[int] = []         # per file: its descriptor, and whether it was opened with O_DIRECT
+        self._direct: list[bool] = []
+        self._native_plans: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # eid -> read_expert's spans, pieces
 
     @property
     def nbytes(self) -> int:
@@ -176,8 +185,11 @@ class DiskStore:
                       "from it after each read (posix_fadvise DONTNEED)", file=sys.stderr)
             i = self._index[path] = len(self._files)
             self._files.append(f)
+            self._fds.append(f.fd)
+            self._direct.append(f.direct)
         self._segments[eid].append((dst_offset, i, file_offset, nbytes))
         self._spans = None
+        self._native_plans.clear()
 
     def spans(self, eid: int) -> list[_Span]:
         """The aligned reads of expert ``eid`` (planned once for every expert, at the first call)."""
@@ -230,7 +242,8 @@ class DiskStore:
     def _read(self, eid: int, dst, gate=None, depth: int = 0) -> bool:
         """Expert ``eid`` into ``dst``; ``gate()`` (a prefetch) is asked before each chunk of ``prefetch_chunk``
         bytes and False abandons the read (returns False, ``dst`` partly written); ``depth`` > 0: an on-demand read
-        issued ``depth`` at once (recorded in ``stats.demand_reads``)."""
+        issued ``depth`` at once (recorded in ``stats.demand_reads``). A whole read into host memory is one call of
+        the native ``read_expert`` when the kernels are built (``_read_native``)."""
         spans = self.spans(eid)
         view, arr = self._buffer(max(s.length for s in spans))
         out = dst if isinstance(dst, np.ndarray) else dst.numpy() if dst.device.type == "cpu" else None
@@ -238,7 +251,11 @@ class DiskStore:
         requests = nread = 0
         done = True
         role = "prefetch_reads" if gate is not None else "on_demand_reads"
-        for span in spans:
+        todo = spans
+        if gate is None and out is not None and self._kernel is not None:
+            requests, nread = self._read_native(eid, spans, arr, out)
+            todo = ()
+        for span in todo:
             if gate is None:
                 with io(self, role, inherit=True):
                     requests += self._read_span(span, view)
@@ -274,6 +291,22 @@ class DiskStore:
                 st.demand_reads[key] = st.demand_reads.get(key, 0) + 1
                 st.demand_bytes += nread
         return done
+
+    def _read_native(self, eid: int, spans: list, arr: np.ndarray, out: np.ndarray) -> tuple[int, int]:
+        """``_read`` of a whole expert into host memory ``out`` by one native call (``direct_io.read_native``)
+        through the staging buffer ``arr``; its copies are charged as staging copies. Returns ``(requests, bytes
+        read)``.
+
+        Raises:
+            MoeOffloadError: as ``_read_span``."""
+        plan = self._native_plans.get(eid)
+        if plan is None:
+            plan = self._native_plans[eid] = native_plan(spans)
+        with io(self, "on_demand_reads", inherit=True):
+            requests, copy_cpu, copy_wall = read_native(self._kernel, self._files, self._fds, self._direct, spans,
+                                                        plan, arr, out)
+            charge_within(self, "staging_copies", copy_cpu, copy_wall)
+        return requests, sum(s.length for s in spans)
 
     @contextmanager
     def _on_demand(self):

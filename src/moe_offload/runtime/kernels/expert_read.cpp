@@ -1,0 +1,93 @@
+// One expert read from disk in one call (runtime/disk_store.py, issue 47 part 2): its aligned spans read into the
+// reading thread's staging buffer and its fields copied from there into the destination, with the interpreter lock
+// released for the whole expert. In Python each of an expert's requests needed the lock back between reads, and
+// waited for it while the main thread ran Python.
+
+#include <torch/extension.h>
+
+#include <fcntl.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kAlign = 4096;  // runtime/direct_io.py: IO_ALIGN
+
+double now_s(clockid_t clock) {
+  timespec ts;
+  clock_gettime(clock, &ts);
+  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+}
+
+}  // namespace
+
+// fds [F], direct [F] (opened with O_DIRECT: a short read not at the end is an error; else the span is dropped from
+// the page cache after its read), spans int64 [S, 4] (file index, aligned start, aligned length, bytes needed),
+// pieces int64 [P, 4] (span index, destination offset, offset in the span, bytes), staging uint8 (page-aligned, at
+// least the longest span), dst uint8 (contiguous, on the CPU). Returns (requests, read CPU s, read wall s, copy CPU
+// s, copy wall s, error, error span, error offset): error 0 when done, an errno when a read failed, -1 when a file
+// ended early (error offset: the file byte where it did).
+std::tuple<int64_t, double, double, double, double, int64_t, int64_t, int64_t> read_expert(
+    std::vector<int64_t> fds, std::vector<bool> direct, torch::Tensor spans, torch::Tensor pieces,
+    torch::Tensor staging, torch::Tensor dst) {
+  TORCH_CHECK(spans.dim() == 2 && spans.size(1) == 4 && spans.scalar_type() == at::kLong && spans.is_contiguous(),
+              "read_expert: spans int64 [S, 4]");
+  TORCH_CHECK(pieces.dim() == 2 && pieces.size(1) == 4 && pieces.scalar_type() == at::kLong &&
+              pieces.is_contiguous(), "read_expert: pieces int64 [P, 4]");
+  TORCH_CHECK(staging.scalar_type() == at::kByte && dst.scalar_type() == at::kByte && staging.is_contiguous() &&
+              dst.is_contiguous() && staging.device().is_cpu() && dst.device().is_cpu(),
+              "read_expert: staging and dst contiguous uint8 on the CPU");
+  TORCH_CHECK(fds.size() == direct.size(), "read_expert: one direct flag per file");
+  const int64_t* sp = spans.data_ptr<int64_t>();
+  const int64_t* pc = pieces.data_ptr<int64_t>();
+  const int64_t S = spans.size(0), P = pieces.size(0), cap = staging.numel(), dst_n = dst.numel();
+  for (int64_t s = 0; s < S; ++s) {
+    TORCH_CHECK(sp[4 * s] >= 0 && sp[4 * s] < static_cast<int64_t>(fds.size()), "read_expert: a span's file index");
+    TORCH_CHECK(sp[4 * s + 2] <= cap && sp[4 * s + 3] <= sp[4 * s + 2], "read_expert: a span longer than staging");
+  }
+  for (int64_t p = 0; p < P; ++p) {
+    const int64_t s = pc[4 * p], d = pc[4 * p + 1], o = pc[4 * p + 2], n = pc[4 * p + 3];
+    TORCH_CHECK(s >= 0 && s < S && d >= 0 && o >= 0 && n >= 0 && d + n <= dst_n && o + n <= sp[4 * s + 2],
+                "read_expert: a piece outside its span or the destination");
+  }
+  uint8_t* buf = staging.data_ptr<uint8_t>();
+  uint8_t* out = dst.data_ptr<uint8_t>();
+  int64_t requests = 0, error = 0, err_span = -1, err_offset = 0;
+  double read_cpu = 0, read_wall = 0, copy_cpu = 0, copy_wall = 0;
+  {
+    pybind11::gil_scoped_release release;
+    for (int64_t s = 0; s < S && !error; ++s) {
+      const int64_t f = sp[4 * s], start = sp[4 * s + 1], length = sp[4 * s + 2], need = sp[4 * s + 3];
+      const int fd = static_cast<int>(fds[f]);
+      double c0 = now_s(CLOCK_THREAD_CPUTIME_ID), w0 = now_s(CLOCK_MONOTONIC);
+      int64_t got = 0;
+      while (got < need) {
+        ssize_t n = pread(fd, buf + got, static_cast<size_t>(length - got), start + got);
+        if (n < 0 && errno == EINTR) continue;
+        ++requests;
+        if (n < 0) {
+          error = errno, err_span = s, err_offset = start + got;
+          break;
+        }
+        if (n == 0 || (direct[f] && n % kAlign && got + n < need)) {
+          error = -1, err_span = s, err_offset = start + got + n;
+          break;
+        }
+        got += n;
+      }
+      if (!error && !direct[f]) posix_fadvise(fd, start, length, POSIX_FADV_DONTNEED);
+      read_cpu += now_s(CLOCK_THREAD_CPUTIME_ID) - c0, read_wall += now_s(CLOCK_MONOTONIC) - w0;
+      if (error) break;
+      c0 = now_s(CLOCK_THREAD_CPUTIME_ID), w0 = now_s(CLOCK_MONOTONIC);
+      for (int64_t p = 0; p < P; ++p)
+        if (pc[4 * p] == s) std::memcpy(out + pc[4 * p + 1], buf + pc[4 * p + 2], static_cast<size_t>(pc[4 * p + 3]));
+      copy_cpu += now_s(CLOCK_THREAD_CPUTIME_ID) - c0, copy_wall += now_s(CLOCK_MONOTONIC) - w0;
+    }
+  }
+  return {requests, read_cpu, read_wall, copy_cpu, copy_wall, error, err_span, err_offset};
+}
