@@ -18,6 +18,9 @@ from moe_offload.serve.jobs import Delta, Done, Failed, Job, Params
 
 PROMPT = "Hello there, how are you today?"
 MODEL = "tiny-qwen"
+#: a minimal chat template (the tiny model ships none)
+TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}<|end|>{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 ORDER = ["message_start", "content_block_start", "ping", "content_block_delta", "content_block_stop",
          "message_delta", "message_stop"]
 
@@ -196,8 +199,8 @@ def test_errors_in_anthropic_shape(srv):
              ({"stop_sequences": [""]}, 400, "invalid_request_error", "stop_sequences"),
              ({"max_tokens": "5"}, 400, "invalid_request_error", "max_tokens"),
              ({"messages": []}, 400, "invalid_request_error", "at least one message"),
-             ({"messages": user + [{"role": "assistant", "content": "Sure"}]}, 400, "invalid_request_error",
-              "prefill"),
+             ({"messages": user + [{"role": "assistant", "content": "Sure "}]}, 400, "invalid_request_error",
+              "trailing whitespace"),
              ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, 400,
               "invalid_request_error", "'image' are not supported")]
     for change, want_status, kind, contains in cases:
@@ -207,6 +210,54 @@ def test_errors_in_anthropic_shape(srv):
     status, body = _post(server, None, raw=b"{not json")
     assert status == 400
     _error(status, body, "invalid_request_error", "not valid JSON")
+
+
+def test_prefill_continues_the_assistants_start(srv):
+    """A final assistant message is a prefill: the answer is the continuation only, token for token what the model
+    generates after the template's rendering of the conversation with that start (``continue_final_message``)."""
+    from moe_offload.generation.generate import generate_ids
+
+    state, server, ac, oc = srv
+    start = "Sure, here is"
+    turns = [{"role": "user", "content": PROMPT}, {"role": "assistant", "content": start}]
+    tok = state.lm.tokenizer
+    for template in (None, TEMPLATE):   # the tiny model has none: "role: text" lines; then a chat template
+        tok.chat_template = template
+        try:
+            m = _msg(ac, max_tokens=6, messages=turns)
+            if template is None:
+                ids = tok(f"user: {PROMPT}\nassistant: {start}")["input_ids"]
+            else:
+                ids = tok.apply_chat_template(turns, continue_final_message=True, tokenize=True)
+                ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+            assert tok.decode(ids).endswith(start)
+            want, *_ = generate_ids(state.lm, ids, 6)
+            assert m.token_ids == want and m.usage.input_tokens == len(ids)
+        finally:
+            tok.chat_template = None
+    # an empty final assistant message: an ordinary turn
+    plain = _msg(ac, max_tokens=6, messages=[{"role": "user", "content": PROMPT}])
+    empty = _msg(ac, max_tokens=6, messages=[{"role": "user", "content": PROMPT}, {"role": "assistant", "content": ""}])
+    assert empty.token_ids == plain.token_ids
+
+
+def test_count_tokens_equals_the_prompt_tokens_of_the_request(srv):
+    """``/v1/messages/count_tokens`` through the official client: the prompt tokens ``/v1/messages`` then reports
+    in ``usage.input_tokens``, a system prompt and a prefill included; the same refusals in the same shape; the
+    ``anthropic-beta`` header accepted."""
+    state, server, ac, oc = srv
+    convs = [dict(messages=[{"role": "user", "content": PROMPT}]),
+             dict(messages=[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
+                            {"role": "user", "content": PROMPT}], system="Be brief."),
+             dict(messages=[{"role": "user", "content": PROMPT}, {"role": "assistant", "content": "Well"}])]
+    for conv in convs:
+        counted = ac.messages.count_tokens(model=MODEL, **conv, extra_headers={"anthropic-beta": "tools-2024-04-04"})
+        assert counted.input_tokens == _msg(ac, max_tokens=2, **conv).usage.input_tokens > 0
+    with pytest.raises(anthropic.BadRequestError, match="tool use is not supported"):
+        ac.messages.count_tokens(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                 tools=[{"name": "f", "input_schema": {"type": "object"}}])
+    with pytest.raises(anthropic.NotFoundError):
+        ac.messages.count_tokens(model="nope", messages=[{"role": "user", "content": "x"}])
 
 
 def test_errors_through_the_client(srv):
@@ -226,7 +277,7 @@ def test_errors_through_the_client(srv):
 def test_engine_failure_is_an_api_error(srv, monkeypatch):
     state, server, ac, oc = srv
 
-    def boom(msgs):
+    def boom(msgs, continue_final=False):
         raise RuntimeError("kaput")
 
     monkeypatch.setattr(state, "encode_messages", boom)

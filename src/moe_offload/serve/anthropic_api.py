@@ -12,9 +12,15 @@ concatenated), ``system`` (a string or text blocks), ``stop_sequences`` (non-emp
 default is 1), ``top_p``, ``top_k`` (the server's rules), ``stream``, ``metadata`` (accepted, unused); unknown
 fields are ignored. Extensions, as on the OpenAI side: ``seed`` (the server's rules; -1: none), and
 ``return_token_ids: true``, which adds ``token_ids`` to the message (and to each streamed ``content_block_delta``),
-for exact comparisons. Refused with a 400: ``tools`` / ``tool_choice``, ``thinking``
-(other than ``{"type": "disabled"}``), content blocks other than text (images, documents, tool use / results,
-thinking), and a final ``assistant`` message (prefill).
+for exact comparisons. A final ``assistant`` message is a prefill: generation continues it (the chat template's
+``continue_final_message``) and the answer holds only the continuation. Refused with a 400: ``tools`` /
+``tool_choice``, ``thinking`` (other than ``{"type": "disabled"}``), content blocks other than text (images,
+documents, tool use / results, thinking), and a final assistant message that ends in whitespace (as Anthropic's
+API refuses it).
+
+``POST /v1/messages/count_tokens`` answers ``{"input_tokens": N}``: the tokens the chat template gives the
+request's system prompt and messages, what ``usage.input_tokens`` of the same ``/v1/messages`` request reports
+(``max_tokens`` is not needed; the same refusals). An ``anthropic-beta`` header is accepted and ignored.
 
 Errors are Anthropic's shape, ``{"type": "error", "error": {"type", "message"}}``: 400 ``invalid_request_error``
 (validation, parameters, context length), 404 ``not_found_error`` (unknown model), 503 ``overloaded_error`` (the
@@ -60,6 +66,18 @@ class AnthropicMessage(BaseModel):
     model_config = _STRICT
     role: Literal["user", "assistant"]
     content: Text | list[ContentBlock]
+
+
+class CountTokensRequest(BaseModel):
+    """``POST /v1/messages/count_tokens`` body: what shapes a Messages request's prompt."""
+
+    model_config = _STRICT
+    model: Text
+    messages: list[AnthropicMessage]
+    system: Text | list[ContentBlock] | None = None
+    tools: list | None = None
+    tool_choice: dict | None = None
+    thinking: dict | None = None
 
 
 class MessagesRequest(BaseModel):
@@ -132,7 +150,7 @@ def _text(content: str | list[ContentBlock], where: str) -> str:
     return "".join(b.text for b in content)
 
 
-def refuse_unsupported(body: MessagesRequest) -> None:
+def refuse_unsupported(body) -> None:
     """Refuse what this server parses but cannot honour: tools, tool choice, extended thinking.
 
     Raises:
@@ -144,13 +162,13 @@ def refuse_unsupported(body: MessagesRequest) -> None:
         raise OpenAIError(400, "thinking: extended thinking is not supported by this server")
 
 
-def chat_messages(body: MessagesRequest) -> list[dict]:
-    """``[{"role", "content": str}]`` for the chat template: the system prompt (if any and non-empty) as a
-    ``system`` message, then the messages.
+def chat_messages(body) -> tuple[list[dict], bool]:
+    """``([{"role", "content": str}], prefill)`` for the chat template: the system prompt (if any and non-empty)
+    as a ``system`` message, then the messages; ``prefill``: the last one is the assistant's start, which
+    generation continues (an empty one is left out: the model starts its turn as usual).
 
     Raises:
-        OpenAIError: 400 for no message, a non-text block or a final ``assistant`` message (prefill is not
-            supported).
+        OpenAIError: 400 for no message, a non-text block, or a final assistant message ending in whitespace.
     """
     if not body.messages:
         raise OpenAIError(400, "messages: must hold at least one message")
@@ -159,10 +177,15 @@ def chat_messages(body: MessagesRequest) -> list[dict]:
         msgs.append({"role": "system", "content": system})
     msgs += [{"role": m.role, "content": _text(m.content, f"messages.{i}.content")}
              for i, m in enumerate(body.messages)]
-    if body.messages[-1].role == "assistant":
-        raise OpenAIError(400, "messages: a final assistant message (prefill) is not supported by this server; "
-                          "end with a user message")
-    return msgs
+    prefill = msgs[-1]["role"] == "assistant"
+    if prefill and not msgs[-1]["content"]:
+        msgs.pop()
+        prefill = False
+    if prefill and msgs[-1]["content"] != msgs[-1]["content"].rstrip():
+        raise OpenAIError(400, "messages: final assistant content cannot end with trailing whitespace")
+    if not msgs or msgs[-1]["role"] == "system":
+        raise OpenAIError(400, "messages: must hold a user message")
+    return msgs, prefill
 
 
 def job_params(state, body: MessagesRequest, prompt_tokens: int):
@@ -243,14 +266,24 @@ async def stream_events(state, job: Job, mid: str, token_ids: bool, finished=lam
 
 
 def anthropic_router(state) -> APIRouter:
-    """``POST /v1/messages`` over ``state`` (``state.ServeState``), with Anthropic-shaped errors."""
+    """``POST /v1/messages`` and ``/v1/messages/count_tokens`` over ``state`` (``state.ServeState``), with
+    Anthropic-shaped errors."""
     router = APIRouter(route_class=AnthropicRoute)
+
+    def prompt_ids(body) -> list[int]:
+        """The prompt's token ids of a Messages or a count_tokens request (the same checks and refusals)."""
+        state.check_model(body.model)
+        refuse_unsupported(body)
+        msgs, prefill = chat_messages(body)
+        return state.encode_messages(msgs, continue_final=prefill)
+
+    @router.post("/v1/messages/count_tokens")
+    async def count_tokens(body: CountTokensRequest):
+        return {"input_tokens": len(prompt_ids(body))}
 
     @router.post("/v1/messages")
     async def messages(body: MessagesRequest, request: Request):
-        state.check_model(body.model)
-        refuse_unsupported(body)
-        ids = state.encode_messages(chat_messages(body))
+        ids = prompt_ids(body)
         job = Job(ids, job_params(state, body, len(ids)), asyncio.get_running_loop())
         state.worker.submit(job)
         mid = "msg_" + uuid.uuid4().hex

@@ -213,9 +213,11 @@ class ServeState:
         """Token ids of a chat request's messages (``encode_messages``)."""
         return self.encode_messages([{"role": m.role, "content": m.text()} for m in req.messages])
 
-    def encode_messages(self, msgs: list[dict]) -> list[int]:
+    def encode_messages(self, msgs: list[dict], continue_final: bool = False) -> list[int]:
         """Token ids of ``[{"role", "content": str}]`` in the model's chat template (a single user message: its
         text, as ``generate`` encodes a prompt; several messages without a template: ``role: text`` lines).
+        ``continue_final``: the last message is the assistant's start (prefill), which generation continues
+        (transformers' ``continue_final_message``; without a template, its text after ``assistant:``).
 
         Raises:
             OpenAIError: 400 (``param`` ``messages``) for no message or one the chat template rejects.
@@ -227,11 +229,15 @@ class ServeState:
             return encode_prompt(tok, msgs[0]["content"])
         if getattr(tok, "chat_template", None):
             try:
-                ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+                ids = tok.apply_chat_template(msgs, add_generation_prompt=not continue_final, tokenize=True,
+                                              continue_final_message=continue_final)
             except Exception as e:  # the template refused the conversation (e.g. roles out of order)
                 raise OpenAIError(400, f"the chat template rejects these messages: {e}", param="messages") from None
             return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-        text = "".join(f"{m['role']}: {m['content']}\n" for m in msgs) + "assistant:"
+        head = msgs[:-1] if continue_final else msgs
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in head) + "assistant:"
+        if continue_final:
+            text += " " + msgs[-1]["content"]
         return tok(text)["input_ids"]
 
     def completion_prompt(self, req: CompletionRequest) -> list[int]:
