@@ -246,15 +246,12 @@ def core_costs(breakdown: dict, t_layer: float, num_moe_layers: int, expert_byte
     decode MoE layer its predictor and management time (``breakdown``'s ms per step); per prefetch copy the CPU the
     transfer engine measured, times the share of the cores the compute uses; per expert copied (``expert_bytes``
     each), the staging copies' wall time (its ``cpu_account``)."""
-    import os
-
-    import torch
-
+    from ..common.threads import compute_share
     from ..sim.prefetch_sim import CoreCosts
 
     ms = breakdown.get("ms_per_step", {})
     overhead = (ms.get("predictor", 0.0) + ms.get("management", 0.0)) * 1e-3 / num_moe_layers / t_layer
-    contention = min(1.0, torch.get_num_threads() / max(1, os.cpu_count() or 1))
+    contention = compute_share()
     account = breakdown.get("cpu_account", {})
     staging_ms = sum(roles.get("staging_copies", {}).get("wall", 0.0)
                      for roles in account.get("ms_per_step", {}).values())

@@ -20,7 +20,8 @@ from each ``preadv`` needing the interpreter lock to issue the next request, and
 ``sys.getswitchinterval()`` (5 ms by default) while the main thread runs Python (the forecasts, the slot table).
 ``short_switch_interval`` lowers it to ``IO_SWITCH_INTERVAL_S`` for the process: measured with `bench decode
 --host-store disk` on testbed-sparse-wide at 25% (issue 47), the on-demand reads of `xl+gate` took 110 ms per step
-for the same 116 MB that LRU read in 96 ms at 5 ms; at 0.5 ms, 91.7 ms against LRU's 91.4 ms.
+for the same 116 MB that LRU read in 96 ms at 5 ms; at 0.5 ms, 91.7 ms against LRU's 91.4 ms (one ad-hoc run
+with ``sys.setswitchinterval(0.0005)`` before the command; docs/benchmarks.md, session 40).
 """
 
 from __future__ import annotations
@@ -121,3 +122,15 @@ def short_switch_interval() -> None:
     reader thread then waits at most that long for the lock between its requests. Never raises it."""
     if sys.getswitchinterval() > IO_SWITCH_INTERVAL_S:
         sys.setswitchinterval(IO_SWITCH_INTERVAL_S)
+
+
+def compute_share() -> float:
+    """The share of the machine's cores the compute's intra-op threads use, in [0, 1]
+    (``torch.get_num_threads() / os.cpu_count()``): how much of a CPU second another thread takes is lost to the
+    compute (1.0 on two cores with two compute threads). Used as ``core.prefetch_cost``'s ``contention``."""
+    import os
+
+    import torch
+
+    return min(1.0, torch.get_num_threads() / max(1, os.cpu_count() or 1))
+

@@ -69,21 +69,25 @@ class PrefetchCost:
             raise MoeOffloadError(f"used_scale must be a positive number, got {self.used_scale}")
 
     @property
+    def threshold(self) -> float:
+        """The chance of use ``c`` above which a task saves more than it costs: ``prefetch_cpu_s x contention /
+        miss_s + link_busy`` (the module docstring's inequality solved for ``c``)."""
+        return self.prefetch_cpu_s * self.contention / self.miss_s + self.link_busy
+
+    @property
     def min_confidence(self) -> float:
         """The forecast's chance of use a task needs to be worth its copy (may exceed 1: then no prefetch is)."""
-        return (self.prefetch_cpu_s * self.contention / self.miss_s + self.link_busy) / self.used_scale
+        return self.threshold / self.used_scale
 
     @property
     def closed(self) -> bool:
         """Whether no task can be worth its copy: not even one the forecast is sure of (chance 1, which a
         chance of use, ``inclusion_probabilities``, never exceeds)."""
-        return self.prefetch_cpu_s * self.contention / self.miss_s + self.link_busy >= min(1.0, self.used_scale)
+        return self.threshold >= min(1.0, self.used_scale)
 
     def worth(self, conf: float) -> bool:
         """Whether a task the forecast gives chance ``conf`` of use saves more than it costs (strictly)."""
-        c = min(1.0, conf * self.used_scale)
-        saving = c * self.miss_s * (1.0 - self.link_busy)
-        return saving > self.prefetch_cpu_s * self.contention + (1.0 - c) * self.miss_s * self.link_busy
+        return min(1.0, conf * self.used_scale) > self.threshold
 
 
 class CostMeter:

@@ -266,11 +266,12 @@ def submit_forecast(scheduler: PrefetchScheduler, forecast, num_moe_layers: int,
     if gate is not None:  # only the tasks worth their cost (core.prefetch_cost), by their chance of being used
         used = inclusion_probabilities(forecast, top_k)
         lo = forecast.layers[0]
-        kept = [t for t in tasks if gate.worth(used[t.layer - lo, t.expert])]
+        chances = [float(used[t.layer - lo, t.expert]) for t in tasks]
+        kept = [(t, c) for t, c in zip(tasks, chances) if gate.worth(c)]
         scheduler.gated += len(tasks) - len(kept)
-        scheduler.promised[0] += float(sum(used[t.layer - lo, t.expert] for t in kept))
+        scheduler.promised[0] += sum(c for _, c in kept)
         scheduler.promised[1] += len(kept)
-        tasks = kept
+        tasks = [t for t, _ in kept]
     scheduler.submit(tasks)
 
 

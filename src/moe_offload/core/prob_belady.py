@@ -217,18 +217,20 @@ class ProbabilisticBelady(EvictionPolicy):
     def _cycle_access(self, eid: int) -> None:
         """``layer_cycle``: ``eid`` is used now; its layer's first access in this step means the layer runs, so the
         row of this step of its forecast is consumed; a new running layer changes the order of the cycle."""
-        p = eid // self.num_experts
+        p, step = eid // self.num_experts, self._step
         if p >= self._ran.size:
             self._grow_layers(p + 1)
-        if self._ran[p] != self._step or p != self._cur:  # the ages or the distances change: rank again
+        first_run = self._ran[p] != step
+        if first_run or p != self._cur:  # the ages or the distances change: rank again
             self._ranking = None
             self._cur = p
-            if self._ran[p] != self._step:
-                self._ran[p] = self._step
+            if first_run:
+                self._ran[p] = step
                 if p in self._rows:
                     self._score_layer(p)
-        self._grow(eid + 1)
-        self._used[eid] = self._step
+        if eid >= self._used.size:
+            self._grow(eid + 1)
+        self._used[eid] = step
 
     def _key_arrays(self, ids: np.ndarray) -> tuple:
         """``np.lexsort`` keys ranking experts ``ids`` (last key first): (score, last use, id), with ``layer_cycle``

@@ -5,10 +5,7 @@ and prefetcher, or ``RefreshEngine``). ``models.loader`` calls these.
 
 from __future__ import annotations
 
-import os
-
-import torch
-
+from ..common.threads import compute_share
 from ..core.policies import make_policy
 from ..core.prefetch_cost import CostMeter
 from ..core.policy_spec import PolicySpec
@@ -93,4 +90,4 @@ def _cost_meter(spec):
     the compute's threads use (on two cores with two compute threads every CPU second a copy takes is lost)."""
     if not spec.gated:
         return None
-    return CostMeter(contention=min(1.0, torch.get_num_threads() / max(1, os.cpu_count() or 1)))
+    return CostMeter(contention=compute_share())

@@ -149,16 +149,16 @@ def native_plan(spans: list[_Span]) -> tuple[torch.Tensor, torch.Tensor]:
                          dtype=torch.int64).reshape(-1, 4))
 
 
-def read_native(kernel, files: list[_File], fds: list[int], direct: list[bool], spans: list[_Span],
-                plan: tuple[torch.Tensor, torch.Tensor], staging: np.ndarray,
-                out: np.ndarray) -> tuple[int, float, float]:
+def read_native(kernel, files: list[_File], spans: list[_Span], plan: tuple[torch.Tensor, torch.Tensor],
+                staging: np.ndarray, out: np.ndarray) -> tuple[int, float, float]:
     """One expert read by the native kernels' ``read_expert`` (``runtime.kernels``): its spans read into
     ``staging`` (page-aligned uint8) and its fields copied into ``out`` (uint8, host memory) without the interpreter
     lock. Returns ``(requests, the copies' CPU s, their wall s)``.
 
     Raises:
         MoeOffloadError: a read failed, or a file ended early (truncated or replaced while running)."""
-    res = kernel.read_expert(fds, direct, plan[0], plan[1], torch.from_numpy(staging), torch.from_numpy(out))
+    res = kernel.read_expert([f.fd for f in files], [f.direct for f in files], plan[0], plan[1],
+                             torch.from_numpy(staging), torch.from_numpy(out))
     error, where = res[5], res[7]
     if error:
         path = files[spans[res[6]].file].path

@@ -154,8 +154,6 @@ class DiskStore:
         self._demand_since = 0.0
         self._pool: ThreadPoolExecutor | None = None
         self._kernel = native()           # read_expert, when the native kernels are built
-        self._fds: list[int] = []         # per file: its descriptor, and whether it was opened with O_DIRECT
-        self._direct: list[bool] = []
         self._native_plans: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # eid -> read_expert's spans, pieces
 
     @property
@@ -185,8 +183,6 @@ class DiskStore:
                       "from it after each read (posix_fadvise DONTNEED)", file=sys.stderr)
             i = self._index[path] = len(self._files)
             self._files.append(f)
-            self._fds.append(f.fd)
-            self._direct.append(f.direct)
         self._segments[eid].append((dst_offset, i, file_offset, nbytes))
         self._spans = None
         self._native_plans.clear()
@@ -303,8 +299,7 @@ class DiskStore:
         if plan is None:
             plan = self._native_plans[eid] = native_plan(spans)
         with io(self, "on_demand_reads", inherit=True):
-            requests, copy_cpu, copy_wall = read_native(self._kernel, self._files, self._fds, self._direct, spans,
-                                                        plan, arr, out)
+            requests, copy_cpu, copy_wall = read_native(self._kernel, self._files, spans, plan, arr, out)
             charge_within(self, "staging_copies", copy_cpu, copy_wall)
         return requests, sum(s.length for s in spans)
 
