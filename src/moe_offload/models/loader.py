@@ -19,6 +19,7 @@ import torch
 from ..errors import MoeOffloadError
 from ..runtime.engine import OffloadEngine
 from ..runtime.formats import ExpertFormat
+from ..runtime.huge_pages import rehome_parameters
 from ..runtime.decode_attention import use_decode_attention
 from ..runtime.fast_linear import use_fast_linears
 from ..runtime.fused_experts import use_fused_fullload
@@ -248,6 +249,7 @@ def load_offloaded(model_dir: str | Path, *, device: str | None = None, dtype: s
     _materialise(model, mods, dev, dt)
     load_non_expert(model, cmap, ckpt, layer_of)
     if dev.type == "cpu":
+        rehome_parameters(model)  # the weights a step streams on huge pages (runtime.huge_pages), as FullLoad's
         use_fast_linears(model)  # decode-step linears on the native kernel, as FullLoad (runtime.fast_linear)
         use_decode_attention(model)  # and its attention (runtime.decode_attention)
     if host_store == "mmap":
@@ -313,6 +315,7 @@ def load_full(model_dir: str | Path, *, device: str | None = None, dtype: str | 
     model.eval()
     mods = experts_modules(model)
     if dev.type == "cpu":
+        rehome_parameters(model)  # the weights a step streams on huge pages, as the offloaded engine's
         use_fused_fullload([m for _, m in mods])
         use_fast_linears(model)
         use_decode_attention(model)

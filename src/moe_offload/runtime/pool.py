@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from . import huge_pages
 from .formats import ExpertFormat, ExpertRows
 from .store import ExpertLayout, HostStore
 
@@ -37,7 +38,10 @@ class SlotPool:
         self.layout = fmt.layout if isinstance(fmt, ExpertFormat) else fmt
         self.num_slots = num_slots
         self.device = torch.device(device)
-        self.buf = torch.zeros((num_slots, self.layout.expert_bytes), dtype=torch.uint8, device=self.device)
+        if self.device.type == "cpu":  # on huge pages, as FullLoad's weights (runtime.huge_pages)
+            self.buf = huge_pages.empty((num_slots, self.layout.expert_bytes), torch.uint8).zero_()
+        else:
+            self.buf = torch.zeros((num_slots, self.layout.expert_bytes), dtype=torch.uint8, device=self.device)
         self.views = self.layout.views(self.buf)
         self.rows = ExpertRows(self.format, self.buf) if self.format is not None else None
         self.lookup = torch.full((num_experts_total,), -1, dtype=torch.long, device=self.device)

@@ -1,0 +1,35 @@
+"""Weights on transparent huge pages (``runtime.huge_pages``): the same values, shapes and dtypes, tied
+parameters still tied, small tensors left alone. Whether the kernel grants huge pages is the system's matter
+(THP may be off): the test checks the placement, not the page size."""
+
+import torch
+
+from moe_offload.runtime import huge_pages
+
+
+def test_empty_and_copy_of():
+    t = huge_pages.empty((3, 1 << 20), torch.bfloat16)
+    assert t.shape == (3, 1 << 20) and t.dtype == torch.bfloat16 and t.is_contiguous()
+    if huge_pages._ADVICE is not None:
+        assert t.data_ptr() % huge_pages.HUGE_PAGE == 0
+    src = torch.randn(5, 1 << 20)
+    c = huge_pages.copy_of(src)
+    assert torch.equal(c, src) and c.data_ptr() != src.data_ptr()
+    small = huge_pages.empty((4, 4), torch.float32)
+    assert small.shape == (4, 4)
+
+
+def test_rehome_parameters_keeps_values_and_ties():
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(4096, 512)
+    head = torch.nn.Linear(512, 4096, bias=False)
+    head.weight = emb.weight                       # tied, as an LM head often is
+    norm = torch.nn.LayerNorm(512)
+    model = torch.nn.ModuleDict(dict(emb=emb, head=head, norm=norm))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ptr = norm.weight.data_ptr()
+    moved = huge_pages.rehome_parameters(model)
+    assert moved == 4096 * 512 * 4                 # the tied weight once; the small norm left alone
+    assert head.weight is emb.weight and norm.weight.data_ptr() == ptr
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n])
