@@ -33,3 +33,9 @@ def test_rehome_parameters_keeps_values_and_ties():
     assert head.weight is emb.weight and norm.weight.data_ptr() == ptr
     for n, p in model.named_parameters():
         assert torch.equal(p, before[n])
+
+
+def test_storage_is_the_tensors_bytes():
+    """Memory accounting (``serve.memory_profile.storage_bytes``) sees a tensor's own bytes, not its mapping's."""
+    t = huge_pages.empty((3, 1 << 20), torch.float32)
+    assert t.untyped_storage().nbytes() == 3 * (1 << 20) * 4

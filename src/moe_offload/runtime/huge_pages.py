@@ -40,13 +40,13 @@ def empty(shape, dtype: torch.dtype) -> torch.Tensor:
     if _ADVICE is None or n < MIN_BYTES:
         return torch.empty(shape, dtype=dtype)
     buf = mmap.mmap(-1, n + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # private: shared memory has no THP
-    raw = torch.frombuffer(buf, dtype=torch.uint8)
-    offset = -raw.data_ptr() % HUGE_PAGE
+    offset = -torch.frombuffer(buf, dtype=torch.uint8, count=1).data_ptr() % HUGE_PAGE
     try:
         buf.madvise(_ADVICE, offset, n)  # offset: a multiple of the page size, as the mapping's start is
     except OSError:  # refused (THP "never", an old kernel): ordinary pages, same values
         pass
-    return raw[offset:offset + n].view(dtype).view(shape)
+    # a storage of exactly n bytes at the aligned offset (memory accounting sees the tensor's bytes, not the mapping's)
+    return torch.frombuffer(buf, dtype=torch.uint8, count=n, offset=offset).view(dtype).view(shape)
 
 
 def copy_of(src: torch.Tensor) -> torch.Tensor:
