@@ -249,9 +249,7 @@ UNSUPPORTED = [  # (endpoint, fields, param)
     ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
     ("/v1/completions", {"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
     ("/v1/chat/completions", {"response_format": "json"}, "response_format"),  # not an object: a type error
-    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ("/v1/chat/completions", {"tool_choice": "auto"}, "tool_choice"),
-    ("/v1/chat/completions", {"tool_choice": "none"}, "tool_choice"),
+    # tools and tool_choice are served: tests/test_serve_tools.py
     ("/v1/chat/completions", {"functions": [{"name": "f", "parameters": {}}]}, "functions"),
     ("/v1/chat/completions", {"function_call": "auto"}, "function_call"),
     ("/v1/chat/completions", {"logprobs": True}, "logprobs"),

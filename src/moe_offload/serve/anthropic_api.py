@@ -13,14 +13,22 @@ default is 1), ``top_p``, ``top_k`` (the server's rules), ``stream``, ``metadata
 fields are ignored. Extensions, as on the OpenAI side: ``seed`` (the server's rules; -1: none), and
 ``return_token_ids: true``, which adds ``token_ids`` to the message (and to each streamed ``content_block_delta``),
 for exact comparisons. A final ``assistant`` message is a prefill: generation continues it (the chat template's
-``continue_final_message``) and the answer holds only the continuation. Refused with a 400: ``tools`` /
-``tool_choice``, ``thinking`` (other than ``{"type": "disabled"}``), content blocks other than text (images,
-documents, tool use / results, thinking), and a final assistant message that ends in whitespace (as Anthropic's
-API refuses it).
+``continue_final_message``) and the answer holds only the continuation.
+
+Tools (``serve.tool_requests``, ``serve.tool_output``): ``tools`` (custom tools: ``name``, ``description``,
+``input_schema``) rendered by the model's chat template, ``tool_choice`` (``auto``, ``any``, ``tool`` with a
+``name``, ``none``), an assistant's ``tool_use`` blocks and a user's ``tool_result`` blocks (``content`` text or
+text blocks; ``is_error`` marks the text ``Error:``) fed back; the answer's calls parsed into ``tool_use`` blocks
+(stop reason ``tool_use``; streamed as ``content_block_start`` with the block, one ``input_json_delta``,
+``content_block_stop``). A call the model wrote that does not parse comes back as text.
+
+Refused with a 400: ``thinking`` (other than ``{"type": "disabled"}``), content blocks other than text, tool_use
+and tool_result (images, documents, thinking), Anthropic's server tools, a tool result for no earlier call, a final
+assistant message that ends in whitespace (as Anthropic's API refuses it) or holds tool calls.
 
 ``POST /v1/messages/count_tokens`` answers ``{"input_tokens": N}``: the tokens the chat template gives the
-request's system prompt and messages, what ``usage.input_tokens`` of the same ``/v1/messages`` request reports
-(``max_tokens`` is not needed; the same refusals). An ``anthropic-beta`` header is accepted and ignored.
+request's system prompt, messages and tools, what ``usage.input_tokens`` of the same ``/v1/messages`` request
+reports (``max_tokens`` is not needed; the same refusals). An ``anthropic-beta`` header is accepted and ignored.
 
 Errors are Anthropic's shape, ``{"type": "error", "error": {"type", "message"}}``: 400 ``invalid_request_error``
 (validation, parameters, context length), 404 ``not_found_error`` (unknown model), 503 ``overloaded_error`` (the
@@ -32,7 +40,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import uuid
 from types import SimpleNamespace
 from typing import Literal
@@ -41,23 +48,30 @@ from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
-from fastapi.sse import EventSourceResponse, format_sse_event
+from fastapi.sse import EventSourceResponse
 from pydantic import BaseModel
 
 from .protocol import _STRICT, OpenAIError, Text, validation_message
-from .jobs import Delta, Done, Failed, Job, wait_result
-
-_ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 413: "request_too_large",
-                429: "rate_limit_error", 500: "api_error", 503: "overloaded_error", 529: "overloaded_error"}
+from .jobs import Done, Failed, Job, wait_result
+from .anthropic_stream import ERROR_TYPES, TOOL_ID_PREFIX, stop_reason, stream_events, tool_use
+from .tool_output import ToolTurn
+from .tool_requests import CallLedger, anthropic_tools
 
 
 class ContentBlock(BaseModel):
-    """A content block: ``{"type": "text", "text"}`` is the only kind served; any other ``type`` parses only to
-    be refused (``refuse_unsupported``)."""
+    """A content block: ``text`` (``text``), an assistant's ``tool_use`` (``id``, ``name``, ``input``) and a user's
+    ``tool_result`` (``tool_use_id``, ``content`` a string or text blocks, ``is_error``); any other ``type``
+    parses only to be refused (``chat_messages``)."""
 
     model_config = _STRICT
     type: Text
     text: Text | None = None
+    id: Text | None = None
+    name: Text | None = None
+    input: dict | None = None
+    tool_use_id: Text | None = None
+    content: Text | list["ContentBlock"] | None = None
+    is_error: bool | None = None
 
 
 class AnthropicMessage(BaseModel):
@@ -109,7 +123,7 @@ def error_body(message: str, type: str = "invalid_request_error") -> dict:
 def error_response(status: int, message: str) -> JSONResponse:
     """An Anthropic error answer: the error type of ``status`` (400 ``invalid_request_error``, 404
     ``not_found_error``, 500 ``api_error``, 503 / 529 ``overloaded_error``; other 4xx invalid request, 5xx api)."""
-    kind = _ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+    kind = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
     return JSONResponse(error_body(message, kind), status_code=status)
 
 
@@ -151,33 +165,76 @@ def _text(content: str | list[ContentBlock], where: str) -> str:
 
 
 def refuse_unsupported(body) -> None:
-    """Refuse what this server parses but cannot honour: tools, tool choice, extended thinking.
+    """Refuse what this server parses but cannot honour: extended thinking.
 
     Raises:
         OpenAIError: 400 naming the field.
     """
-    if body.tools or body.tool_choice is not None:
-        raise OpenAIError(400, f"{'tools' if body.tools else 'tool_choice'}: tool use is not supported by this server")
     if body.thinking is not None and body.thinking.get("type") != "disabled":
         raise OpenAIError(400, "thinking: extended thinking is not supported by this server")
 
 
+def _tool_result(b: ContentBlock, where: str, ledger: CallLedger) -> dict:
+    """A ``tool_result`` block as a chat template's ``tool`` message (an error's text marked ``Error:``: chat
+    templates have no field for it)."""
+    if b.tool_use_id is None:
+        raise OpenAIError(400, f"{where}.tool_use_id: Field required")
+    name = ledger.result(b.tool_use_id, f"{where}.tool_use_id")
+    text = _text(b.content if b.content is not None else "", f"{where}.content")
+    return {"role": "tool", "content": f"Error: {text}" if b.is_error else text, "tool_call_id": b.tool_use_id,
+            "name": name}
+
+
+def _message(m: AnthropicMessage, i: int, ledger: CallLedger) -> list[dict]:
+    """The chat-template messages of one message: a user's ``tool_result`` blocks as ``tool`` messages (then its
+    text, if any, as a user message); an assistant's text and ``tool_use`` blocks as one message with
+    ``tool_calls``.
+
+    Raises:
+        OpenAIError: 400 for a block of another type, or one missing its fields (``serve.tool_requests``).
+    """
+    if isinstance(m.content, str):
+        return [{"role": m.role, "content": m.content}]
+    texts, calls, results = [], [], []
+    for j, b in enumerate(m.content):
+        where = f"messages.{i}.content.{j}"
+        if b.type == "text":
+            texts.append(_text([b], where.rsplit(".", 1)[0]))
+        elif b.type == "tool_use" and m.role == "assistant":
+            if b.id is None or b.name is None:
+                raise OpenAIError(400, f"{where}: a tool_use block needs its id and name")
+            calls.append(ledger.call(b.id, b.name, b.input if b.input is not None else {}, f"{where}.input"))
+        elif b.type == "tool_result" and m.role == "user":
+            results.append(_tool_result(b, where, ledger))
+        else:
+            raise OpenAIError(400, f"{where}: content blocks of type {b.type!r} are not supported by this server in "
+                              f"{m.role} messages (text, tool_use from the assistant, tool_result from the user)")
+    if m.role == "assistant":
+        return [{"role": "assistant", "content": "".join(texts)} | ({"tool_calls": calls} if calls else {})]
+    return results + ([{"role": "user", "content": "".join(texts)}] if texts or not results else [])
+
+
 def chat_messages(body) -> tuple[list[dict], bool]:
-    """``([{"role", "content": str}], prefill)`` for the chat template: the system prompt (if any and non-empty)
-    as a ``system`` message, then the messages; ``prefill``: the last one is the assistant's start, which
+    """``(messages, prefill)`` for the chat template: the system prompt (if any and non-empty) as a ``system``
+    message, then the messages (``_message``); ``prefill``: the last one is the assistant's start, which
     generation continues (an empty one is left out: the model starts its turn as usual).
 
     Raises:
-        OpenAIError: 400 for no message, a non-text block, or a final assistant message ending in whitespace.
+        OpenAIError: 400 for no message, a block this server does not take, a tool result answering no earlier
+            call, a final assistant message ending in whitespace or holding tool calls.
     """
     if not body.messages:
         raise OpenAIError(400, "messages: must hold at least one message")
     msgs = []
     if body.system is not None and (system := _text(body.system, "system")):
         msgs.append({"role": "system", "content": system})
-    msgs += [{"role": m.role, "content": _text(m.content, f"messages.{i}.content")}
-             for i, m in enumerate(body.messages)]
+    ledger = CallLedger()
+    for i, m in enumerate(body.messages):
+        msgs += _message(m, i, ledger)
     prefill = msgs[-1]["role"] == "assistant"
+    if prefill and "tool_calls" in msgs[-1]:
+        raise OpenAIError(400, "messages: the final assistant message holds tool_use blocks; answer them with "
+                          "tool_result blocks in a user message")
     if prefill and not msgs[-1]["content"]:
         msgs.pop()
         prefill = False
@@ -205,64 +262,17 @@ def job_params(state, body: MessagesRequest, prompt_tokens: int):
     return dataclasses.replace(state.params(view, prompt_tokens, body.max_tokens), stop=stop)
 
 
-def stop_reason(ev: Done) -> str:
-    """Anthropic's ``stop_reason`` of a finished request: ``stop_sequence``, ``end_turn`` (EOS) or
-    ``max_tokens`` (``max_tokens`` or the model's position limit)."""
-    if ev.stop_sequence is not None:
-        return "stop_sequence"
-    return "end_turn" if ev.finish_reason == "stop" else "max_tokens"
-
-
-def message_body(mid: str, model: str, ev: Done, token_ids: bool) -> dict:
-    """The non-streamed answer: a ``message`` with one text block, the stop reason and usage (tokens)."""
-    out = {"id": mid, "type": "message", "role": "assistant", "model": model,
-           "content": [{"type": "text", "text": ev.text}], "stop_reason": stop_reason(ev),
-           "stop_sequence": ev.stop_sequence,
+def message_body(mid: str, model: str, ev: Done, token_ids: bool, turn: ToolTurn | None = None) -> dict:
+    """The non-streamed answer: a ``message`` with a text block (when there is text, or no call) and a
+    ``tool_use`` block per call (``turn``: the request's tools), the stop reason and usage (tokens)."""
+    text, calls = turn.parse(ev.text, TOOL_ID_PREFIX) if turn is not None else (ev.text, [])
+    content = ([{"type": "text", "text": text}] if text or not calls else []) + [tool_use(c) for c in calls]
+    out = {"id": mid, "type": "message", "role": "assistant", "model": model, "content": content,
+           "stop_reason": stop_reason(ev, bool(calls)), "stop_sequence": ev.stop_sequence,
            "usage": {"input_tokens": ev.prompt_tokens, "output_tokens": len(ev.token_ids)}}
     if token_ids:
         out["token_ids"] = ev.token_ids
     return out
-
-
-def _event(name: str, data: dict) -> bytes:
-    return format_sse_event(event=name, data_str=json.dumps(dict(type=name, **data), separators=(",", ":")))
-
-
-async def stream_events(state, job: Job, mid: str, token_ids: bool, finished=lambda ev: None):
-    """Anthropic's server-sent events of one request: ``message_start``, ``content_block_start``, ``ping``,
-    ``content_block_delta`` (``text_delta``) as text becomes final, ``content_block_stop``, ``message_delta``
-    (``stop_reason``, ``stop_sequence``, usage), ``message_stop``; a failure ends it with an ``error`` event.
-    Cancels the job if the stream is abandoned; ``finished(last event)`` counts it in the metrics."""
-    n_in = len(job.prompt_ids)
-    ev = None
-    try:
-        yield _event("message_start", {"message": {
-            "id": mid, "type": "message", "role": "assistant", "model": state.model_name, "content": [],
-            "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": n_in, "output_tokens": 0}}})
-        yield _event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
-        yield _event("ping", {})
-        while True:
-            ev = await job.events.get()
-            if isinstance(ev, Delta):
-                if ev.text or (token_ids and ev.token_ids):
-                    extra = {"token_ids": ev.token_ids} if token_ids else {}
-                    yield _event("content_block_delta", {"index": 0, "delta": {"type": "text_delta",
-                                                                               "text": ev.text}} | extra)
-            elif isinstance(ev, Done):
-                yield _event("content_block_stop", {"index": 0})
-                yield _event("message_delta", {
-                    "delta": {"stop_reason": stop_reason(ev), "stop_sequence": ev.stop_sequence},
-                    "usage": {"input_tokens": n_in, "output_tokens": len(ev.token_ids)}})
-                yield _event("message_stop", {})
-                return
-            else:  # Failed: an engine error (500) or the server shutting down (503)
-                yield _event("error", {"error": {"type": _ERROR_TYPES.get(ev.status, "api_error"),
-                                                 "message": ev.message}})
-                return
-    finally:
-        finished(ev)
-        if not isinstance(ev, (Done, Failed)):  # abandoned: the client disconnected mid-stream
-            state.worker.cancel(job)
 
 
 def anthropic_router(state) -> APIRouter:
@@ -270,32 +280,36 @@ def anthropic_router(state) -> APIRouter:
     Anthropic-shaped errors."""
     router = APIRouter(route_class=AnthropicRoute)
 
-    def prompt_ids(body) -> list[int]:
-        """The prompt's token ids of a Messages or a count_tokens request (the same checks and refusals)."""
+    def prompt_ids(body):
+        """``(prompt token ids, ToolTurn or None)`` of a Messages or a count_tokens request (the same checks and
+        refusals; ``ServeState.encode_chat``)."""
         state.check_model(body.model)
         refuse_unsupported(body)
+        tools = anthropic_tools(body.tools, body.tool_choice)
         msgs, prefill = chat_messages(body)
-        return state.encode_messages(msgs, continue_final=prefill)
+        ids, turn = state.encode_chat(msgs, tools, continue_final=prefill)
+        return ids, turn, tools
 
     @router.post("/v1/messages/count_tokens")
     async def count_tokens(body: CountTokensRequest):
-        return {"input_tokens": len(prompt_ids(body))}
+        return {"input_tokens": len(prompt_ids(body)[0])}
 
     @router.post("/v1/messages")
     async def messages(body: MessagesRequest, request: Request):
-        ids = prompt_ids(body)
+        ids, turn, tools = prompt_ids(body)
+        state.check_tool_room(tools, len(ids))
         job = Job(ids, job_params(state, body, len(ids)), asyncio.get_running_loop())
         state.worker.submit(job)
         mid = "msg_" + uuid.uuid4().hex
         finished = lambda ev: request.app.state.metrics.finished("/v1/messages", job, ev)  # noqa: E731
         if body.stream:
-            return EventSourceResponse(stream_events(state, job, mid, bool(body.return_token_ids), finished),
+            return EventSourceResponse(stream_events(state, job, mid, bool(body.return_token_ids), finished, turn),
                                        headers={"Cache-Control": "no-cache"})
         ev = await wait_result(state.worker, job, request.is_disconnected, finished)
         if ev is None:
             return error_response(499, "client disconnected")
         if isinstance(ev, Failed):
             return error_response(ev.status, ev.message)
-        return message_body(mid, state.model_name, ev, bool(body.return_token_ids))
+        return message_body(mid, state.model_name, ev, bool(body.return_token_ids), turn)
 
     return router

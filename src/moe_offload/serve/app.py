@@ -2,6 +2,12 @@
 ``/v1/stats``, ``/health``, and Prometheus metrics at ``/metrics`` (``serve.metrics``); Anthropic's ``/v1/messages``
 comes from ``anthropic_api`` (its own error shape).
 
+Chat completions take ``tools`` and ``tool_choice`` (``none``, ``auto``, ``required``, a named function;
+``serve.tool_requests``): the tools are rendered by the model's chat template, an assistant's earlier
+``tool_calls`` and ``tool`` messages fed back, and the answer's calls parsed with transformers' response parsing
+(``serve.tool_output``) into ``message.tool_calls`` (finish reason ``tool_calls``; streamed as one
+``delta.tool_calls`` chunk per call as it closes). A call the model wrote that does not parse comes back as text.
+
 Streaming responses are server-sent events (``data: {chunk}`` ... ``data: [DONE]``); a client that disconnects
 mid-stream cancels its request (Starlette cancels the response stream; the stream's ``finally`` cancels the job).
 Every request error is an OpenAI-style JSON body with a 4xx status; an unexpected failure inside the engine is a
@@ -30,13 +36,17 @@ from .metrics import install_metrics
 from .protocol import ChatCompletionRequest, CompletionRequest, OpenAIError, error_body, validation_message
 from .jobs import Delta, Done, Failed, Job, Params, wait_result
 from .state import ServeState
+from .tool_output import ToolCall, ToolTurn
+from .tool_requests import openai_tools
+
+CALL_ID_PREFIX = "call_"  # OpenAI's tool call ids
 
 def refuse_unsupported(body, chat: bool) -> None:
     """Refuse the OpenAI fields this server parses but cannot honour, rather than ignore them silently: a
     ``response_format`` other than ``{"type": "text"}`` (no constrained decoding), log-probabilities (chat
-    ``logprobs: true`` / ``top_logprobs``; completions ``logprobs``, 0 included), tools and functions (a non-empty
-    ``tools`` / ``functions``, any ``tool_choice`` / ``function_call``), and completions' ``echo``, ``suffix``,
-    ``best_of`` > 1. Null, false and empty values mean "not set" and pass.
+    ``logprobs: true`` / ``top_logprobs``; completions ``logprobs``, 0 included), the legacy functions (a non-empty
+    ``functions``, any ``function_call``: ``tools`` instead), and completions' ``echo``, ``suffix``, ``best_of`` > 1.
+    Null, false and empty values mean "not set" and pass.
 
     Raises:
         OpenAIError: 400 naming the first such field.
@@ -47,15 +57,14 @@ def refuse_unsupported(body, chat: bool) -> None:
                           "constrain its output (only {\"type\": \"text\"})", param="response_format")
     if chat:
         bad = [("logprobs", bool(body.logprobs)), ("top_logprobs", body.top_logprobs is not None),
-               ("tools", bool(body.tools)), ("tool_choice", body.tool_choice is not None),
                ("functions", bool(body.functions)), ("function_call", body.function_call is not None)]
     else:
         bad = [("logprobs", body.logprobs is not None), ("echo", bool(body.echo)), ("suffix", bool(body.suffix)),
                ("best_of", body.best_of not in (None, 1))]
     for name, refused in bad:
         if refused:
-            what = "tool and function calling is" if name in ("tools", "tool_choice", "functions",
-                                                               "function_call") else f"{name} is"
+            what = ("the legacy function calling is not supported (send tools), and it is" if name in (
+                "functions", "function_call") else f"{name} is")
             raise OpenAIError(400, f"{name}: {what} not supported by this server", param=name)
 
 
@@ -126,10 +135,12 @@ def create_app(state: ServeState) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         state.check_model(body.model)
         refuse_unsupported(body, chat=True)
-        ids = state.chat_prompt(body)
+        tools = openai_tools(body.tools, body.tool_choice)
+        ids, turn = state.chat_prompt(body, tools)
+        state.check_tool_room(tools, len(ids))
         which = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         params = state.params(body, len(ids), getattr(body, which), which)
-        return await _respond(state, request, body, ids, params, chat=True)
+        return await _respond(state, request, body, ids, params, chat=True, turn=turn)
 
     app.include_router(anthropic_router(state))  # POST /v1/messages (serve/anthropic_api.py)
 
@@ -144,7 +155,8 @@ def create_app(state: ServeState) -> FastAPI:
     return app
 
 
-async def _respond(state: ServeState, request: Request, body, ids: list[int], params: Params, chat: bool):
+async def _respond(state: ServeState, request: Request, body, ids: list[int], params: Params, chat: bool,
+                   turn: ToolTurn | None = None):
     job = Job(ids, params, asyncio.get_running_loop())
     endpoint = "/v1/chat/completions" if chat else "/v1/completions"
     finished = lambda ev: request.app.state.metrics.finished(endpoint, job, ev)  # noqa: E731
@@ -155,7 +167,7 @@ async def _respond(state: ServeState, request: Request, body, ids: list[int], pa
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return EventSourceResponse(_stream(state, job, rid, created, chat, include_usage, body.return_token_ids,
-                                           finished),
+                                           finished, turn),
                                    headers={"Cache-Control": "no-cache"})
     ev = await wait_result(state.worker, job, request.is_disconnected, finished)
     if ev is None:
@@ -163,7 +175,13 @@ async def _respond(state: ServeState, request: Request, body, ids: list[int], pa
     if isinstance(ev, Failed):
         return JSONResponse(error_body(ev.message, type="server_error", code=ev.code), status_code=ev.status)
     choice = {"index": 0, "finish_reason": ev.finish_reason, "logprobs": None}
-    if chat:
+    if chat and turn is not None:
+        content, calls = turn.parse(ev.text, CALL_ID_PREFIX)
+        choice["message"] = {"role": "assistant", "content": content or (None if calls else "")}
+        if calls:
+            choice["message"]["tool_calls"] = [_call(c) for c in calls]
+            choice["finish_reason"] = "tool_calls"
+    elif chat:
         choice["message"] = {"role": "assistant", "content": ev.text}
     else:
         choice["text"] = ev.text
@@ -182,11 +200,19 @@ def _sse(obj) -> bytes:
     return format_sse_event(data_str=json.dumps(obj, separators=(",", ":")))
 
 
+def _call(c: ToolCall, index: int | None = None) -> dict:
+    """A parsed call as OpenAI carries it (``index``: its place in a streamed answer's calls)."""
+    out = {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments_json()}}
+    return out if index is None else {"index": index} | out
+
+
 async def _stream(state: ServeState, job: Job, rid: str, created: int, chat: bool, include_usage: bool,
-                  token_ids: bool, finished):
+                  token_ids: bool, finished, turn: ToolTurn | None = None):
     """Server-sent events of one request: chunks as tokens (or diffusion blocks) become final, a last chunk with
-    the finish reason, an optional usage chunk, then ``[DONE]``. Cancels the job if the stream is abandoned;
-    ``finished(last event)`` counts the request in the metrics when the stream ends."""
+    the finish reason, an optional usage chunk, then ``[DONE]``. With tools (``turn``), content chunks as the parser
+    makes text final and a ``delta.tool_calls`` chunk per call as it closes, finish reason ``tool_calls``. Cancels
+    the job if the stream is abandoned; ``finished(last event)`` counts the request in the metrics when the stream
+    ends."""
     obj = "chat.completion.chunk" if chat else "text_completion"
     head = {"id": rid, "object": obj, "created": created, "model": state.model_name}
 
@@ -200,17 +226,40 @@ async def _stream(state: ServeState, job: Job, rid: str, created: int, chat: boo
             c["token_ids"] = ids
         return _sse(dict(head, choices=[c]))
 
+    def tool_chunks(items: list, ids: list[int] | None):
+        for item in items:
+            if isinstance(item, ToolCall):
+                c = {"index": 0, "delta": {"tool_calls": [_call(item, sent[0])]}, "finish_reason": None,
+                     "logprobs": None}
+                sent[0] += 1
+                yield _sse(dict(head, choices=[c]))
+            else:
+                yield chunk(item, ids, None)
+                ids = None
+        if token_ids and ids:
+            yield chunk(None, ids, None)
+
+    parser = turn.stream(CALL_ID_PREFIX) if turn is not None else None
+    sent = [0]  # tool calls streamed so far (their indexes)
     ev = None
     try:
         if chat:
             yield chunk(None, None, None, role=True)
         while True:
             ev = await job.events.get()
-            if isinstance(ev, Delta):
+            if isinstance(ev, Delta) and parser is not None:
+                for out in tool_chunks(parser.feed(ev.text), ev.token_ids):
+                    yield out
+            elif isinstance(ev, Delta):
                 if ev.text or (token_ids and ev.token_ids):
                     yield chunk(ev.text, ev.token_ids, None)
             elif isinstance(ev, Done):
-                yield chunk(None if chat else "", [], ev.finish_reason)
+                finish = ev.finish_reason
+                if parser is not None:
+                    for out in tool_chunks(parser.finish(), None):
+                        yield out
+                    finish = "tool_calls" if sent[0] else finish
+                yield chunk(None if chat else "", [], finish)
                 if include_usage:
                     yield _sse(dict(head, choices=[], usage=_usage(ev)))
                 yield format_sse_event(data_str="[DONE]")

@@ -1,7 +1,7 @@
 """OpenAI request schemas (pydantic, strict types) and the OpenAI-style error body.
 
 Only what the engine can honour is accepted: one choice (``n`` = 1), no log-probabilities, no penalties, no
-tools or functions, no ``response_format`` but text. A parameter with a wrong JSON type is a 400 (strict validation:
+legacy ``functions`` (``tools`` instead: ``serve.tool_requests``), no ``response_format`` but text. A parameter with a wrong JSON type is a 400 (strict validation:
 ``"5"`` is not an integer, ``true`` is not a number); unknown extra fields are ignored, as OpenAI-compatible servers
 commonly do. Every optional field may be sent as ``null``, which means "not set" (as in the OpenAI API; several
 client libraries send every field). Numbers must be finite (``NaN`` / ``Infinity``, which Python's JSON parser
@@ -60,13 +60,34 @@ class TextPart(BaseModel):
     text: Text
 
 
+class FunctionCall(BaseModel):
+    """The function of an earlier tool call: ``name`` and ``arguments`` (a JSON string, as OpenAI sends it; an
+    object is taken too)."""
+
+    model_config = _STRICT
+    name: Text
+    arguments: Text | dict
+
+
+class ToolCallIn(BaseModel):
+    """An assistant's earlier tool call, ``{"id", "type": "function", "function": {"name", "arguments"}}``."""
+
+    model_config = _STRICT
+    id: Text
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
-    """One chat message; ``content`` is a string or a list of text parts (concatenated)."""
+    """One chat message; ``content`` is a string or a list of text parts (concatenated). An assistant message may
+    carry ``tool_calls`` (its ``content`` then null or text); a ``tool`` message answers one by ``tool_call_id``."""
 
     model_config = _STRICT
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = None
     name: Text | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: Text | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -104,8 +125,9 @@ class _Common(BaseModel):
 
 
 class ChatCompletionRequest(_Common):
-    """``POST /v1/chat/completions`` body. ``logprobs`` / ``top_logprobs``, ``tools`` / ``tool_choice`` and the
-    older ``functions`` / ``function_call`` are parsed only to be refused (``app.unsupported_fields``)."""
+    """``POST /v1/chat/completions`` body. ``tools`` / ``tool_choice`` are checked by ``serve.tool_requests``;
+    ``logprobs`` / ``top_logprobs`` and the older ``functions`` / ``function_call`` are parsed only to be refused
+    (``app.refuse_unsupported``)."""
 
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None

@@ -14,6 +14,9 @@ from ..generation.generate import encode_prompt
 from ..generation.report import tier_stats
 from .jobs import Params, percentile
 from .protocol import ChatCompletionRequest, CompletionRequest, OpenAIError
+from .tool_formats import format_for, takes_tools, template_source
+from .tool_output import ToolTurn
+from .tool_requests import ToolRequest, openai_messages
 from .worker import SCHEDULING, Worker
 
 
@@ -187,6 +190,14 @@ class ServeState:
                               code="context_length_exceeded")
         return Params(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop, top_k=top_k)
 
+    def check_tool_room(self, tools: ToolRequest, prompt_tokens: int) -> None:
+        """Raises OpenAIError (400, ``context_length_exceeded``, param ``tools``) when a prompt with tools leaves no
+        room in the context: the message says the tools' definitions take part of it."""
+        if tools.active and prompt_tokens >= self.max_context:
+            raise OpenAIError(400, f"This model's maximum context length is {self.max_context} tokens; the prompt "
+                              f"with its {len(tools.tools)} tools' definitions has {prompt_tokens}.", param="tools",
+                              code="context_length_exceeded")
+
     def sampling(self, req) -> tuple[float, float, int]:
         """``(temperature, top_p, top_k)`` of a request, range-checked, with null as the default (0, 1, off).
 
@@ -209,15 +220,43 @@ class ServeState:
             raise OpenAIError(400, f"top_k must be -1 or 0 (off) or a positive integer, got {top_k}", param="top_k")
         return temperature, top_p, top_k
 
-    def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
-        """Token ids of a chat request's messages (``encode_messages``)."""
-        return self.encode_messages([{"role": m.role, "content": m.text()} for m in req.messages])
+    def chat_prompt(self, req: ChatCompletionRequest, tools: ToolRequest | None = None):
+        """``(token ids, ToolTurn or None)`` of a chat request's messages and tools (``encode_chat``)."""
+        return self.encode_chat(openai_messages(req.messages), tools)
 
-    def encode_messages(self, msgs: list[dict], continue_final: bool = False) -> list[int]:
+    def encode_chat(self, msgs: list[dict], tools: ToolRequest | None = None, continue_final: bool = False):
+        """``(token ids, turn)`` of a conversation with tools (``encode_messages``): the tools rendered by the chat
+        template, and a forced call's opening (``tool_formats.ToolFormat.forced_opening``) appended, where
+        generation starts; ``turn`` (``tool_output.ToolTurn``) parses the answer, None when the request's tools
+        are not active (none, or ``tool_choice`` none: then neither rendered nor parsed).
+
+        Raises:
+            OpenAIError: 400 (``param`` ``tools``) when the model has no chat template or one that never reads
+                ``tools``; the errors of ``encode_messages``.
+        """
+        if tools is None or not tools.active:
+            return self.encode_messages(msgs, continue_final), None
+        tok = self.lm.tokenizer
+        source = template_source(tok, tools.tools)
+        if not takes_tools(source):
+            why = "has no chat template" if source is None else "has a chat template that never renders `tools`"
+            raise OpenAIError(400, f"tools: this model {why}, so it cannot be told of tools", param="tools")
+        fmt = format_for(tok, source)
+        ids = self.encode_messages(msgs, continue_final, tools.tools)
+        opening = fmt.forced_opening(tools.name) if tools.forced else ""
+        if opening:
+            ids = ids + tok.encode(opening, add_special_tokens=False)
+        prefill = msgs[-1]["content"] if continue_final else ""
+        prefix = tok.decode(ids) if fmt.whole_prompt else prefill + opening
+        return ids, ToolTurn(tok, fmt, prefix, tools.tools)
+
+    def encode_messages(self, msgs: list[dict], continue_final: bool = False,
+                        tools: list[dict] | None = None) -> list[int]:
         """Token ids of ``[{"role", "content": str}]`` in the model's chat template (a single user message: its
         text, as ``generate`` encodes a prompt; several messages without a template: ``role: text`` lines).
         ``continue_final``: the last message is the assistant's start (prefill), which generation continues
-        (transformers' ``continue_final_message``; without a template, its text after ``assistant:``).
+        (transformers' ``continue_final_message``; without a template, its text after ``assistant:``). ``tools``:
+        function tools the template renders (``apply_chat_template(tools=...)``; then always through the template).
 
         Raises:
             OpenAIError: 400 (``param`` ``messages``) for no message or one the chat template rejects.
@@ -225,12 +264,12 @@ class ServeState:
         if not msgs:
             raise OpenAIError(400, "messages must hold at least one message", param="messages")
         tok = self.lm.tokenizer
-        if len(msgs) == 1 and msgs[0]["role"] == "user":
+        if len(msgs) == 1 and msgs[0]["role"] == "user" and not tools:
             return encode_prompt(tok, msgs[0]["content"])
         if getattr(tok, "chat_template", None):
             try:
-                ids = tok.apply_chat_template(msgs, add_generation_prompt=not continue_final, tokenize=True,
-                                              continue_final_message=continue_final)
+                ids = tok.apply_chat_template(msgs, tools=tools or None, add_generation_prompt=not continue_final,
+                                              tokenize=True, continue_final_message=continue_final)
             except Exception as e:  # the template refused the conversation (e.g. roles out of order)
                 raise OpenAIError(400, f"the chat template rejects these messages: {e}", param="messages") from None
             return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
