@@ -8,6 +8,7 @@ from pathlib import Path
 
 from ..core.policy_spec import parse_policy
 from ..errors import MoeOffloadError
+from ..serve.limits import DEFAULT_MAX_QUEUE, DEFAULT_MAX_REQUEST_BYTES
 from .args import (MODEL_HELP, add_host_store_arg, add_memory_budget_arg, add_threads_arg, finite_float, nonneg_int,
                    positive_int)
 
@@ -60,6 +61,12 @@ def add_parsers(sub, bench_sub) -> None:
     s.add_argument("--track-memory", action="store_true",
                    help="on the CPU: measure the device-tier peak during requests (shown in /v1/stats; about 1.6x "
                    "slower decoding). On CUDA it is always measured")
+    s.add_argument("--max-queue", type=nonneg_int, default=DEFAULT_MAX_QUEUE, metavar="N",
+                   help="most requests waiting for the engine; more get 503 (OpenAI API) / 529 overloaded (Anthropic "
+                   f"API) with Retry-After, which clients retry (default {DEFAULT_MAX_QUEUE}; 0: no limit)")
+    s.add_argument("--max-request-mb", type=finite_float, default=DEFAULT_MAX_REQUEST_BYTES / 1e6, metavar="MB",
+                   help="most megabytes (10^6 bytes) of a request body; larger ones get 413 (default "
+                   f"{DEFAULT_MAX_REQUEST_BYTES / 1e6:g}, Anthropic's limit)")
     s.add_argument("--cors-origins", default="*", metavar="ORIGIN[,ORIGIN...]",
                    help="browser origins allowed to call the API (CORS, preflight OPTIONS answered), e.g. "
                    "http://localhost:3000; none: no CORS headers (default *: any origin, no credentials)")
@@ -103,7 +110,21 @@ def _config(args):
                        prefix_cache=not args.no_prefix_cache,
                        track_memory=getattr(args, "track_memory", False), progress=not args.quiet,
                        host_store=args.host_store, host_cache_gb=args.host_cache, max_batch=args.max_batch, predictor=args.predictor,
-                       cors_origins=_origins(getattr(args, "cors_origins", "*")))
+                       cors_origins=_origins(getattr(args, "cors_origins", "*")),
+                       max_queue=getattr(args, "max_queue", DEFAULT_MAX_QUEUE) or None,
+                       max_request_bytes=_request_bytes(getattr(args, "max_request_mb", None)))
+
+
+def _request_bytes(mb: float | None) -> int:
+    """``--max-request-mb`` in bytes (None: the default).
+
+    Raises:
+        MoeOffloadError: a limit that is not positive."""
+    if mb is None:
+        return DEFAULT_MAX_REQUEST_BYTES
+    if mb <= 0:
+        raise MoeOffloadError(f"--max-request-mb must be positive, got {mb:g}")
+    return int(mb * 1e6)
 
 
 def _origins(text: str) -> tuple[str, ...]:

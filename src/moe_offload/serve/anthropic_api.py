@@ -54,6 +54,7 @@ from pydantic import BaseModel
 from .protocol import _STRICT, OpenAIError, Text, validation_message
 from .jobs import Done, Failed, Job, wait_result
 from .anthropic_stream import ERROR_TYPES, TOOL_ID_PREFIX, stop_reason, stream_events, tool_use
+from .limits import RETRY_AFTER_S, RETRY_STATUSES, check_queue
 from .tool_output import ToolTurn
 from .tool_requests import CallLedger, anthropic_tools
 
@@ -124,7 +125,8 @@ def error_response(status: int, message: str) -> JSONResponse:
     """An Anthropic error answer: the error type of ``status`` (400 ``invalid_request_error``, 404
     ``not_found_error``, 500 ``api_error``, 503 / 529 ``overloaded_error``; other 4xx invalid request, 5xx api)."""
     kind = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
-    return JSONResponse(error_body(message, kind), status_code=status)
+    retry = {"Retry-After": str(RETRY_AFTER_S)} if status in RETRY_STATUSES else None
+    return JSONResponse(error_body(message, kind), status_code=status, headers=retry)
 
 
 class AnthropicRoute(APIRoute):
@@ -298,7 +300,9 @@ def anthropic_router(state) -> APIRouter:
     async def messages(body: MessagesRequest, request: Request):
         ids, turn, tools = prompt_ids(body)
         state.check_tool_room(tools, len(ids))
-        job = Job(ids, job_params(state, body, len(ids)), asyncio.get_running_loop())
+        params = job_params(state, body, len(ids))
+        check_queue(state.worker, state.max_queue, 529)
+        job = Job(ids, params, asyncio.get_running_loop())
         state.worker.submit(job)
         mid = "msg_" + uuid.uuid4().hex
         finished = lambda ev: request.app.state.metrics.finished("/v1/messages", job, ev)  # noqa: E731

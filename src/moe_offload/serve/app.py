@@ -35,6 +35,7 @@ from .anthropic_api import anthropic_router
 from .metrics import install_metrics
 from .protocol import ChatCompletionRequest, CompletionRequest, OpenAIError, error_body, validation_message
 from .jobs import Delta, Done, Failed, Job, Params, wait_result
+from .limits import RETRY_AFTER_S, RETRY_STATUSES, BodyLimit, check_queue
 from .state import ServeState
 from .tool_output import ToolCall, ToolTurn
 from .tool_requests import openai_tools
@@ -99,10 +100,12 @@ def create_app(state: ServeState) -> FastAPI:
         app.add_middleware(CORSMiddleware, allow_origins=list(state.cors_origins), allow_methods=["*"],
                            allow_headers=["*"], allow_credentials=False)
     install_metrics(app, state)  # GET /metrics, the HTTP request counter, app.state.metrics
+    app.add_middleware(BodyLimit, limit=state.max_request_bytes)  # 413 above --max-request-mb (serve.limits)
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(request: Request, exc: OpenAIError):
-        return JSONResponse(exc.body(), status_code=exc.status)
+        retry = {"Retry-After": str(RETRY_AFTER_S)} if exc.status in RETRY_STATUSES else None
+        return JSONResponse(exc.body(), status_code=exc.status, headers=retry)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
@@ -157,6 +160,7 @@ def create_app(state: ServeState) -> FastAPI:
 
 async def _respond(state: ServeState, request: Request, body, ids: list[int], params: Params, chat: bool,
                    turn: ToolTurn | None = None):
+    check_queue(state.worker, state.max_queue, 503)
     job = Job(ids, params, asyncio.get_running_loop())
     endpoint = "/v1/chat/completions" if chat else "/v1/completions"
     finished = lambda ev: request.app.state.metrics.finished(endpoint, job, ev)  # noqa: E731

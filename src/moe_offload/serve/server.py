@@ -16,6 +16,7 @@ import uvicorn
 from ..core.policy_spec import PolicySpec, parse_policy, require_predictor
 from ..errors import MoeOffloadError
 from .batch_memory import plan_batch
+from .limits import DEFAULT_MAX_QUEUE, DEFAULT_MAX_REQUEST_BYTES
 from .budget import DEFAULT_MAX_CONTEXT, load_within_budget, resolve_budget
 from .memory import MemoryPlan, host_cache_bytes, lookup_bytes, non_expert_bytes, staging_bytes
 from .memory_profile import DeviceTierTracker, profile_request
@@ -47,6 +48,8 @@ class ServeConfig:
         predictor: a trained SeqMoE predictor directory for the forecast-driven policies (``seqmoe*``); its
             parameters count as non-expert bytes in the memory plan.
         cors_origins: browser origins allowed to call the API (``app.create_app``; ``("*",)``: any; empty: none).
+        max_queue: most requests waiting before new ones get 503 / 529 overloaded (None: no limit; ``serve.limits``).
+        max_request_bytes: most bytes of a request body (larger: 413).
     """
 
     model_dir: Path
@@ -69,6 +72,8 @@ class ServeConfig:
     max_batch: int | None = None
     predictor: str | None = None
     cors_origins: tuple[str, ...] = ("*",)
+    max_queue: int | None = DEFAULT_MAX_QUEUE
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
 
     def __post_init__(self):
         self.policy = parse_policy(self.policy)
@@ -198,7 +203,7 @@ def load_for_serving(cfg: ServeConfig, log=_log):
         + (f", block diffusion {diffusion}" if diffusion else ""))
     tracker = DeviceTierTracker(lm.device) if cfg.track_memory and lm.device.type != "cuda" else None
     return ServeState(lm, cfg.model_name or str(cfg.model_dir), max_context, plan, diffusion, tracker, note,
-                      cfg.cors_origins)
+                      cfg.cors_origins, cfg.max_queue, cfg.max_request_bytes)
 
 
 def _check_policy(cfg: ServeConfig) -> None:

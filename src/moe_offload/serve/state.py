@@ -13,6 +13,7 @@ from ..common.seeds import seed_problem
 from ..generation.generate import encode_prompt
 from ..generation.report import tier_stats
 from .jobs import Params, percentile
+from .limits import DEFAULT_MAX_QUEUE, DEFAULT_MAX_REQUEST_BYTES
 from .protocol import ChatCompletionRequest, CompletionRequest, OpenAIError
 from .tool_formats import format_for, takes_tools, template_source
 from .tool_output import ToolTurn
@@ -36,11 +37,17 @@ class ServeState:
         batch_note: why the model runs batch 1, or None.
         cors_origins: the browser origins allowed to call the API (``create_app``; default ``("*",)``: any; empty:
             no CORS headers).
+        max_queue: most requests waiting before new ones are refused as overloaded (None: no limit;
+            ``serve.limits``).
+        max_request_bytes: most bytes of a request body (``serve.limits.BodyLimit``).
     """
 
     def __init__(self, lm, model_name: str, max_context: int, plan, diffusion: dict | None = None, tracker=None,
-                 batch_note: str | None = None, cors_origins: tuple[str, ...] = ("*",)):
+                 batch_note: str | None = None, cors_origins: tuple[str, ...] = ("*",),
+                 max_queue: int | None = DEFAULT_MAX_QUEUE, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES):
         self.lm = lm
+        self.max_queue = max_queue
+        self.max_request_bytes = max_request_bytes
         self.cors_origins = tuple(cors_origins)
         self.model_name = model_name
         self.max_context = max_context
