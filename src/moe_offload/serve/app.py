@@ -31,7 +31,7 @@ from fastapi.responses import JSONResponse
 from fastapi.sse import EventSourceResponse, format_sse_event
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .anthropic_api import anthropic_router
+from .anthropic_api import anthropic_router, error_response as anthropic_error
 from .metrics import install_metrics
 from .protocol import ChatCompletionRequest, CompletionRequest, OpenAIError, error_body, validation_message
 from .jobs import Delta, Done, Failed, Job, Params, wait_result
@@ -69,6 +69,14 @@ def refuse_unsupported(body, chat: bool) -> None:
             raise OpenAIError(400, f"{name}: {what} not supported by this server", param=name)
 
 
+def error_bytes(path: str, err: OpenAIError) -> bytes:
+    """An error's JSON body in the shape of the API that ``path`` belongs to (Anthropic's under ``/v1/messages``,
+    else OpenAI's)."""
+    if path == "/v1/messages" or path.startswith("/v1/messages/"):
+        return bytes(anthropic_error(err.status, err.message).body)
+    return json.dumps(err.body()).encode()
+
+
 def _now() -> int:
     return int(time.time())
 
@@ -100,7 +108,7 @@ def create_app(state: ServeState) -> FastAPI:
         app.add_middleware(CORSMiddleware, allow_origins=list(state.cors_origins), allow_methods=["*"],
                            allow_headers=["*"], allow_credentials=False)
     install_metrics(app, state)  # GET /metrics, the HTTP request counter, app.state.metrics
-    app.add_middleware(BodyLimit, limit=state.max_request_bytes)  # 413 above --max-request-mb (serve.limits)
+    app.add_middleware(BodyLimit, limit=state.max_request_bytes, error_bytes=error_bytes)  # 413 (serve.limits)
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(request: Request, exc: OpenAIError):

@@ -15,7 +15,6 @@ Units: bytes; seconds.
 
 from __future__ import annotations
 
-import json
 
 #: most bytes of a request body (Anthropic's limit for a Messages request: 32 MB)
 DEFAULT_MAX_REQUEST_BYTES = 32 * 10**6
@@ -27,11 +26,6 @@ RETRY_AFTER_S = 1
 RETRY_STATUSES = (503, 529)
 
 
-def is_anthropic(path: str) -> bool:
-    """Whether a path is the Anthropic API's (its errors have Anthropic's shape)."""
-    return path == "/v1/messages" or path.startswith("/v1/messages/")
-
-
 def too_large(limit: int, size: int | None = None):
     """The 413 error (``protocol.OpenAIError``) of a body above ``limit`` bytes (``size``: its declared size)."""
     from .protocol import OpenAIError  # here: the command line reads this module's defaults without pydantic
@@ -41,26 +35,19 @@ def too_large(limit: int, size: int | None = None):
                        "(serve --max-request-mb)", code="request_too_large")
 
 
-def error_bytes(path: str, err) -> bytes:
-    """An error's JSON body in the shape of the API ``path`` belongs to."""
-    if is_anthropic(path):
-        from .anthropic_api import error_response
-
-        return bytes(error_response(err.status, err.message).body)
-    return json.dumps(err.body()).encode()
-
-
 class BodyLimit:
     """ASGI middleware refusing request bodies above ``limit`` bytes with a 413 in the API's shape (module
     docstring): at once when ``Content-Length`` says so; a body without one is read here first (it is read whole
-    by the endpoint anyway) and refused when it passes the limit, else handed on as it came."""
+    by the endpoint anyway) and refused when it passes the limit, else handed on as it came. ``error_bytes(path,
+    error)`` writes the error's JSON body in the shape of the API that ``path`` belongs to (``app.error_bytes``)."""
 
-    def __init__(self, app, limit: int):
+    def __init__(self, app, limit: int, error_bytes):
         self.app = app
         self.limit = limit
+        self.error_bytes = error_bytes
 
     async def _refuse(self, scope, send, size: int | None) -> None:
-        body = error_bytes(scope.get("path", ""), too_large(self.limit, size))
+        body = self.error_bytes(scope.get("path", ""), too_large(self.limit, size))
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})
