@@ -264,7 +264,8 @@ class GraphEngine:
     def copy_rows(self, eids: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor) -> None:
         """The op's copies: host store -> slot for the valid entries (prefetch copies paused meanwhile)."""
         t0 = time.perf_counter()
-        n = int(valid.sum())
+        # on the CPU through numpy: a torch reduction costs ~10 us of dispatch per layer (0.3 ms per decode step)
+        n = int(valid.numpy().sum()) if valid.device.type == "cpu" else int(valid.sum())
         if not n:  # most decode layers: nothing to copy (no slicing, no lists)
             if self._decoding:
                 self.op_seconds["copy_overhead"] += time.perf_counter() - t0
