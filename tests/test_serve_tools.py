@@ -43,9 +43,8 @@ QUESTION = "What is the weather in Paris?"
 def srv(tiny_dirs):
     """The served model (offloaded, 60% of its experts in slots), FullLoad of the same checkpoint, both clients."""
     state = load_for_serving(ServeConfig(tiny_dirs["qwen3_moe"], model_name=MODEL, max_context=512, max_batch=1,
-                                         residency=0.6), log=lambda m: None)
+                                         residency=0.6, chat_template=TOOLS_TEMPLATE), log=lambda m: None)
     full = load_full(tiny_dirs["qwen3_moe"])
-    state.lm.tokenizer.chat_template = TOOLS_TEMPLATE
     with ServerThread(state) as server:
         ac = anthropic.Anthropic(base_url=server.base_url, api_key="none", max_retries=0, timeout=60)
         oc = openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0, timeout=60)
@@ -256,3 +255,39 @@ def test_bad_tool_input_is_a_one_line_error_in_each_apis_shape(srv):
         state.lm.tokenizer.chat_template = TOOLS_TEMPLATE
     ok = oc.chat.completions.create(model=MODEL, messages=user, max_tokens=2)
     assert ok.choices[0].finish_reason in ("stop", "length")
+
+
+def test_a_response_template_given_parses_the_models_own_format(srv, script):
+    """``serve --response-template``: the tokenizer's response template (here a ``<call>`` JSON format anchored at
+    the template's assistant marker) is used instead of ours, given the whole prompt as transformers' server does."""
+    state, server, ac, oc, full = srv
+    tok = state.lm.tokenizer
+    tok.response_template = {
+        "start_anchor": "<|assistant|>", "defaults": {"role": "assistant"},
+        "fields": {"tool_calls": {"open": "<call>", "close": "</call>", "repeats": True, "content": "json",
+                                  "transform": {"type": "function", "function": "{content}"}},
+                   "content": {"content": "text"}}}
+    try:
+        script('Sure.<call>{"name": "get_weather", "arguments": {"city": "Lima"}}</call>')
+        r = oc.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTION}],
+                                       tools=[WEATHER], max_tokens=40).choices[0]
+        assert r.message.content == "Sure." and r.finish_reason == "tool_calls"
+        assert json.loads(r.message.tool_calls[0].function.arguments) == {"city": "Lima"}
+    finally:
+        tok.response_template = None
+
+
+def test_bad_template_files_are_one_line_errors(tmp_path, capsys, tiny_dirs):
+    from moe_offload.cli import main
+
+    bad_jinja = tmp_path / "t.jinja"
+    bad_jinja.write_text("{% for m in messages %}{{ m.content }")
+    bad_json = tmp_path / "r.json"
+    bad_json.write_text('{"fields": {}}')
+    cases = [(["--chat-template", str(tmp_path / "none.jinja")], "cannot read it"),
+             (["--chat-template", str(bad_jinja)], "not a Jinja template"),
+             (["--response-template", str(bad_json)], "not a response template")]
+    for argv, words in cases:
+        assert main(["serve", "--model", str(tiny_dirs["qwen3_moe"]), "--port", "0", "--quiet", *argv]) == 2
+        err = capsys.readouterr().err.strip()
+        assert words in err and len(err.splitlines()) == 1

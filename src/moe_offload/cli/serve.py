@@ -67,6 +67,11 @@ def add_parsers(sub, bench_sub) -> None:
     s.add_argument("--max-request-mb", type=finite_float, default=DEFAULT_MAX_REQUEST_BYTES / 1e6, metavar="MB",
                    help="most megabytes (10^6 bytes) of a request body; larger ones get 413 (default "
                    f"{DEFAULT_MAX_REQUEST_BYTES / 1e6:g}, Anthropic's limit)")
+    s.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template replacing the model's (e.g. one "
+                   "that renders tools; docs/usage.md, 'Tool calls'; default: the model's own)")
+    s.add_argument("--response-template", metavar="FILE", help="a transformers response template (JSON) that parses "
+                   "the model's tool calls (default: the tokenizer's own, else one of ours chosen from the chat "
+                   "template: hermes, qwen3-coder, json)")
     s.add_argument("--cors-origins", default="*", metavar="ORIGIN[,ORIGIN...]",
                    help="browser origins allowed to call the API (CORS, preflight OPTIONS answered), e.g. "
                    "http://localhost:3000; none: no CORS headers (default *: any origin, no credentials)")
@@ -101,7 +106,12 @@ def add_parsers(sub, bench_sub) -> None:
 def _config(args):
     from ..testbed.resolve import resolve_model
     from ..serve.server import ServeConfig
+    from ..serve.tool_formats import read_chat_template, read_response_template
 
+    chat = getattr(args, "chat_template", None)  # read first: a bad file fails before the model is built or loaded
+    chat = read_chat_template(chat) if chat else None
+    resp = getattr(args, "response_template", None)
+    resp = read_response_template(resp) if resp else None
     path = resolve_model(args.model, progress=not args.quiet)
     return ServeConfig(model_dir=path, model_name=args.served_model_name or (args.model or "testbed"),
                        device=args.device, dtype=args.dtype, policy=args.policy, residency=args.residency,
@@ -112,7 +122,8 @@ def _config(args):
                        host_store=args.host_store, host_cache_gb=args.host_cache, max_batch=args.max_batch, predictor=args.predictor,
                        cors_origins=_origins(getattr(args, "cors_origins", "*")),
                        max_queue=getattr(args, "max_queue", DEFAULT_MAX_QUEUE) or None,
-                       max_request_bytes=_request_bytes(getattr(args, "max_request_mb", None)))
+                       max_request_bytes=_request_bytes(getattr(args, "max_request_mb", None)),
+                       chat_template=chat, response_template=resp)
 
 
 def _request_bytes(mb: float | None) -> int:

@@ -50,6 +50,9 @@ class ServeConfig:
         cors_origins: browser origins allowed to call the API (``app.create_app``; ``("*",)``: any; empty: none).
         max_queue: most requests waiting before new ones get 503 / 529 overloaded (None: no limit; ``serve.limits``).
         max_request_bytes: most bytes of a request body (larger: 413).
+        chat_template: a chat template (Jinja text) replacing the model's, or None (``serve --chat-template``).
+        response_template: a transformers response template for parsing tool calls, or None (the tokenizer's own,
+            else ours: ``serve.tool_formats``).
     """
 
     model_dir: Path
@@ -74,6 +77,8 @@ class ServeConfig:
     cors_origins: tuple[str, ...] = ("*",)
     max_queue: int | None = DEFAULT_MAX_QUEUE
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    chat_template: str | None = None
+    response_template: dict | None = None
 
     def __post_init__(self):
         self.policy = parse_policy(self.policy)
@@ -188,6 +193,12 @@ def load_for_serving(cfg: ServeConfig, log=_log):
         batch, note, kv, act = plan_batch(lm, cfg.max_batch, None, 0, prof, max_context)
     if lm.tokenizer is None:
         raise MoeOffloadError(f"{path} has no tokenizer: cannot encode prompts")
+    if cfg.chat_template is not None:
+        lm.tokenizer.chat_template = cfg.chat_template
+        log("chat template: the one given (--chat-template)")
+    if cfg.response_template is not None:
+        lm.tokenizer.response_template = cfg.response_template
+        log("tool calls parsed with the response template given (--response-template)")
     if pset is not None:
         _attach(lm, pset, batch)
         log(f"predictor {cfg.predictor}: {pred_bytes / 1e6:.1f} MB, forecasts "

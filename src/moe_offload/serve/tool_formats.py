@@ -19,12 +19,16 @@ Our templates anchor at the start of the text they are given (``start_anchor_pat
 the parser what the assistant's turn holds before generation (a forced opening, or nothing), not the whole prompt.
 A tokenizer's own template is given the whole prompt, as transformers' own server does, since its anchor is the
 template's assistant marker.
+
+``serve --chat-template FILE`` (a Jinja file) replaces a model's chat template, e.g. with one that renders tools;
+``serve --response-template FILE`` (JSON) gives the tokenizer a response template for a format none of ours parses.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from pathlib import Path
 
 #: the tool-call field's shape in every template: ``{"type": "function", "function": {"name", "arguments"}}``
 _CALL = {"type": "function", "function": {"name": "{name}", "arguments": "{content}"}}
@@ -126,3 +130,52 @@ def format_for(tokenizer, source: str | None) -> ToolFormat:
     if "<tool_call>" in text:
         return HERMES
     return PLAIN_JSON
+
+
+def read_chat_template(path) -> str:
+    """A chat template from a Jinja file (``serve --chat-template``), for a model whose own renders no tools.
+
+    Raises:
+        MoeOffloadError: the file cannot be read or is not a Jinja template (one line, with the line number).
+    """
+    import jinja2
+
+    from ..errors import MoeOffloadError
+
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise MoeOffloadError(f"--chat-template {path}: cannot read it ({getattr(e, 'strerror', None) or e})") \
+            from None
+    try:
+        jinja2.Environment().parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise MoeOffloadError(f"--chat-template {path}: not a Jinja template: {e.message} (line {e.lineno})") \
+            from None
+    return text
+
+
+def read_response_template(path) -> dict:
+    """A transformers response template from a JSON file (``serve --response-template``), for a model that writes
+    its calls in a format none of ours parses.
+
+    Raises:
+        MoeOffloadError: the file cannot be read, is not JSON, or is not a valid response template (one line).
+    """
+    from transformers.utils.chat_parsing.response_templates import load_response_template
+
+    from ..errors import MoeOffloadError
+
+    try:
+        spec = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as e:
+        raise MoeOffloadError(f"--response-template {path}: cannot read it ({getattr(e, 'strerror', None) or e})") \
+            from None
+    except json.JSONDecodeError as e:
+        raise MoeOffloadError(f"--response-template {path}: not JSON: {e.msg} (line {e.lineno})") from None
+    try:
+        load_response_template(spec)
+    except (ValueError, TypeError, KeyError) as e:
+        raise MoeOffloadError(f"--response-template {path}: not a response template: "
+                              f"{str(e).strip().splitlines()[0]}") from None
+    return spec
