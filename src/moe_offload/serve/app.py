@@ -81,6 +81,31 @@ def _now() -> int:
     return int(time.time())
 
 
+def _install_error_handlers(app: FastAPI) -> None:
+    """The OpenAI-shaped answers of every error outside Anthropic's routes: ``OpenAIError`` (its status; 503 / 529
+    with ``Retry-After``), request validation (400), Starlette's HTTP errors (404, 405, ...), and any unexpected
+    exception (500 ``server_error``; the server stays up)."""
+
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(request: Request, exc: OpenAIError):
+        retry = {"Retry-After": str(RETRY_AFTER_S)} if exc.status in RETRY_STATUSES else None
+        return JSONResponse(exc.body(), status_code=exc.status, headers=retry)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        msg, param = validation_message(exc.errors())
+        return JSONResponse(error_body(msg, param=param), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        return JSONResponse(error_body(str(exc.detail)), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception):
+        return JSONResponse(error_body(f"internal error: {exc.__class__.__name__}: {exc}", type="server_error"),
+                            status_code=500)
+
+
 def create_app(state: ServeState) -> FastAPI:
     """The FastAPI application over ``state``; its lifespan starts and stops the worker thread.
 
@@ -110,24 +135,7 @@ def create_app(state: ServeState) -> FastAPI:
     install_metrics(app, state)  # GET /metrics, the HTTP request counter, app.state.metrics
     app.add_middleware(BodyLimit, limit=state.max_request_bytes, error_bytes=error_bytes)  # 413 (serve.limits)
 
-    @app.exception_handler(OpenAIError)
-    async def _openai_error(request: Request, exc: OpenAIError):
-        retry = {"Retry-After": str(RETRY_AFTER_S)} if exc.status in RETRY_STATUSES else None
-        return JSONResponse(exc.body(), status_code=exc.status, headers=retry)
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(request: Request, exc: RequestValidationError):
-        msg, param = validation_message(exc.errors())
-        return JSONResponse(error_body(msg, param=param), status_code=400)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException):
-        return JSONResponse(error_body(str(exc.detail)), status_code=exc.status_code)
-
-    @app.exception_handler(Exception)
-    async def _internal_error(request: Request, exc: Exception):
-        return JSONResponse(error_body(f"internal error: {exc.__class__.__name__}: {exc}", type="server_error"),
-                            status_code=500)
+    _install_error_handlers(app)
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
@@ -218,6 +226,38 @@ def _call(c: ToolCall, index: int | None = None) -> dict:
     return out if index is None else {"index": index} | out
 
 
+class _Chunks:
+    """The chunks of one streamed OpenAI answer (``head``: id, object, created, model): text deltas, one
+    ``delta.tool_calls`` chunk per parsed call (``calls``: how many so far, their indexes), ``token_ids`` when asked."""
+
+    def __init__(self, head: dict, chat: bool, token_ids: bool):
+        self.head, self.chat, self.token_ids, self.calls = head, chat, token_ids, 0
+
+    def text(self, text: str | None, ids: list[int] | None, finish: str | None, role: bool = False) -> bytes:
+        if self.chat:
+            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text is not None else {})
+            c = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+        else:
+            c = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+        if self.token_ids and ids is not None:
+            c["token_ids"] = ids
+        return _sse(dict(self.head, choices=[c]))
+
+    def items(self, items: list, ids: list[int] | None):
+        """Chunks of parsed items (``tool_output.ToolStream``): content text and calls."""
+        for item in items:
+            if isinstance(item, ToolCall):
+                c = {"index": 0, "delta": {"tool_calls": [_call(item, self.calls)]}, "finish_reason": None,
+                     "logprobs": None}
+                self.calls += 1
+                yield _sse(dict(self.head, choices=[c]))
+            else:
+                yield self.text(item, ids, None)
+                ids = None
+        if self.token_ids and ids:
+            yield self.text(None, ids, None)
+
+
 async def _stream(state: ServeState, job: Job, rid: str, created: int, chat: bool, include_usage: bool,
                   token_ids: bool, finished, turn: ToolTurn | None = None):
     """Server-sent events of one request: chunks as tokens (or diffusion blocks) become final, a last chunk with
@@ -225,53 +265,26 @@ async def _stream(state: ServeState, job: Job, rid: str, created: int, chat: boo
     makes text final and a ``delta.tool_calls`` chunk per call as it closes, finish reason ``tool_calls``. Cancels
     the job if the stream is abandoned; ``finished(last event)`` counts the request in the metrics when the stream
     ends."""
-    obj = "chat.completion.chunk" if chat else "text_completion"
-    head = {"id": rid, "object": obj, "created": created, "model": state.model_name}
-
-    def chunk(text: str | None, ids: list[int] | None, finish: str | None, role: bool = False) -> bytes:
-        if chat:
-            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text is not None else {})
-            c = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
-        else:
-            c = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
-        if token_ids and ids is not None:
-            c["token_ids"] = ids
-        return _sse(dict(head, choices=[c]))
-
-    def tool_chunks(items: list, ids: list[int] | None):
-        for item in items:
-            if isinstance(item, ToolCall):
-                c = {"index": 0, "delta": {"tool_calls": [_call(item, sent[0])]}, "finish_reason": None,
-                     "logprobs": None}
-                sent[0] += 1
-                yield _sse(dict(head, choices=[c]))
-            else:
-                yield chunk(item, ids, None)
-                ids = None
-        if token_ids and ids:
-            yield chunk(None, ids, None)
-
+    head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
+            "model": state.model_name}
+    out = _Chunks(head, chat, token_ids)
     parser = turn.stream(CALL_ID_PREFIX) if turn is not None else None
-    sent = [0]  # tool calls streamed so far (their indexes)
     ev = None
     try:
         if chat:
-            yield chunk(None, None, None, role=True)
+            yield out.text(None, None, None, role=True)
         while True:
             ev = await job.events.get()
             if isinstance(ev, Delta) and parser is not None:
-                for out in tool_chunks(parser.feed(ev.text), ev.token_ids):
-                    yield out
+                for c in out.items(parser.feed(ev.text), ev.token_ids):
+                    yield c
             elif isinstance(ev, Delta):
                 if ev.text or (token_ids and ev.token_ids):
-                    yield chunk(ev.text, ev.token_ids, None)
+                    yield out.text(ev.text, ev.token_ids, None)
             elif isinstance(ev, Done):
-                finish = ev.finish_reason
-                if parser is not None:
-                    for out in tool_chunks(parser.finish(), None):
-                        yield out
-                    finish = "tool_calls" if sent[0] else finish
-                yield chunk(None if chat else "", [], finish)
+                for c in out.items(parser.finish() if parser is not None else [], None):
+                    yield c
+                yield out.text(None if chat else "", [], "tool_calls" if out.calls else ev.finish_reason)
                 if include_usage:
                     yield _sse(dict(head, choices=[], usage=_usage(ev)))
                 yield format_sse_event(data_str="[DONE]")

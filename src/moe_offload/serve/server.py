@@ -193,12 +193,7 @@ def load_for_serving(cfg: ServeConfig, log=_log):
         batch, note, kv, act = plan_batch(lm, cfg.max_batch, None, 0, prof, max_context)
     if lm.tokenizer is None:
         raise MoeOffloadError(f"{path} has no tokenizer: cannot encode prompts")
-    if cfg.chat_template is not None:
-        lm.tokenizer.chat_template = cfg.chat_template
-        log("chat template: the one given (--chat-template)")
-    if cfg.response_template is not None:
-        lm.tokenizer.response_template = cfg.response_template
-        log("tool calls parsed with the response template given (--response-template)")
+    _apply_templates(lm.tokenizer, cfg, log)
     if pset is not None:
         _attach(lm, pset, batch)
         log(f"predictor {cfg.predictor}: {pred_bytes / 1e6:.1f} MB, forecasts "
@@ -215,6 +210,17 @@ def load_for_serving(cfg: ServeConfig, log=_log):
     tracker = DeviceTierTracker(lm.device) if cfg.track_memory and lm.device.type != "cuda" else None
     return ServeState(lm, cfg.model_name or str(cfg.model_dir), max_context, plan, diffusion, tracker, note,
                       cfg.cors_origins, cfg.max_queue, cfg.max_request_bytes)
+
+
+def _apply_templates(tokenizer, cfg: ServeConfig, log) -> None:
+    """Give ``tokenizer`` the chat and response templates of ``cfg`` (``--chat-template``, ``--response-template``),
+    where given, and say so."""
+    if cfg.chat_template is not None:
+        tokenizer.chat_template = cfg.chat_template
+        log("chat template: the one given (--chat-template)")
+    if cfg.response_template is not None:
+        tokenizer.response_template = cfg.response_template
+        log("tool calls parsed with the response template given (--response-template)")
 
 
 def _check_policy(cfg: ServeConfig) -> None:
