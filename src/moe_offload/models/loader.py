@@ -22,6 +22,7 @@ from ..runtime.formats import ExpertFormat
 from ..runtime.huge_pages import rehome_parameters
 from ..runtime.decode_attention import use_decode_attention
 from ..runtime.fast_linear import use_fast_linears
+from ..runtime.fast_norm import use_fast_norms
 from ..runtime.fused_experts import use_fused_fullload
 from ..runtime.pool import SlotPool
 from ..runtime.route_rows import watch_routers
@@ -251,6 +252,7 @@ def load_offloaded(model_dir: str | Path, *, device: str | None = None, dtype: s
     if dev.type == "cpu":
         rehome_parameters(model)  # the weights a step streams on huge pages (runtime.huge_pages), as FullLoad's
         use_fast_linears(model)  # decode-step linears on the native kernel, as FullLoad (runtime.fast_linear)
+        use_fast_norms(model)  # and its RMSNorms (runtime.fast_norm)
         use_decode_attention(model)  # and its attention (runtime.decode_attention)
     if host_store == "mmap":
         store = MmapHostStore(fmt.layout, n_total)
@@ -318,6 +320,7 @@ def load_full(model_dir: str | Path, *, device: str | None = None, dtype: str | 
         rehome_parameters(model)  # the weights a step streams on huge pages, as the offloaded engine's
         use_fused_fullload([m for _, m in mods])
         use_fast_linears(model)
+        use_fast_norms(model)
         use_decode_attention(model)
     n_exp = mods[0][1].num_experts
     fmt = ExpertFormat.plain([(n, tuple(p.shape[1:])) for n, p in expert_params(mods[0][1])], dt)

@@ -10,6 +10,8 @@
   a decode step (``runtime.decode_attention``).
 - ``router_forecast.cpp``: ``router_forecast(weight, x, n, k, portable=False)``, the cross-layer forecast of one
   decode token (``runtime.cross_layer``).
+- ``rms_norm.cpp``: ``rms_norm(x, weight, eps, portable=False)``, transformers' standard RMSNorm of each row
+  (``runtime.fast_norm``).
 - ``expert_read.cpp``: ``read_expert(fds, direct, spans, pieces, staging, dst)``, one expert read from disk and
   copied into its destination without the interpreter lock (``runtime.disk_store``).
 - ``vec.h``: the dot product, bfloat16 widening and axpy they share (an AVX2 + FMA path and a portable path, bit
@@ -36,7 +38,7 @@ from pathlib import Path
 from ...errors import MoeOffloadError
 
 SOURCES = ("bindings.cpp", "routed_experts.cpp", "linear_rows.cpp", "decode_attention.cpp", "router_forecast.cpp",
-           "expert_read.cpp")
+           "expert_read.cpp", "rms_norm.cpp")
 #: included by the sources (part of the cache key, not compiled on their own)
 HEADERS = ("vec.h",)
 #: compiler flags: optimised, and no contraction of a * b + c into one fused multiply-add behind the source's back

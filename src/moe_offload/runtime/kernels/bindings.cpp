@@ -15,6 +15,7 @@ std::tuple<int64_t, double, double, double, double, int64_t, int64_t, int64_t> r
     std::vector<int64_t> fds, std::vector<bool> direct, torch::Tensor spans, torch::Tensor pieces,
     torch::Tensor staging, torch::Tensor dst);
 torch::Tensor router_forecast(torch::Tensor weight, torch::Tensor x, int64_t n, int64_t k, bool portable);
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, bool portable);
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::optional<torch::Tensor> mask,
                                double scale, bool portable);
 
@@ -34,6 +35,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("router_forecast", &router_forecast, "n linear softmax top-k routers' forecast of one token",
         pybind11::arg("weight"), pybind11::arg("x"), pybind11::arg("n"), pybind11::arg("k"),
         pybind11::arg("portable") = false);
+  m.def("rms_norm", &rms_norm, "transformers' standard RMSNorm of each row, deterministic",
+        pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("eps"), pybind11::arg("portable") = false);
   m.def("read_expert", &read_expert, "one expert's spans read from disk and its fields copied, without the GIL");
   m.def("kernel_path", &kernel_path, "which path the kernels run on this CPU");
 }
