@@ -273,6 +273,11 @@ def test_a_response_template_given_parses_the_models_own_format(srv, script):
                                        tools=[WEATHER], max_tokens=40).choices[0]
         assert r.message.content == "Sure." and r.finish_reason == "tool_calls"
         assert json.loads(r.message.tool_calls[0].function.arguments) == {"city": "Lima"}
+        script('{"name": "get_weather", "arguments": {"city": "Quito"}}</call>')   # forced: its literal opening
+        r = oc.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTION}],
+                                       tools=[WEATHER], tool_choice="required", max_tokens=40).choices[0]
+        assert tok.decode(script.prompts[-1]).endswith("<|assistant|><call>")
+        assert json.loads(r.message.tool_calls[0].function.arguments) == {"city": "Quito"}
     finally:
         tok.response_template = None
 

@@ -117,13 +117,21 @@ def takes_tools(source: str | None) -> bool:
     return bool(source) and "tools" in source
 
 
+def _literal_open(template: dict) -> str:
+    """A response template's literal opening of a tool call (its ``tool_calls`` field's ``open``, the first of a
+    list), or "" when it opens with a pattern: a forced call then starts where the model's turn starts."""
+    field = (template.get("fields") or {}).get("tool_calls") or {}
+    opening = field.get("open")
+    return opening[0] if isinstance(opening, list) and opening else opening if isinstance(opening, str) else ""
+
+
 def format_for(tokenizer, source: str | None) -> ToolFormat:
-    """The tool-call format of a model: its tokenizer's ``response_template`` where it ships one, else ours, chosen
-    from its chat template's text (``source``): XML parameters -> ``qwen3-coder``, ``<tool_call>`` -> ``hermes``,
-    else ``json``."""
+    """The tool-call format of a model: its tokenizer's ``response_template`` where it ships one (a forced call
+    opens with its literal ``open``; the tool cannot be named up front), else ours, chosen from its chat template's
+    text (``source``): XML parameters -> ``qwen3-coder``, ``<tool_call>`` -> ``hermes``, else ``json``."""
     own = getattr(tokenizer, "response_template", None)
     if own:
-        return ToolFormat("tokenizer", own, HERMES.opening, None, whole_prompt=True)
+        return ToolFormat("tokenizer", own, _literal_open(own), None, whole_prompt=True)
     text = source or ""
     if "<function=" in text and "<parameter=" in text:
         return QWEN3_CODER
