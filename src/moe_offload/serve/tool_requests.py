@@ -86,19 +86,24 @@ def _tool(name, description, schema, where: str) -> dict:
     return {"type": "function", "function": fn}
 
 
-def _check_count(tools: list, field_name: str) -> None:
+def _checked_tools(tools: list | None, one) -> list[dict]:
+    """The request's tools as chat templates take them: at most ``MAX_TOOLS``, each through ``one(i, tool)``
+    (checked, converted), no two of one name.
+
+    Raises:
+        OpenAIError: 400 (param ``tools``) for too many tools, a tool ``one`` refuses, or a repeated name.
+    """
+    tools = tools or []
     if len(tools) > MAX_TOOLS:
-        raise OpenAIError(400, f"{field_name}: at most {MAX_TOOLS} tools per request, got {len(tools)}",
-                          param=field_name)
-
-
-def _unique(tools: list[dict], field_name: str) -> None:
+        raise OpenAIError(400, f"tools: at most {MAX_TOOLS} tools per request, got {len(tools)}", param="tools")
+    out = [one(i, t) for i, t in enumerate(tools)]
     seen = set()
-    for t in tools:
+    for t in out:
         name = t["function"]["name"]
         if name in seen:
-            raise OpenAIError(400, f"{field_name}: two tools are named {name!r}", param=field_name)
+            raise OpenAIError(400, f"tools: two tools are named {name!r}", param="tools")
         seen.add(name)
+    return out
 
 
 def _named(tools: list[dict], name, where: str) -> ToolRequest:
@@ -116,17 +121,15 @@ def openai_tools(tools: list | None, tool_choice) -> ToolRequest:
     Raises:
         OpenAIError: 400 naming the field.
     """
-    tools = tools or []
-    _check_count(tools, "tools")
-    out = []
-    for i, t in enumerate(tools):
+    def one(i: int, t) -> dict:
         if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(t.get("function"),
                                                                                               dict):
             raise OpenAIError(400, f"tools.{i}: a tool must be {{\"type\": \"function\", \"function\": {{...}}}}",
                               param="tools")
         fn = t["function"]
-        out.append(_tool(fn.get("name"), fn.get("description"), fn.get("parameters"), f"tools.{i}.function"))
-    _unique(out, "tools")
+        return _tool(fn.get("name"), fn.get("description"), fn.get("parameters"), f"tools.{i}.function")
+
+    out = _checked_tools(tools, one)
     if tool_choice is None:
         return ToolRequest(out, "auto" if out else "none")
     if isinstance(tool_choice, str):
@@ -157,10 +160,7 @@ def anthropic_tools(tools: list | None, tool_choice: dict | None) -> ToolRequest
     Raises:
         OpenAIError: 400 naming the field.
     """
-    tools = tools or []
-    _check_count(tools, "tools")
-    out = []
-    for i, t in enumerate(tools):
+    def one(i: int, t) -> dict:
         if not isinstance(t, dict):
             raise OpenAIError(400, f"tools.{i}: a tool must be an object", param="tools")
         kind = t.get("type") or "custom"
@@ -170,8 +170,9 @@ def anthropic_tools(tools: list | None, tool_choice: dict | None) -> ToolRequest
                               param="tools")
         if "input_schema" not in t:
             raise OpenAIError(400, f"tools.{i}.input_schema: Field required", param="tools")
-        out.append(_tool(t.get("name"), t.get("description"), t["input_schema"], f"tools.{i}"))
-    _unique(out, "tools")
+        return _tool(t.get("name"), t.get("description"), t["input_schema"], f"tools.{i}")
+
+    out = _checked_tools(tools, one)
     if tool_choice is None:
         return ToolRequest(out, "auto" if out else "none")
     kind = tool_choice.get("type")
