@@ -2,8 +2,9 @@
 
 A decode step reads every weight it uses once (on the CPU, 637 MB per step on testbed-sparse-wide), at the memory's
 bandwidth. In 4 KiB pages that is one TLB miss per 4 KiB; in 2 MiB pages, one per 2 MiB. Measured on this project's
-machine (AMD EPYC, one thread, the routed-experts kernel over 30 layers of bfloat16 experts): 24.0 GB/s in 4 KiB
-pages, 27.0 GB/s on huge pages; at two threads, where the memory's bandwidth caps both, 33 GB/s either way.
+machine (AMD EPYC; ``scripts/experts_bandwidth.py``: the routed-experts kernel over 30 layers of bfloat16 experts,
+both placements in one process): 26.0 GB/s in 4 KiB pages, 28.4 GB/s on huge pages at one thread; 42.3 and 47.7
+GB/s at two.
 
 Linux gives a mapping huge pages where ``transparent_hugepage`` is ``always``, or ``madvise`` and the range was
 advised ``MADV_HUGEPAGE`` before its pages were first touched (later, only the kernel's background collapsing, slowly).
