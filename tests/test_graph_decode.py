@@ -96,27 +96,30 @@ def test_graph_predictor_same_decisions_as_python_runtime(tiny_dirs, one_thread,
 
 
 def test_graph_lookup_only_equals_full_load(tiny_dirs, one_thread):
-    """``preload_all`` + ``set_lookup_only``: every expert in the slot of its global id, the step without cache
-    decisions (the A/B baseline of ``bench graph``) still gives FullLoad's tokens, and so does the same decoder with
-    the decisions back on (every expert a hit); lookup-only needs the preload, the preload a slot per expert."""
+    """At residency 1.0 ``load_graph`` preloads every expert into the slot of its global id and turns the step's
+    cache decisions off (lookup-only, the A/B baseline of ``bench graph``): FullLoad's tokens, every distinct expert
+    of a layer counted a hit, exactly as the same decoder counts with the decisions back on; lookup-only needs the
+    preload, the preload a slot per expert."""
     path = tiny_dirs["mixtral"]
     ref = [o.token_ids for o in run(load_full(path, device="cpu"), PROMPTS, 6)[0]]
     lm = load_graph(path, residency=1.0, policy="lru", device="cpu")
-    with pytest.raises(MoeOffloadError, match="call preload_all first"):
-        lm.engine.set_lookup_only(True)
-    lm.engine.preload_all()
+    assert lm.engine.preloaded and lm.engine.lookup_only
     assert lm.engine.cache.slots_of() == list(range(lm.engine.cache.N))
     dec = GraphDecoder(lm, backend="aot_eager")
-    lm.engine.set_lookup_only(True)
     outs, stats = run_graph(lm, PROMPTS, 6, decoder=dec)
     assert [o.token_ids for o in outs] == ref
-    assert (stats.offload.hits, stats.offload.misses, stats.offload.bytes_loaded) == (0, 0, 0)
+    assert stats.offload.misses == 0 and stats.offload.bytes_loaded == 0
+    lookup_hits = stats.offload.hits
     lm.engine.set_lookup_only(False)
     outs, stats = run_graph(lm, PROMPTS, 6, decoder=dec)
     assert [o.token_ids for o in outs] == ref
-    assert stats.offload.misses == 0 and stats.offload.hits > 0 and stats.offload.bytes_loaded == 0
+    assert (stats.offload.hits, stats.offload.misses, stats.offload.bytes_loaded) == (lookup_hits, 0, 0)
+    assert lookup_hits > 0
     lm.close()
     small = load_graph(path, residency=0.5, policy="lru", device="cpu")
+    assert not small.engine.lookup_only
+    with pytest.raises(MoeOffloadError, match="call preload_all first"):
+        small.engine.set_lookup_only(True)
     with pytest.raises(MoeOffloadError, match="needs a slot for every expert"):
         small.engine.preload_all()
     small.close()

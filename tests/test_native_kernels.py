@@ -229,6 +229,36 @@ def test_a_failed_build_is_remembered_and_the_fallback_runs(tmp_path, monkeypatc
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_operators_are_the_bindings_bit_for_bit(dtype):
+    """``runtime.kernels.ops``: the kernels as torch operators (entered from the dispatcher, the interpreter lock
+    already released) give the bindings' bits, eager and inside a compiled graph (no graph break), and their fake
+    kernels give the shapes; registering twice registers once."""
+    from moe_offload.runtime.kernels.ops import NAMESPACE, native_ops
+
+    ops = native_ops()
+    assert ops is native_ops() and ops is getattr(torch.ops, NAMESPACE) and kernel.register_ops(NAMESPACE) is False
+    x, slots, weights, gate_up, down = _problem(dtype)
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(96, x.shape[1], generator=g).to(dtype)
+    bias = torch.randn(96, generator=g).to(dtype)
+    q = torch.randn(2, 6, 1, 64, generator=g).to(dtype)
+    kv = [torch.randn(2, 3, 17, 64, generator=g).to(dtype) for _ in range(2)]
+    mask = torch.rand(2, 1, 1, 17, generator=g) > 0.2
+
+    def by_ops():
+        return (ops.routed_experts(x, slots, weights, gate_up, down), ops.linear_rows(x, w, bias),
+                ops.decode_attention(q, *kv, mask, 0.125))
+
+    expected = (kernel.routed_experts(x, slots, weights, gate_up, down), kernel.linear_rows(x, w, bias),
+                kernel.decode_attention(q, *kv, mask, 0.125))
+    torch._dynamo.utils.counters.clear()
+    for got in (by_ops(), torch.compile(by_ops, fullgraph=True, backend="aot_eager")()):
+        assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    assert not torch._dynamo.utils.counters["graph_break"]
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_router_forecast_equals_the_numpy_forecast(dtype):
     """``router_forecast``: n routers' one-token forecast in one call, the numpy path's values (to float32
     rounding) and top-k, bit for bit the same on the portable path; one line for a wrong shape."""

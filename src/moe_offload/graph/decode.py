@@ -49,7 +49,10 @@ def load_graph(model_dir, *, policy: PolicySpec | str = "lru", residency: float 
         link_epl: with ``seqmoe``: the JSD scheduler's transfer budget B_avg, experts per layer time (as
             ``load_offloaded``).
     Returns:
-        A ``LoadedModel`` whose ``engine`` is a ``GraphEngine``.
+        A ``LoadedModel`` whose ``engine`` is a ``GraphEngine``. With a slot for every expert (residency 1.0) and
+        no prefetcher, every expert is copied into its slot here (``GraphEngine.preload_all``) and the step only
+        looks slots up (``GraphEngine.set_lookup_only``): no expert is ever evicted or fetched, so the decisions
+        would change nothing but cost a plan per layer.
     Raises:
         MoeOffloadError: as ``load_offloaded``; a policy graph mode does not support, or fewer slots than one
         layer's experts (``runtime.graph.cache.check_graph_policy``); a predictor with another policy than
@@ -86,6 +89,10 @@ def load_graph(model_dir, *, policy: PolicySpec | str = "lru", residency: float 
     engine.attach([m for _, m in experts_modules(lm.model)])
     lm.engine = engine
     _attach_forecasts(lm, engine, cache, predictor, scheduler, link_epl)
+    if cache.S >= cache.N and engine.prefetcher is None:
+        # every expert fits: nothing is ever evicted or fetched, so the step only looks its slots up
+        engine.preload_all()
+        engine.set_lookup_only(True)
     return lm
 
 

@@ -20,24 +20,13 @@ from __future__ import annotations
 import torch
 
 from .kernels import native
+from .kernels.ops import native_ops
 
 #: the implementation's name in transformers' attention and mask registries
 NAME = "moe_offload_decode"
 DTYPES = (torch.float32, torch.bfloat16)
 #: keyword arguments with which a call is left to sdpa (features the kernel does not compute)
 SDPA_ONLY = ("softcap", "position_bias", "s_aux", "sinks", "head_mask")
-
-
-@torch.library.custom_op("moe_offload::decode_attention", mutates_args=())
-def decode_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
-                        scale: float) -> torch.Tensor:
-    """The kernel's ``decode_attention`` as a torch operator, for graphs ``torch.compile`` captures."""
-    return native().decode_attention(query, key, value, mask, scale)
-
-
-@decode_attention_op.register_fake
-def _decode_attention_fake(query, key, value, mask, scale):
-    return query.new_empty(query.shape[0], 1, query.shape[1], value.shape[-1])
 
 
 def _kernel_serves(query, key, value, mask, dropout, kwargs) -> bool:
@@ -62,7 +51,7 @@ def decode_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
                                       is_causal=is_causal, **kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if torch.compiler.is_compiling():
-        return decode_attention_op(query, key, value, attention_mask, float(scale)), None
+        return torch.ops.moe_offload_native.decode_attention(query, key, value, attention_mask, float(scale)), None
     return native().decode_attention(query, key, value, attention_mask, scale), None
 
 
@@ -78,7 +67,7 @@ def use_decode_attention(model: torch.nn.Module) -> bool:
     """Select the kernel's attention on ``model`` (a transformers model on the CPU that uses sdpa; module
     docstring); returns whether it did. Nothing changes without the kernel, or when the model uses another
     implementation or cannot change it."""
-    kernel = native()
+    kernel = native_ops()  # the operator a compiled step calls, registered before it compiles
     config = getattr(model, "config", None)
     if (kernel is None or config is None or getattr(config, "_attn_implementation", None) != "sdpa"
             or not hasattr(model, "set_attn_implementation")):

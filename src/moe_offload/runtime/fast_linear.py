@@ -14,21 +14,11 @@ import torch
 import torch.nn.functional as F
 
 from .kernels import native
+from .kernels.ops import native_ops
 
 #: inputs of at most this many rows run the kernel (a decode step of up to this many sequences)
 FAST_ROWS = 8
 DTYPES = (torch.float32, torch.bfloat16)
-
-
-@torch.library.custom_op("moe_offload::linear_rows", mutates_args=())
-def linear_rows_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """The kernel's ``linear_rows`` as a torch operator, for graphs ``torch.compile`` captures."""
-    return native().linear_rows(x, weight, bias)
-
-
-@linear_rows_op.register_fake
-def _linear_rows_fake(x, weight, bias):
-    return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
 def fast_linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -36,7 +26,7 @@ def fast_linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     w = self.weight
     if x.dtype == w.dtype and x.numel() <= FAST_ROWS * w.shape[1] and x.device.type == "cpu":
         if torch.compiler.is_compiling():
-            return linear_rows_op(x, w, self.bias)
+            return torch.ops.moe_offload_native.linear_rows(x, w, self.bias)
         return self._moe_kernel.linear_rows(x, w, self.bias)
     return F.linear(x, w, self.bias)
 
@@ -51,7 +41,7 @@ def use_fast_linears(model: torch.nn.Module) -> int:
     """Route ``model``'s ``nn.Linear`` layers with float32 / bfloat16 weights on the CPU through the kernel for
     decode-sized inputs (module docstring); returns how many. Nothing changes without the kernel."""
     kernel = native()
-    if kernel is None:
+    if kernel is None or native_ops() is None:  # the operators a compiled step calls, registered before it compiles
         return 0
     n = 0
     for mod in model.modules():

@@ -18,6 +18,7 @@ from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, _default_apply_
 
 from .experts import device_index
 from .kernels import native
+from .kernels.ops import native_ops
 
 #: the experts implementation FullLoad runs (``use_fused_fullload``)
 FULLLOAD_IMPLEMENTATION = "moe_offload_fullload"
@@ -91,19 +92,6 @@ def sum_rounds(kernel, pair_out: torch.Tensor, dtype: torch.dtype) -> torch.Tens
     return kernel.sum_pairs(pair_out, dtype)
 
 
-@torch.library.custom_op("moe_offload::routed_experts", mutates_args=())
-def routed_experts_op(hidden_states: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor,
-                      gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """The kernel as a torch operator, for graphs ``torch.compile`` captures (compiled FullLoad); eager code calls
-    the kernel directly (``fused_round``): the same arithmetic."""
-    return native().routed_experts(hidden_states, slots, weights, gate_up, down, None)
-
-
-@routed_experts_op.register_fake
-def _routed_experts_fake(hidden_states, slots, weights, gate_up, down):
-    return torch.empty_like(hidden_states)
-
-
 def fullload_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                              top_k_weights: torch.Tensor) -> torch.Tensor:
     """FullLoad's experts implementation: the native kernel over the module's own parameters (slot = expert id)
@@ -112,14 +100,15 @@ def fullload_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor,
     if kernel is None or self.gate_up_proj.dtype != hidden_states.dtype:
         return self._moe_fullload_fallback(self, hidden_states, top_k_index, top_k_weights)
     if torch.compiler.is_compiling():
-        return routed_experts_op(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj)
+        return torch.ops.moe_offload_native.routed_experts(hidden_states, top_k_index, top_k_weights,
+                                                           self.gate_up_proj, self.down_proj)
     return kernel.routed_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, None)
 
 
 def use_fused_fullload(experts_modules: list[torch.nn.Module]) -> bool:
     """Route FullLoad's experts modules through ``fullload_experts_forward`` when the kernel is built; returns
     whether it is (the modules are left as they are otherwise)."""
-    if native() is None:
+    if native_ops() is None:  # the kernel, and its operator for a compiled step, registered before it compiles
         return False
     ALL_EXPERTS_FUNCTIONS.register(FULLLOAD_IMPLEMENTATION, fullload_experts_forward)
     for mod in experts_modules:

@@ -191,6 +191,17 @@ class GraphCache:
             self.seq.add_(n_miss)
         return self.lookup[base + flat], load_eids, load_slots, valid
 
+    def count_resident(self, top_k_index: torch.Tensor) -> None:
+        """Count one layer execution whose every expert is resident (every expert preloaded, no decisions made:
+        ``GraphEngine.set_lookup_only``): its distinct experts are hits, as ``plan`` counts them. ``top_k_index
+        [T, k]`` int64; one token's ``k`` ids are distinct (a top-k), so a decode step adds the constant ``k``."""
+        num_tokens, k = top_k_index.shape
+        if num_tokens == 1:
+            self.hits.add_(k)
+            return
+        need = torch.zeros(self.E, dtype=torch.bool, device=top_k_index.device)
+        self.hits.add_(need.scatter_(0, top_k_index.reshape(-1), True).sum())
+
     def _prefix(self, mask: torch.Tensor) -> torch.Tensor:
         """Inclusive prefix count of a bool ``[E]`` mask as int64 ``[E]`` (a masked row sum over a lower triangle:
         fuses with its neighbours, where ``cumsum`` is a separate library call)."""

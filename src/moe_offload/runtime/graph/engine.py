@@ -182,11 +182,11 @@ class GraphEngine:
         c.expert_in[:c.N] = ids
         self.preloaded = True
 
-
     def set_lookup_only(self, on: bool) -> None:
         """Turn the step's cache decisions off (``on``) or back on. Off, a layer only gathers its pairs' slots from
-        the lookup table: the same step without ``GraphCache.plan`` (a compiled step specialises on this flag, so
-        one decoder holds both graphs, over the same weights, pool and KV cache).
+        the lookup table and counts them as hits (``GraphCache.count_resident``): the same step without
+        ``GraphCache.plan`` (a compiled step specialises on this flag, so one decoder holds both graphs, over the
+        same weights, pool and KV cache). ``graph.decode.load_graph`` turns it on when the pool holds every expert.
 
         Raises:
             MoeOffloadError: ``on`` before ``preload_all``.
@@ -209,6 +209,7 @@ class GraphEngine:
             self.predictor.observe(moe_layer, top_k_index, top_k_weights)
         if self.lookup_only:  # every expert resident (preload_all): the slots are a gather, nothing decided
             slot_ids = self.cache.lookup[moe_layer * self.num_experts + top_k_index.reshape(-1)]
+            self.cache.count_resident(top_k_index)
             eids, slots, valid = self._no_copy
         else:
             slot_ids, eids, slots, valid = self.cache.plan(moe_layer, top_k_index)

@@ -38,9 +38,9 @@ from pathlib import Path
 from ...errors import MoeOffloadError
 
 SOURCES = ("bindings.cpp", "routed_experts.cpp", "linear_rows.cpp", "decode_attention.cpp", "router_forecast.cpp",
-           "expert_read.cpp", "rms_norm.cpp")
+           "expert_read.cpp", "rms_norm.cpp", "ops.cpp")
 #: included by the sources (part of the cache key, not compiled on their own)
-HEADERS = ("vec.h",)
+HEADERS = ("vec.h", "gil.h")
 #: compiler flags: optimised, and no contraction of a * b + c into one fused multiply-add behind the source's back
 #: (the kernel's float operations, and so its results, are the ones the source writes)
 CFLAGS = ("-O3", "-ffp-contract=off", "-fno-fast-math", "-fopenmp")

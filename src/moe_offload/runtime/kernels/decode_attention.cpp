@@ -12,6 +12,7 @@
 // result does not depend on the thread count, the batch it is in, or the AVX2 or portable path. A row whose every
 // position is masked gives zeros.
 
+#include "gil.h"
 #include "vec.h"
 
 #include <ATen/Parallel.h>
@@ -85,7 +86,7 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
   const float* qp = qs.get();
   float* op = out.get();
   {
-    pybind11::gil_scoped_release release;
+    moe_gil::ReleaseGil release;
     auto run = [&](auto* kp, auto* vp) {
       at::parallel_for(0, B * Hq, 1, [&](int64_t begin, int64_t end) {
         std::vector<float> p(static_cast<size_t>(S));

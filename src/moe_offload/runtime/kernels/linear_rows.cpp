@@ -1,6 +1,7 @@
 // The linear layers of a decode step (issue 46; runtime/fast_linear.py): x @ weight.T + bias for a few rows, each
 // output one deterministic dot product (vec.h) by one thread.
 
+#include "gil.h"
 #include "vec.h"
 
 #include <ATen/Parallel.h>
@@ -34,7 +35,7 @@ torch::Tensor linear_rows(torch::Tensor x, torch::Tensor weight, c10::optional<t
   float* op = out.get();
   const bool fast = use_fast(portable);
   {
-    pybind11::gil_scoped_release release;
+    moe_gil::ReleaseGil release;
     auto run = [&](auto* w) {
       at::parallel_for(0, M * O, 64, [&](int64_t begin, int64_t end) {
         for (int64_t n = begin; n < end; ++n) {

@@ -8,6 +8,7 @@
 // result depends neither on the thread count nor on how many rows the call holds; it differs from torch's own
 // reduction order in the last bits, the same for FullLoad and the offloaded engines, which both run it.
 
+#include "gil.h"
 #include "vec.h"
 
 #include <ATen/Parallel.h>
@@ -39,7 +40,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, bool p
   const bool fast = use_fast(portable);
   const float feps = static_cast<float>(eps);
   {
-    pybind11::gil_scoped_release release;
+    moe_gil::ReleaseGil release;
     at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
       for (int64_t m = begin; m < end; ++m) {
         const float* row = xp + m * H;

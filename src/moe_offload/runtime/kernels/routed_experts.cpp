@@ -18,6 +18,7 @@
 // which performs the same float operations in the same order (the two agree bit for bit; a test checks it). The
 // interpreter lock is released while the kernel runs; its loops run on torch's intra-op threads.
 
+#include "gil.h"
 #include "vec.h"
 
 #include <ATen/Parallel.h>
@@ -206,7 +207,7 @@ torch::Tensor routed_experts(torch::Tensor x, torch::Tensor slots, torch::Tensor
                  16 * pairs);
   Problem p{xs.get(), sp, ws.get(), T, H, k, I, use_fast(portable)};
   {
-    pybind11::gil_scoped_release release;
+    moe_gil::ReleaseGil release;
     if (gate_up.scalar_type() == at::kFloat) {
       compute<float>(p, gate_up.data_ptr<float>(), gate_up.stride(0), down.data_ptr<float>(), down.stride(0),
                      pout ? nullptr : out->get(), pout);
