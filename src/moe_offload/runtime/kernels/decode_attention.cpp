@@ -25,14 +25,80 @@ using namespace moe_vec;
 
 namespace {
 
+#if MOE_X86
+// dot_avx2(k + s * ks, q, D) for kRowTile consecutive positions at once, bit for bit: each position has its own four
+// accumulators and the same float operations in the same order; the positions' independent chains overlap.
+constexpr int kRowTile = 4;
+
+template <typename W>
+__attribute__((target("avx2,fma"))) void dots_rows_avx2(const W* k, int64_t ks, const float* q, int64_t D,
+                                                        float* out) {
+  __m256 acc[kRowTile][kAcc];
+  for (int r = 0; r < kRowTile; ++r)
+    for (int a = 0; a < kAcc; ++a) acc[r][a] = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + kStep <= D; i += kStep) {
+#pragma GCC unroll 4
+    for (int a = 0; a < kAcc; ++a) {
+      const __m256 qv = _mm256_loadu_ps(q + i + a * kLanes);
+#pragma GCC unroll 4
+      for (int r = 0; r < kRowTile; ++r) acc[r][a] = _mm256_fmadd_ps(load8(k + r * ks + i + a * kLanes), qv, acc[r][a]);
+    }
+  }
+  for (; i + kLanes <= D; i += kLanes) {
+    const __m256 qv = _mm256_loadu_ps(q + i);
+    for (int r = 0; r < kRowTile; ++r) acc[r][0] = _mm256_fmadd_ps(load8(k + r * ks + i), qv, acc[r][0]);
+  }
+  for (int r = 0; r < kRowTile; ++r) {
+    float v = hsum8(_mm256_add_ps(_mm256_add_ps(acc[r][0], acc[r][1]), _mm256_add_ps(acc[r][2], acc[r][3])));
+    for (int64_t j = i; j < D; ++j) v = std::fma(widen(k[r * ks + j]), q[j], v);
+    out[r] = v;
+  }
+}
+
+// The values' weighted sum of attend for Dv a multiple of 8 up to kMaxVecs vectors: out[d] = fma(p[s], v[s, d],
+// out[d]) position after position, as axpy does, with out kept in registers instead of memory.
+constexpr int kMaxVecs = 8;
+
+template <typename W>
+__attribute__((target("avx2,fma"))) void weighted_values_avx2(const float* p, const W* v, int64_t S, int64_t vs,
+                                                               int64_t Dv, float* out) {
+  __m256 o[kMaxVecs];
+  const int nv = static_cast<int>(Dv / kLanes);
+  for (int j = 0; j < kMaxVecs; ++j) o[j] = _mm256_setzero_ps();
+  for (int64_t s = 0; s < S; ++s) {
+    if (p[s] == 0.0f) continue;
+    const __m256 ps = _mm256_set1_ps(p[s]);
+    const W* row = v + s * vs;
+#pragma GCC unroll 8
+    for (int j = 0; j < kMaxVecs; ++j)
+      if (j < nv) o[j] = _mm256_fmadd_ps(ps, load8(row + j * kLanes), o[j]);
+  }
+  for (int j = 0; j < nv; ++j) _mm256_storeu_ps(out + j * kLanes, o[j]);
+}
+#endif
+
+// The scores scale * k[s] . q, s < S (the dot of vec.h).
+template <typename W>
+void scores(const float* q, const W* k, int64_t S, int64_t D, int64_t ks, float scale, bool fast, float* p) {
+  int64_t s = 0;
+#if MOE_X86
+  if (fast)
+    for (; s + kRowTile <= S; s += kRowTile) dots_rows_avx2<W>(k + s * ks, ks, q, D, p + s);
+#endif
+  for (; s < S; ++s) p[s] = dot(k + s * ks, q, D, fast);
+  for (s = 0; s < S; ++s) p[s] = p[s] * scale;
+}
+
 template <typename W>
 void attend(const float* q, const W* k, const W* v, const float* madd, const bool* mkeep, int64_t mstride,
             int64_t S, int64_t D, int64_t Dv, int64_t ks, int64_t vs, float scale, bool fast, float* out,
             std::vector<float>& p) {
   const float neg_inf = -std::numeric_limits<float>::infinity();
   float top = neg_inf;
+  scores(q, k, S, D, ks, scale, fast, p.data());
   for (int64_t s = 0; s < S; ++s) {
-    float sc = dot(k + s * ks, q, D, fast) * scale;
+    float sc = p[s];
     if (mkeep && !mkeep[s * mstride]) sc = neg_inf;
     if (madd) sc = sc + madd[s * mstride];
     p[s] = sc;
@@ -45,8 +111,15 @@ void attend(const float* q, const W* k, const W* v, const float* madd, const boo
     p[s] = std::exp(p[s] - top);
     sum = sum + p[s];
   }
-  for (int64_t s = 0; s < S; ++s)
-    if (p[s] != 0.0f) axpy(p[s], v + s * vs, out, Dv, fast);
+#if MOE_X86
+  if (fast && Dv % kLanes == 0 && Dv <= kMaxVecs * kLanes) {
+    weighted_values_avx2<W>(p.data(), v, S, vs, Dv, out);
+  } else
+#endif
+  {
+    for (int64_t s = 0; s < S; ++s)
+      if (p[s] != 0.0f) axpy(p[s], v + s * vs, out, Dv, fast);
+  }
   const float inv = 1.0f / sum;
   for (int64_t d = 0; d < Dv; ++d) out[d] = out[d] * inv;
 }
