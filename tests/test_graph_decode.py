@@ -104,6 +104,7 @@ def test_graph_lookup_only_equals_full_load(tiny_dirs, one_thread):
     ref = [o.token_ids for o in run(load_full(path, device="cpu"), PROMPTS, 6)[0]]
     lm = load_graph(path, residency=1.0, policy="lru", device="cpu")
     assert lm.engine.preloaded and lm.engine.lookup_only
+    assert all(lm.engine._direct)  # every layer through the kernel's operator on the pool's views
     assert lm.engine.cache.slots_of() == list(range(lm.engine.cache.N))
     dec = GraphDecoder(lm, backend="aot_eager")
     outs, stats = run_graph(lm, PROMPTS, 6, decoder=dec)

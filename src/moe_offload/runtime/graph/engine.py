@@ -30,7 +30,8 @@ import torch
 from ...errors import MoeOffloadError
 from ..engine import EngineStats
 from ..experts import IMPLEMENTATION_NAME, register, slot_pair_outputs
-from ..fused_experts import fused_round, kernel_for, kernel_operands
+from ..fused_experts import DTYPES, fused_layout, fused_round, kernel_for, kernel_operands, pool_weights
+from ..kernels.ops import native_ops
 from .cache import GraphCache
 from ..pool import SlotPool
 from ..store import HostStore
@@ -111,6 +112,8 @@ class GraphEngine:
         self.predictor = None  # graph.predictor.GraphPredictor: forecasts inside the step
         self.lookup_only = False  # set_lookup_only: no cache decisions in the step (the A/B baseline)
         self.preloaded = False  # preload_all: every expert in the slot of its global id
+        self._direct: list[bool] = []  # lookup-only: per MoE layer, the kernel's operator called from the graph
+        self._direct_views = None  # (gate_up [S, 2I, H], down [S, H, I]) views of the pool for those calls
         dev = cache.lookup.device
         self._no_copy = (torch.zeros(0, dtype=torch.long, device=dev),) * 2 + (torch.zeros(0, dtype=torch.bool,
                                                                                           device=dev),)
@@ -181,12 +184,19 @@ class GraphEngine:
         c.lookup[:c.N] = ids
         c.expert_in[:c.N] = ids
         self.preloaded = True
+        views = pool_weights(self.pool.rows) if self.pool.device.type == "cpu" else None
+        ok = views is not None and views[0].dtype in DTYPES and native_ops() is not None
+        self._direct = [ok and fused_layout(m) for m in self.modules]
+        self._direct_views = views if ok else None
 
     def set_lookup_only(self, on: bool) -> None:
         """Turn the step's cache decisions off (``on``) or back on. Off, a layer only gathers its pairs' slots from
         the lookup table and counts them as hits (``GraphCache.count_resident``): the same step without
         ``GraphCache.plan`` (a compiled step specialises on this flag, so one decoder holds both graphs, over the
-        same weights, pool and KV cache). ``graph.decode.load_graph`` turns it on when the pool holds every expert.
+        same weights, pool and KV cache). A layer the native kernel serves then calls its operator
+        (``torch.ops.moe_offload_native.routed_experts``) on the pool's views directly, as compiled FullLoad does on
+        its parameters: no Python op in between, hence no ``op_seconds`` timing and no ``layer_calls`` count for
+        it. ``graph.decode.load_graph`` turns lookup-only on when the pool holds every expert.
 
         Raises:
             MoeOffloadError: ``on`` before ``preload_all``.
@@ -210,6 +220,11 @@ class GraphEngine:
         if self.lookup_only:  # every expert resident (preload_all): the slots are a gather, nothing decided
             slot_ids = self.cache.lookup[moe_layer * self.num_experts + top_k_index.reshape(-1)]
             self.cache.count_resident(top_k_index)
+            views = self._direct_views
+            if views is not None and self._direct[moe_layer] and hidden_states.dtype == views[0].dtype:
+                # the kernel's own operator, no Python in between (no op_seconds timing nor layer_calls count)
+                return torch.ops.moe_offload_native.routed_experts(hidden_states, slot_ids.view(top_k_index.shape),
+                                                                   top_k_weights, *views)
             eids, slots, valid = self._no_copy
         else:
             slot_ids, eids, slots, valid = self.cache.plan(moe_layer, top_k_index)
