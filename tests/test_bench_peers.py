@@ -74,3 +74,54 @@ def test_peers_compiled_rows_by_hand(tmp_path):
              for r in markdown(bench, result).splitlines() if r.startswith("| ours")}
     assert lines[FULL_GRAPH] == ["15.00 [15.0]", "0.67x", "1.00x", "-", "reference (compiled)"]
     assert lines[OFFLOADED_GRAPH] == ["12.00 [12.0]", "0.83x", "1.25x", "-", "same (3)"]
+
+
+def test_compute_threads_partitions_the_cores(tiny_dirs, capsys):
+    """``--compute-threads N`` (issue 47): the compute on the first N cores with N intra-op threads, the expert
+    readers on the rest; FullLoad's tokens from disk; the process's cores and threads given back to the caller."""
+    import os
+    import threading
+
+    from moe_offload.common import threads as th
+
+    assert th.partition_cores(1, [0, 1]) == ({0}, {1}) and th.partition_cores(2, [0, 1]) == ({0, 1}, {0, 1})
+    for bad in (0, -1, 3):
+        with pytest.raises(Exception, match="between 1 and the 2 cores"):
+            th.partition_cores(bad, [0, 1])
+    cpus, before = os.sched_getaffinity(0), torch.get_num_threads()
+    path = str(tiny_dirs["qwen3_moe"])
+    common = ["generate", "--model", path, "--prompt", "hello there", "--max-new-tokens", "6", "--json", "--quiet"]
+    assert main(common + ["--full-load"]) == 0
+    ref = json.loads(capsys.readouterr().out)["outputs"][0]["token_ids"]
+    assert main(common + ["--residency", "0.3", "--host-store", "disk", "--compute-threads", "1"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["outputs"][0]["token_ids"] == ref and got["stats"]["threads"] == 1
+    assert os.sched_getaffinity(0) == cpus and torch.get_num_threads() == before and "io" not in th._IO_CPUS
+    if len(cpus) >= 2:  # a reader started under the partition runs on the I/O cores only
+        th.set_compute_threads(1)
+        seen = []
+        try:
+            t = threading.Thread(target=lambda: (th.pin_io_thread(), seen.append(os.sched_getaffinity(0))))
+            t.start()
+            t.join()
+            assert seen == [set(sorted(cpus)[1:])] and os.sched_getaffinity(0) == {min(cpus)}
+        finally:
+            th.undo_partition(cpus)
+            torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("args, message", [(["--compute-threads", "0"], "--compute-threads"),
+                                           (["--compute-threads", "-1"], "--compute-threads"),
+                                           (["--compute-threads", "999"], "between 1 and the"),
+                                           (["--compute-threads", "1", "--threads", "1"], "not both")])
+def test_compute_threads_bad_input_is_one_line(tiny_dirs, capsys, args, message):
+    import os
+
+    cpus = os.sched_getaffinity(0)
+    try:
+        code = main(["generate", "--model", str(tiny_dirs["qwen3_moe"]), "--prompt", "hi", "--quiet"] + args)
+    except SystemExit as e:
+        code = e.code
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and message in err and "Traceback" not in err and len(err.splitlines()) <= 3
+    assert os.sched_getaffinity(0) == cpus

@@ -177,6 +177,10 @@ def add_threads_arg(p: argparse.ArgumentParser) -> None:
     native kernels share one pool; ``entry.main`` sets it before the command runs)."""
     p.add_argument("--threads", type=positive_int, help="intra-op threads for the compute, torch's and our kernels' "
                    "(default: OMP_NUM_THREADS, else one per core, or one when another process holds a core)")
+    p.add_argument("--compute-threads", type=positive_int, metavar="N",
+                   help="partition the cores: the compute runs N intra-op threads on the first N cores this process "
+                   "may use, the expert readers and copiers on the others (all of them when N is every core); "
+                   "instead of --threads")
 
 
 def memory_budget(s: str) -> float | str:

@@ -85,13 +85,21 @@ def _dispatch(args) -> int:
 
 
 def _command_threads(args) -> None:
-    """Intra-op threads: ``--threads N`` where the command has it (every computing path runs on torch's intra-op
-    pool); else, for ``generate`` / ``serve`` run from the shell (``common.threads.command_threads``), one when
+    """Intra-op threads: ``--compute-threads N`` (``common.threads.set_compute_threads``: the cores partitioned
+    between the compute and the expert reads and copies) or ``--threads N`` where the command has it (every
+    computing path runs on torch's intra-op pool); else, for ``generate`` / ``serve`` run from the shell (``common.threads.command_threads``), one when
     another process holds a core and one thread is clearly faster, said on stderr unless ``--quiet``."""
     import torch
 
-    from ..common.threads import command_threads
+    from ..common.threads import command_threads, set_compute_threads
 
+    n = getattr(args, "compute_threads", None)
+    if n is not None:
+        if getattr(args, "threads", None) is not None:
+            raise MoeOffloadError("give --threads or --compute-threads, not both (--compute-threads N also runs N "
+                                  "intra-op threads)")
+        set_compute_threads(n)
+        return
     if isinstance(getattr(args, "threads", None), int):
         torch.set_num_threads(args.threads)
         return
@@ -115,10 +123,11 @@ def main(argv: list[str] | None = None) -> int:
     hf_logging.disable_progress_bar()
     import torch
 
-    threads_before = torch.get_num_threads()
+    threads_before, cpus_before = torch.get_num_threads(), os.sched_getaffinity(0)
     try:
-        if isinstance(getattr(args, "threads", None), int) or (argv is None and args.cmd in ("generate", "serve")):
-            _command_threads(args)  # --threads given, or generate / serve started from the shell
+        if (isinstance(getattr(args, "threads", None), int) or getattr(args, "compute_threads", None) is not None
+                or (argv is None and args.cmd in ("generate", "serve"))):
+            _command_threads(args)  # --threads / --compute-threads given, or generate / serve started from the shell
         return _dispatch(args)
     except MoeOffloadError as e:
         print(f"moe-offload: error: {e}", file=sys.stderr)
@@ -131,8 +140,12 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(devnull, sys.stdout.fileno())       # so the interpreter's final flush does not raise again
         return 1
     finally:
-        if argv is not None:  # called by code: its thread count is as it was
+        if argv is not None:  # called by code: its thread count and cores are as they were
             torch.set_num_threads(threads_before)
+            if getattr(args, "compute_threads", None) is not None:
+                from ..common.threads import undo_partition
+
+                undo_partition(cpus_before)
 
 
 if __name__ == "__main__":

@@ -26,9 +26,12 @@ with ``sys.setswitchinterval(0.0005)`` before the command; docs/benchmarks.md, s
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from contextlib import contextmanager
+
+from ..errors import MoeOffloadError
 
 
 def _probe_seconds(threads: int, data) -> float:
@@ -102,8 +105,6 @@ def command_threads(environ=None) -> tuple[int, int] | None:
     """``(chosen, default)`` intra-op threads for a command run from the shell (module docstring): the default
     count unless the probe runs clearly faster with one thread (``best_num_threads(prefer_most=True)``); None when
     ``OMP_NUM_THREADS`` is set in ``environ`` (default ``os.environ``) or torch has one thread only. Sets nothing."""
-    import os
-
     import torch
 
     env = os.environ if environ is None else environ
@@ -128,9 +129,65 @@ def compute_share() -> float:
     """The share of the machine's cores the compute's intra-op threads use, in [0, 1]
     (``torch.get_num_threads() / os.cpu_count()``): how much of a CPU second another thread takes is lost to the
     compute (1.0 on two cores with two compute threads). Used as ``core.prefetch_cost``'s ``contention``."""
-    import os
-
     import torch
 
     return min(1.0, torch.get_num_threads() / max(1, os.cpu_count() or 1))
 
+
+
+#: the cores the expert readers and copiers run on once ``set_compute_threads`` has partitioned the machine
+_IO_CPUS: dict[str, frozenset] = {}
+
+
+def usable_cpus() -> list[int]:
+    """The cores this process may run on (its affinity), ascending."""
+    return sorted(os.sched_getaffinity(0))
+
+
+def partition_cores(compute_threads: int, cpus: list[int] | None = None) -> tuple[frozenset, frozenset]:
+    """``(compute, io)``: the first ``compute_threads`` of ``cpus`` (default ``usable_cpus()``) for the compute's
+    intra-op threads and the rest for the threads that read and copy experts (issue 47, ``--compute-threads``); when
+    the compute takes every core, the I/O threads share them all.
+
+    Raises:
+        MoeOffloadError: ``compute_threads`` below 1 or above the number of cores.
+    """
+    cpus = sorted(cpus if cpus is not None else usable_cpus())
+    if not 1 <= compute_threads <= len(cpus):
+        raise MoeOffloadError(f"--compute-threads must be between 1 and the {len(cpus)} cores this process may use, "
+                              f"got {compute_threads}")
+    compute = frozenset(cpus[:compute_threads])
+    return compute, frozenset(cpus[compute_threads:]) or compute
+
+
+def set_compute_threads(compute_threads: int) -> tuple[frozenset, frozenset]:
+    """Partition the cores (``partition_cores``): the calling (main) thread, and the intra-op threads torch starts
+    from it afterwards, run on the compute cores with ``compute_threads`` intra-op threads; the expert readers and
+    copiers started later run on the others (``pin_io_thread``). Call it before the first parallel operation (an
+    intra-op thread started earlier keeps the affinity it had). Returns ``(compute, io)``.
+
+    Raises:
+        MoeOffloadError: as ``partition_cores``.
+    """
+    import torch
+
+    compute, io = partition_cores(compute_threads)
+    os.sched_setaffinity(0, compute)
+    torch.set_num_threads(compute_threads)
+    _IO_CPUS["io"] = io
+    return compute, io
+
+
+def pin_io_thread() -> None:
+    """Run the calling thread (an expert reader or copier) on the I/O cores of ``set_compute_threads``; nothing
+    when the cores are not partitioned."""
+    io = _IO_CPUS.get("io")
+    if io is not None:
+        os.sched_setaffinity(0, io)
+
+
+def undo_partition(cpus) -> None:
+    """Give the calling thread the cores ``cpus`` back and forget the I/O cores of ``set_compute_threads`` (for a
+    command called from code: the caller's process is left as it was)."""
+    _IO_CPUS.pop("io", None)
+    os.sched_setaffinity(0, cpus)

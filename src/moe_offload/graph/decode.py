@@ -89,11 +89,16 @@ def load_graph(model_dir, *, policy: PolicySpec | str = "lru", residency: float 
     engine.attach([m for _, m in experts_modules(lm.model)])
     lm.engine = engine
     _attach_forecasts(lm, engine, cache, predictor, scheduler, link_epl)
-    if cache.S >= cache.N and engine.prefetcher is None:
-        # every expert fits: nothing is ever evicted or fetched, so the step only looks its slots up
+    _all_resident(engine)
+    return lm
+
+
+def _all_resident(engine: GraphEngine) -> None:
+    """With a slot for every expert and no prefetcher, every expert into its slot and the step lookup-only (nothing
+    is ever evicted or fetched, so the decisions would change nothing but cost a plan per layer)."""
+    if engine.cache.S >= engine.cache.N and engine.prefetcher is None:
         engine.preload_all()
         engine.set_lookup_only(True)
-    return lm
 
 
 def _attach_forecasts(lm, engine: GraphEngine, cache, predictor: str | None, scheduler: str | None,

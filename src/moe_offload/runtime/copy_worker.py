@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from ..common.threads import pin_io_thread
 from .cpu_account import io
 from .emulated_clock import sleep_until as _sleep_until
 
@@ -62,6 +63,7 @@ class CopyWorker:
         every queued or running copy lands with ``ok=False`` and the error's message, later ``submit`` calls raise —
         so no ``wait`` ever blocks on a dead worker."""
         try:
+            pin_io_thread()
             self._serve()
         except BaseException as e:  # noqa: BLE001 - reported to every waiter, never swallowed
             with self._cond:

@@ -46,7 +46,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..common.threads import short_switch_interval
+from ..common.threads import pin_io_thread, short_switch_interval
 from ..errors import MoeOffloadError
 from .cpu_account import charge_within, io
 from .direct_io import (IO_ALIGN, _File, _Span, copy_concurrently, native_plan, open_direct,  # noqa: F401 (re-exported)
@@ -376,7 +376,8 @@ class DiskStore:
         """The ``readers`` reader threads (started at the first use)."""
         with self._lock:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.readers, thread_name_prefix="moe-offload-disk")
+                self._pool = ThreadPoolExecutor(self.readers, thread_name_prefix="moe-offload-disk",
+                                                initializer=pin_io_thread)
             return self._pool
 
     def gather(self, eids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

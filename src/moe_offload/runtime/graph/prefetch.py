@@ -47,6 +47,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
+from ...common.threads import pin_io_thread
 from ...core.prefetch import PrefetchScheduler, position, submit_forecast
 from ...errors import MoeOffloadError
 from ...core.forecast import Forecast
@@ -195,6 +196,7 @@ class GraphPrefetcher:
 
     def _run(self) -> None:
         try:
+            pin_io_thread()
             while not self._stop.is_set():
                 busy = self._copy_granted()
                 busy |= self._take_forecasts()
