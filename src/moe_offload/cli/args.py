@@ -180,7 +180,7 @@ def add_threads_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compute-threads", type=positive_int, metavar="N",
                    help="partition the cores: the compute runs N intra-op threads on the first N cores this process "
                    "may use, the expert readers and copiers on the others (all of them when N is every core); "
-                   "instead of --threads")
+                   "instead of --threads (default: not partitioned)")
 
 
 def memory_budget(s: str) -> float | str:
