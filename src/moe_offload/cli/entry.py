@@ -87,8 +87,12 @@ def _dispatch(args) -> int:
 def _command_threads(args) -> None:
     """Intra-op threads: ``--compute-threads N`` (``common.threads.set_compute_threads``: the cores partitioned
     between the compute and the expert reads and copies) or ``--threads N`` where the command has it (every
-    computing path runs on torch's intra-op pool); else, for ``generate`` / ``serve`` run from the shell (``common.threads.command_threads``), one when
-    another process holds a core and one thread is clearly faster, said on stderr unless ``--quiet``."""
+    computing path runs on torch's intra-op pool); else, for ``generate`` / ``serve`` run from the shell
+    (``common.threads.command_threads``), one when another process holds a core and one thread is clearly faster,
+    said on stderr unless ``--quiet``.
+
+    Raises:
+        MoeOffloadError: ``--compute-threads`` with ``--threads``, or outside 1 .. the cores."""
     import torch
 
     from ..common.threads import command_threads, set_compute_threads

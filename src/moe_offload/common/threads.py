@@ -134,7 +134,6 @@ def compute_share() -> float:
     return min(1.0, torch.get_num_threads() / max(1, os.cpu_count() or 1))
 
 
-
 #: the cores the expert readers and copiers run on once ``set_compute_threads`` has partitioned the machine
 _IO_CPUS: dict[str, frozenset] = {}
 
