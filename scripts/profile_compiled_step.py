@@ -1,13 +1,14 @@
 #!/usr/bin/env python3
 """Where a compiled FullLoad decode step goes (issue 46): torch's profiler over ``GraphDecoder.generate_ids``.
 
-    python scripts/profile_compiled_step.py [MODEL] [THREADS]
+    python scripts/profile_compiled_step.py [MODEL] [THREADS] [--cpp-wrapper]
 
 MODEL defaults to testbed-sparse-wide, THREADS to 1; the ShareGPT turn ``bench peers`` uses as the prompt. Prints
 the unprofiled decode speed, then milliseconds and calls per decode step by operator (self CPU time; a profile of
 a 1-token request subtracted from a 33-token one, so the prefill cancels). The native kernels show as
 ``moe_offload_native::*``; inductor's own code as the compiled graph's self time. The profiler adds its own overhead:
-compare rows, not the total, with the unprofiled speed.
+compare rows, not the total, with the unprofiled speed. ``--cpp-wrapper`` compiles with inductor's C++ wrapper
+(``torch._inductor.config.cpp_wrapper``) instead of its Python one.
 """
 
 import sys
@@ -22,8 +23,11 @@ from moe_offload.models.loader import load_full
 from moe_offload.testbed.resolve import resolve_model
 from moe_offload.testbed.sharegpt import human_turns
 
-model = sys.argv[1] if len(sys.argv) > 1 else "testbed-sparse-wide"
-torch.set_num_threads(int(sys.argv[2]) if len(sys.argv) > 2 else 1)
+if "--cpp-wrapper" in sys.argv:
+    torch._inductor.config.cpp_wrapper = True
+args = [a for a in sys.argv[1:] if not a.startswith("--")]
+model = args[0] if args else "testbed-sparse-wide"
+torch.set_num_threads(int(args[1]) if len(args) > 1 else 1)
 lm = load_full(resolve_model(model, progress=False))
 dec = GraphDecoder(lm)
 ids = encode_prompt(lm.tokenizer, human_turns(1, offset=600)[0])
