@@ -3,6 +3,8 @@ recompiled across steps and requests, and generates FullLoad's tokens with the e
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -14,7 +16,8 @@ from moe_offload.graph.decode import GraphDecoder, load_graph, run_graph
 PROMPTS = ["hello there", "the sea and the wind"]
 
 
-def test_graph_decode_equals_full_load(tiny_dirs, one_thread):
+def test_graph_decode_equals_full_load(tiny_dirs, one_thread, tmp_path, monkeypatch):
+    monkeypatch.setenv("MOE_OFFLOAD_CACHE", str(tmp_path))  # where the compile time is remembered
     path = tiny_dirs["mixtral"]
     full = load_full(path, device="cpu")
     ref = [o.token_ids for o in run(full, PROMPTS, 6)[0]]
@@ -23,8 +26,15 @@ def test_graph_decode_equals_full_load(tiny_dirs, one_thread):
     dec = GraphDecoder(lm, backend="aot_eager")
     outs, stats = run_graph(lm, PROMPTS[:1], 6, decoder=dec)  # compiles the step once
     assert not torch._dynamo.utils.counters["graph_break"]
+    # the compiling step is out of the decode rate: 6 tokens, the first from the prefill, the second compiled
+    assert len(outs[0].token_ids) == 6 and stats.decode_tokens == 4 and dec.last_compile_steps == 1
+    compiled = dec.compile_s
+    assert compiled > 0
+    assert json.loads((tmp_path / "compile_times.json").read_text()) == {dec._compile_key(): round(compiled, 1)}
     with torch._dynamo.config.patch(error_on_recompile=True):  # every further step and request: no recompile
         outs, stats = run_graph(lm, PROMPTS, 6, decoder=dec)
+    assert dec.compile_s == compiled and dec.last_compile_steps == 0
+    assert stats.decode_tokens == sum(len(o.token_ids) - 1 for o in outs)
     assert [o.token_ids for o in outs] == ref
     assert stats.offload.misses > 0 and stats.offload.hits > 0
     lm.close()

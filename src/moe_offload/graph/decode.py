@@ -7,12 +7,16 @@ default compiles without them.
 ``load_graph`` builds an offloaded model whose engine is a ``runtime.graph.engine.GraphEngine``;
 ``GraphDecoder.generate_ids`` is ``generation.generate.generate_ids`` for graph mode (FullLoad models too, for the
 reference). The static cache's length is rounded up to ``CACHE_BUCKET`` positions and kept across requests, so
-requests of similar length reuse one compiled step (a longer one compiles a new one once).
+requests of similar length reuse one compiled step (a longer one compiles a new one once). The decode step that
+compiles is shown as a progress phase (its expected time: the last compile of the same step, ``compile_times.json``
+in the user cache) and kept out of the decode rate (``GraphDecoder.compile_s``); torch's own compile cache keeps the
+generated code across runs (``inductor_cache_dir``).
 """
 
 from __future__ import annotations
 
 import inspect
+import json
 import time
 
 import torch
@@ -31,6 +35,8 @@ DECODER_GRAPHS = 64
 #: compiler backends ``--graph-backend`` accepts: inductor (generated kernels, the speed), aot_eager (the traced
 #: graph run op by op: the eager kernels, hence FullLoad eager's tokens bit for bit)
 BACKENDS = ("inductor", "aot_eager")
+#: seconds a decode step is expected to compile when no earlier compile of it was timed (a cold cache, 2 cores)
+COLD_COMPILE_S = 60.0
 
 
 def load_graph(model_dir, *, policy: PolicySpec | str = "lru", residency: float | None = None,
@@ -140,13 +146,18 @@ class GraphDecoder:
         MoeOffloadError: an unknown backend; an engine that is neither None (FullLoad) nor a ``GraphEngine``.
     """
 
-    def __init__(self, lm, backend: str = "inductor", cuda_graphs: bool = False):
+    def __init__(self, lm, backend: str = "inductor", cuda_graphs: bool = False, progress: bool = False):
         if backend not in BACKENDS:
             raise MoeOffloadError(f"unknown graph backend {backend!r}; choose one of: {', '.join(BACKENDS)}")
         if lm.engine is not None and not isinstance(lm.engine, GraphEngine):
             raise MoeOffloadError("graph mode needs a model loaded with graph.decode.load_graph")
-        self.lm, self.backend = lm, backend
+        self.lm, self.backend, self.progress = lm, backend, progress
         self.cache = None
+        #: seconds spent in the decode steps that compiled (not in ``generate_ids``' decode time)
+        self.compile_s = 0.0
+        #: decode steps of the last ``generate_ids`` call left out of its decode time (1 if it compiled, else 0)
+        self.last_compile_steps = 0
+        self._compiled_lengths: set[int] = set()
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, DECODER_GRAPHS)
         opts = dict(fullgraph=True, backend=backend)
         if cuda_graphs and backend == "inductor" and lm.device.type == "cuda":
@@ -181,6 +192,30 @@ class GraphDecoder:
             raise MoeOffloadError(f"the {self.backend} backend failed to compile the decode step ({why}); "
                                   f"{hint}") from None
 
+    def _compile_key(self) -> str:
+        """What one compiled step is for: the model, the engine (policy, slots), the cache length, backend, torch."""
+        eng = self.lm.engine
+        what = "full-load" if eng is None else f"{type(eng.cache).__name__}-{eng.cache.S}-{eng.cache.kind}"
+        return f"{self.lm.model_id}|{self.lm.dtype}|{what}|{self._cache_len}|{self.backend}|torch {torch.__version__}"
+
+    def _compiling_step(self, input_ids, position_ids, cache) -> torch.Tensor:
+        """The first decode step at a new static cache length: it compiles. Shown as a progress phase (expected:
+        the last time this step compiled, else ``COLD_COMPILE_S``), its time added to ``compile_s`` and remembered
+        for the next run's estimate."""
+        from ..common.progress import Phases
+
+        key, times = self._compile_key(), _read_compile_times()
+        expected = times.get(key, COLD_COMPILE_S)
+        t0 = time.perf_counter()
+        with Phases(1, enabled=self.progress).phase(
+                f"compiling the decode step (cached across runs in {inductor_cache_dir()})", expected):
+            logits = self._compiled_step(input_ids, position_ids, cache)
+        took = time.perf_counter() - t0
+        self.compile_s += took
+        self._compiled_lengths.add(self._cache_len)
+        _write_compile_time(key, took)
+        return logits
+
     def _static_cache(self, length: int):
         from transformers import StaticCache
 
@@ -198,6 +233,9 @@ class GraphDecoder:
         """``generation.generate.generate_ids`` in graph mode: eager prefill into a static KV cache, then compiled decode
         steps; stops at an EOS id or the model's position limit (``generation.generate.token_budget``); the same sampler
         (``moe_offload.generation.sampling``, outside the compiled step). Returns ``(new_ids, ttft_s, decode_s)``.
+
+        The decode step that compiles (the first at a new cache length) is not in ``decode_s``: its seconds go to
+        ``compile_s``, and ``last_compile_steps`` says whether it happened.
 
         Raises:
             MoeOffloadError: the prompt leaves no room for a new token within the model's position limit."""
@@ -218,15 +256,20 @@ class GraphDecoder:
         new = [int(tok)]
         sync_device(dev)
         t1 = time.perf_counter()
+        compiled_before, self.last_compile_steps = self.compile_s, 0
         while len(new) < max_new_tokens and new[-1] not in eos:
             if engine is not None:
                 engine.begin_step(request, len(new))
             pos = torch.tensor([[len(prompt_ids) + len(new) - 1]], dtype=torch.long, device=dev)
-            logits = self._compiled_step(tok.view(1, 1), pos, cache)
+            if self._cache_len in self._compiled_lengths:
+                logits = self._compiled_step(tok.view(1, 1), pos, cache)
+            else:
+                logits = self._compiling_step(tok.view(1, 1), pos, cache)
+                self.last_compile_steps = 1
             tok = pick(logits, temperature, top_p, gen, top_k)
             new.append(int(tok))
         sync_device(dev)
-        return new, t1 - t0, time.perf_counter() - t1
+        return new, t1 - t0, time.perf_counter() - t1 - (self.compile_s - compiled_before)
 
 
 def run_graph(lm, prompts: list[str], max_new_tokens: int, *, decoder: GraphDecoder | None = None,
@@ -235,11 +278,55 @@ def run_graph(lm, prompts: list[str], max_new_tokens: int, *, decoder: GraphDeco
     """``generation.generate.run`` in graph mode: ``(outputs, RunStats)``; ``decoder`` reuses a compiled step."""
     from ..generation.generate import run_requests
 
-    dec = decoder or GraphDecoder(lm)
+    dec = decoder or GraphDecoder(lm, progress=progress)
 
     def one(i, pids):
         new, ttft, d = dec.generate_ids(pids, max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                         seed=seed, request=i)
-        return new, ttft, d, len(new) - 1
+        return new, ttft, d, len(new) - 1 - dec.last_compile_steps
 
     return run_requests(lm, prompts, one, max_new_tokens=max_new_tokens, progress=progress)
+
+
+def inductor_cache_dir() -> str:
+    """The folder where torch's inductor keeps compiled code across runs (``TORCHINDUCTOR_CACHE_DIR``, else
+    torch's default under the temporary folder); read without creating it."""
+    import os
+
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    return os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir()
+
+
+def _compile_times_path():
+    from ..common.cache import default_cache_dir
+
+    return default_cache_dir() / "compile_times.json"
+
+
+def _read_compile_times() -> dict[str, float]:
+    """Seconds each decode step took to compile the last time (``GraphDecoder._compile_key`` -> s); {} if none."""
+    try:
+        data = json.loads(_compile_times_path().read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _write_compile_time(key: str, seconds: float) -> None:
+    """Remember how long ``key``'s step took to compile (best effort: an unwritable cache only loses the estimate;
+    written to a temporary file and renamed, so a concurrent reader never sees half a file)."""
+    import os
+    import tempfile
+
+    path = _compile_times_path()
+    times = _read_compile_times()
+    times[key] = round(seconds, 1)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".compile_times.", suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump(times, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError:
+        pass
