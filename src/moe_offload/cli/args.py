@@ -214,6 +214,9 @@ def add_host_store_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host-cache", type=finite_float, metavar="GB",
                    help="with --host-store disk: a host-RAM cache of this many GB (whole experts, LRU; page-locked "
                    "on CUDA) between the disk and the device slots: three tiers (default: none, slots read from disk)")
+    p.add_argument("--pack", metavar="DIR", help="with --host-store disk: read the experts from this aligned expert "
+                   "pack (`moe-offload pack`; straight into the slots, no staging copy) (default: the pack inside the "
+                   "model folder, moe-offload-pack, if there is one; else the safetensors files)")
 
 
 def add_rollout_every_arg(p: argparse.ArgumentParser, as_runtime: str = "") -> None:

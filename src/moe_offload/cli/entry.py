@@ -54,9 +54,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_parsers(sub, bench_sub)
     from .export import add_parser as add_export_parser
     from .models import add_parser as add_models_parser
+    from .pack import add_parser as add_pack_parser
 
     add_models_parser(sub)
     add_export_parser(sub)
+    add_pack_parser(sub)
     return ap
 
 
@@ -79,6 +81,8 @@ def _dispatch(args) -> int:
         from .models import run
     elif args.cmd == "export":
         from .export import run
+    elif args.cmd == "pack":
+        from .pack import run
     else:
         from .bench import run
     return run(args)

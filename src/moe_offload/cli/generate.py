@@ -70,13 +70,14 @@ def _load(args, path: Path):
         diffusion = _diffusion_params(args, path)
         lm = load_for_generate(path, args.memory_budget, dict(
             device=args.device, dtype=args.dtype, policy=args.policy, progress=not args.quiet,
-            link_gbps=args.link_gbps, host_store=args.host_store, host_cache_gb=args.host_cache), args.max_context,
+            link_gbps=args.link_gbps, host_store=args.host_store, host_cache_gb=args.host_cache, pack=args.pack),
+            args.max_context,
             diffusion["block_length"] if diffusion else None,
             (lambda m: None) if args.quiet else (lambda m: print(f"moe-offload: {m}", file=sys.stderr)))
     else:
         lm = load_offloaded(path, device=args.device, dtype=args.dtype, residency=args.residency, slots=args.slots,
                             policy=args.policy, progress=not args.quiet, link_gbps=args.link_gbps,
-                            host_store=args.host_store, host_cache_gb=args.host_cache)
+                            host_store=args.host_store, host_cache_gb=args.host_cache, pack=args.pack)
     if lm.tokenizer is None:
         raise MoeOffloadError(f"{path} has no tokenizer: cannot encode prompts")
     return lm

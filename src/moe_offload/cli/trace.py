@@ -134,7 +134,7 @@ def _collect(args) -> int:
         raise MoeOffloadError("--xl-depth needs --xl-forecasts")
     lm = load_offloaded(path, device=args.device, dtype=args.dtype, policy=parse_policy(args.policy),
                         progress=not args.quiet, host_store=args.host_store, host_cache_gb=args.host_cache,
-                        residency=args.residency)
+                        residency=args.residency, pack=args.pack)
     if args.xl_depth and args.xl_depth > lm.num_moe_layers - 1:
         raise MoeOffloadError(f"--xl-depth {args.xl_depth}: the model's {lm.num_moe_layers} MoE layers have at most "
                               f"{lm.num_moe_layers - 1} later layers to forecast")

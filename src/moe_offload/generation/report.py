@@ -97,7 +97,8 @@ def tier_stats(lm) -> dict:
                        "readers": store.readers, "direct_io": store.buffered_reason is None,
                        "demand_s": st.demand_s, "demand_bytes": st.demand_bytes, "demand_gbps": st.demand_gbps,
                        "demand_vs_measured": _demand_vs_measured(st),
-                       "prefetch_yields": st.prefetch_yields, "prefetch_cancelled": st.prefetch_cancelled}
+                       "prefetch_yields": st.prefetch_yields, "prefetch_cancelled": st.prefetch_cancelled,
+                       "pack": None if store.pack is None else str(store.pack), "in_place": st.in_place}
     return out
 
 
@@ -167,7 +168,9 @@ def _disk_line(k: dict) -> str:
             + (f" ({k['demand_vs_measured']:.0%} of `bench link --disk` at that request size and queue depth)"
                if k.get("demand_vs_measured") is not None else "")
             + (f"; prefetches yielded {k['prefetch_yields']} chunks to on-demand reads" if k["prefetch_yields"]
-               else ""))
+               else "")
+            + (f"; from the expert pack {k['pack']} ({k['in_place']} experts read in place, without a staging copy)"
+               if k.get("pack") else ""))
 
 
 def _cache_line(c: dict) -> str:

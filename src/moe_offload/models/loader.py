@@ -179,7 +179,8 @@ def load_offloaded(model_dir: str | Path, *, device: str | None = None, dtype: s
                    policy: PolicySpec | str = "lru", progress: bool = True, link_epl: float = 1.39, link_gbps: float | None = None,
                    seconds_per_expert: float | None = None, interval: int = 1,
                    host_seconds_per_token_expert: float = 0.0, host_seconds_per_expert: float = 0.0,
-                   host_store: str | None = None, host_cache_gb: float | None = None) -> LoadedModel:
+                   host_store: str | None = None, host_cache_gb: float | None = None,
+                   pack: str | Path | bool | None = None) -> LoadedModel:
     """Load ``model_dir`` with routed experts in a host store and a device slot pool of the requested size.
 
     Args:
@@ -213,10 +214,13 @@ def load_offloaded(model_dir: str | Path, *, device: str | None = None, dtype: s
             ``seconds_per_expert`` emulation is refused: the disk is the link).
         host_cache_gb: with ``host_store`` "disk": a host cache of this many GB (10^9 bytes; whole experts) between
             the disk and the slots (``runtime.host_cache.HostCache``, LRU; page-locked on CUDA): three tiers.
+        pack: with ``host_store`` "disk": an aligned expert pack folder (``models.expert_pack``) to read the experts
+            from; None (default): the one beside the model if there is one; False: the checkpoint's files.
 
     Raises:
         MoeOffloadError: any bad input (see ``read_config``, ``Checkpoint``, ``num_slots_for``, ``make_policy``), an
-            unsupported quantization or a checkpoint that disagrees with its config.
+            unsupported quantization or a checkpoint that disagrees with its config; a pack that is not this
+            checkpoint's (``models.expert_pack.ExpertPack.check``).
     """
     host_store = host_store or "pinned"
     if host_store not in HOST_STORES:
@@ -265,7 +269,7 @@ def load_offloaded(model_dir: str | Path, *, device: str | None = None, dtype: s
         store = HostStore(fmt.layout, n_total, pin=dev.type == "cuda")
         if store.pin_failed:
             print("moe-offload: warning: could not page-lock the host store; copies to the device are synchronous")
-    fill_store(store, fmt, cmap, ckpt, len(mods), num_experts, progress)
+    _fill(store, fmt, cmap, ckpt, path, pack, len(mods), num_experts, progress)
     if host_cache_gb is not None:  # three tiers: slots <- host cache <- disk
         from ..runtime.host_cache import HostCache
 
@@ -284,6 +288,26 @@ def load_offloaded(model_dir: str | Path, *, device: str | None = None, dtype: s
     return _with_limits(LoadedModel(model, _load_tokenizer(path), engine, arch, dev, dt, len(mods), num_experts,
                                     top_k, fmt.layout.expert_bytes, path, host_store, tuple(fmt.stored_dtypes),
                                     generation_class(config)[1]), config)
+
+
+def _fill(store, fmt, cmap, ckpt, path: Path, pack, num_layers: int, num_experts: int, progress: bool) -> None:
+    """The store's experts: from the aligned expert pack for ``--host-store disk`` where one is given or lies beside
+    the model (``models.expert_pack``; ``pack`` False: never), else from the checkpoint's files (``fill_store``).
+
+    Raises:
+        MoeOffloadError: ``pack`` given for another host store, or a pack that does not match (``ExpertPack.check``).
+    """
+    if pack not in (None, False) and store.mode != "disk":
+        raise MoeOffloadError("--pack is read by --host-store disk (the pinned and mmap stores read the checkpoint)")
+    if store.mode == "disk" and pack is not False:
+        from .expert_pack import find_pack
+
+        found = find_pack(path, pack)
+        if found is not None:
+            found.check(path, fmt.layout, num_layers * num_experts)
+            found.add_to(store, num_layers * num_experts)
+            return
+    fill_store(store, fmt, cmap, ckpt, num_layers, num_experts, progress)
 
 
 def _host_cache_rows(gb: float, expert_bytes: int) -> int:

@@ -73,7 +73,8 @@ class DiskReadStats:
     which at least one was outstanding), ``demand_bytes`` (their aligned bytes) and ``demand_reads`` ``{(span
     bytes, queue depth at its start): reads}``, from which ``demand_efficiency`` compares them with a measured disk.
     Prefetches (``read_prefetch``): ``prefetch_yields`` (chunks held back for on-demand reads),
-    ``prefetch_cancelled`` (prefetches stopped at a chunk because their copy was cancelled).
+    ``prefetch_cancelled`` (prefetches stopped at a chunk because their copy was cancelled). ``in_place``: experts
+    read straight into their destination (from an expert pack: no staging copy).
     """
 
     requests: int = 0
@@ -86,6 +87,7 @@ class DiskReadStats:
     demand_reads: dict = field(default_factory=dict)
     prefetch_yields: int = 0
     prefetch_cancelled: int = 0
+    in_place: int = 0
 
     @property
     def gbps(self) -> float:
@@ -154,7 +156,10 @@ class DiskStore:
         self._demand_since = 0.0
         self._pool: ThreadPoolExecutor | None = None
         self._kernel = native()           # read_expert, when the native kernels are built
-        self._native_plans: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # eid -> read_expert's spans, pieces
+        self._native_plans: dict[tuple[int, bool], tuple[torch.Tensor, torch.Tensor]] = {}  # (eid, in place) ->
+        # read_expert's spans, pieces
+        #: the expert pack the experts are read from (``models.expert_pack``; None: the checkpoint's files)
+        self.pack: Path | None = None
 
     @property
     def nbytes(self) -> int:
@@ -241,15 +246,16 @@ class DiskStore:
         issued ``depth`` at once (recorded in ``stats.demand_reads``). A whole read into host memory is one call of
         the native ``read_expert`` when the kernels are built (``_read_native``)."""
         spans = self.spans(eid)
-        view, arr = self._buffer(max(s.length for s in spans))
         out = dst if isinstance(dst, np.ndarray) else dst.numpy() if dst.device.type == "cpu" else None
+        in_place = self._in_place(spans, out)
+        view, arr = (memoryview(out), out) if in_place else self._buffer(max(s.length for s in spans))
         t0 = time.perf_counter()
         requests = nread = 0
         done = True
         role = "prefetch_reads" if gate is not None else "on_demand_reads"
         todo = spans
         if gate is None and out is not None and self._kernel is not None:
-            requests, nread = self._read_native(eid, spans, arr, out)
+            requests, nread = self._read_native(eid, spans, arr, out, in_place)
             todo = ()
         for span in todo:
             if gate is None:
@@ -265,6 +271,8 @@ class DiskStore:
                 if not done:
                     break
             nread += span.length
+            if in_place:
+                continue
             with io(self, "staging_copies"):
                 for dst_off, src_off, n in span.pieces:
                     if out is not None:  # numpy's copy: half the overhead of torch's for these ~100 KiB pieces
@@ -280,6 +288,7 @@ class DiskStore:
             if done:
                 st.expert_bytes += sum(n for s in spans for _, _, n in s.pieces)
                 st.experts += 1
+                st.in_place += in_place
             else:
                 st.prefetch_cancelled += 1
             if depth:
@@ -288,16 +297,28 @@ class DiskStore:
                 st.demand_bytes += nread
         return done
 
-    def _read_native(self, eid: int, spans: list, arr: np.ndarray, out: np.ndarray) -> tuple[int, int]:
+    def _in_place(self, spans: list[_Span], out: np.ndarray | None) -> bool:
+        """Whether an expert's read can land straight in ``out`` (a pack's expert: one aligned span that is the
+        whole row, and ``out`` page-aligned host memory): no staging buffer, no copy."""
+        if self.pack is None or out is None or len(spans) != 1:
+            return False
+        s = spans[0]
+        return s.pieces == ((0, 0, s.length),) and out.ctypes.data % IO_ALIGN == 0 and out.nbytes >= s.length
+
+    def _read_native(self, eid: int, spans: list, arr: np.ndarray, out: np.ndarray,
+                     in_place: bool = False) -> tuple[int, int]:
         """``_read`` of a whole expert into host memory ``out`` by one native call (``direct_io.read_native``)
-        through the staging buffer ``arr``; its copies are charged as staging copies. Returns ``(requests, bytes
-        read)``.
+        through the staging buffer ``arr``; its copies are charged as staging copies. ``in_place``: ``arr`` is
+        ``out`` and nothing is copied. Returns ``(requests, bytes read)``.
 
         Raises:
             MoeOffloadError: as ``_read_span``."""
-        plan = self._native_plans.get(eid)
+        plan = self._native_plans.get((eid, in_place))
         if plan is None:
-            plan = self._native_plans[eid] = native_plan(spans)
+            plan = native_plan(spans)
+            if in_place:  # the span is read where the row is: no piece to copy
+                plan = (plan[0], plan[1][:0])
+            self._native_plans[(eid, in_place)] = plan
         with io(self, "on_demand_reads", inherit=True):
             requests, copy_cpu, copy_wall = read_native(self._kernel, self._files, spans, plan, arr, out)
             charge_within(self, "staging_copies", copy_cpu, copy_wall)

@@ -94,6 +94,7 @@ class HostCache:
     readers = property(lambda self: self.disk.readers)
     buffered_reason = property(lambda self: self.disk.buffered_reason)
     files = property(lambda self: self.disk.files)
+    pack = property(lambda self: self.disk.pack)
     max_staging_bytes = property(lambda self: self.disk.max_staging_bytes)
 
     def reset_stats(self) -> None:

@@ -36,10 +36,14 @@ def empty(shape, dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised CPU tensor of ``shape`` and ``dtype`` on advised huge pages: its own anonymous mapping
     (fresh, so untouched: memory from the allocator's heap may have been touched before), 2 MiB-aligned, advised
     ``MADV_HUGEPAGE``; the tensor keeps the mapping alive. Below ``MIN_BYTES``, or where the advice cannot be
-    given, an ordinary ``torch.empty``."""
+    given, its own anonymous mapping without the advice: page-aligned all the same (the slot pool's rows take
+    direct reads, which want page-aligned memory: ``runtime.disk_store``)."""
     n = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
-    if _ADVICE is None or n < MIN_BYTES:
+    if n == 0:
         return torch.empty(shape, dtype=dtype)
+    if _ADVICE is None or n < MIN_BYTES:
+        return torch.frombuffer(mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype=torch.uint8,
+                                count=n).view(dtype).view(shape)
     buf = mmap.mmap(-1, n + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # private: shared memory has no THP
     offset = -torch.frombuffer(buf, dtype=torch.uint8, count=1).data_ptr() % HUGE_PAGE
     try:

@@ -42,7 +42,8 @@ class ServeConfig:
         track_memory: on the CPU, measure the device tier during requests (``DeviceTierTracker``; slows decoding).
         progress: progress bars while loading.
         host_store: "pinned", "mmap" or "disk"; host_cache_gb: a host cache in front of the disk (GB;
-            ``models.loader.load_offloaded``).
+            ``models.loader.load_offloaded``); pack: an aligned expert pack for the disk store (None: the one beside
+            the model, if any).
         max_batch: most sequences decoding together (None: chosen by the memory plan, ``serve.batch_memory``;
             diffusion models and sliding-window / recurrent caches run batch 1).
         predictor: a trained SeqMoE predictor directory for the forecast-driven policies (``seqmoe*``); its
@@ -72,6 +73,7 @@ class ServeConfig:
     progress: bool = False
     host_store: str = "pinned"
     host_cache_gb: float | None = None
+    pack: str | None = None
     max_batch: int | None = None
     predictor: str | None = None
     cors_origins: tuple[str, ...] = ("*",)
@@ -175,7 +177,7 @@ def load_for_serving(cfg: ServeConfig, log=_log):
     budget, source = resolve_budget(cfg.memory_budget_gb, dev, bool(given))
     block = diffusion["block_length"] if diffusion else None
     load = dict(device=cfg.device, dtype=cfg.dtype, policy=cfg.policy, progress=cfg.progress, host_store=cfg.host_store,
-                host_cache_gb=cfg.host_cache_gb)
+                host_cache_gb=cfg.host_cache_gb, pack=cfg.pack)
     t0 = time.perf_counter()
     if budget is not None:
         lm, pset, batch, note, kv, act, budget = load_within_budget(
