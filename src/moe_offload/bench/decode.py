@@ -104,6 +104,11 @@ def bench_decode(path: Path, prompts: list[str], residencies: list[float], *, ma
     regime = ""
     if disk is not None:  # the disk is the link: the scheduler's B_avg and the simulator's link from its speed
         link_epl, regime = _disk_link_epl(disk, full.expert_bytes, t_layer)
+        from ..models.expert_pack import find_pack
+
+        pack = find_pack(path, None)
+        regime += (f"; from the expert pack {pack.folder} (read straight into the slots)" if pack is not None
+                   else "; from the checkpoint's safetensors files (through a staging buffer)")
     del full
     gc.collect()
     rows, breakdowns = [full_row], []

@@ -11,7 +11,6 @@ Units: bytes (KiB = 1024 bytes), seconds, GB/s = 1e9 bytes per second.
 
 from __future__ import annotations
 
-import mmap
 import os
 import random
 import threading
@@ -19,6 +18,7 @@ import time
 from pathlib import Path
 
 from ..errors import MoeOffloadError
+from ..runtime import huge_pages
 
 #: request sizes measured (KiB) and queue depths (reader threads)
 SIZES_KIB = (4, 16, 64, 128, 256, 1024, 4096)
@@ -43,7 +43,7 @@ def _scratch(directory: Path, nbytes: int) -> Path:
 
 
 def _read_for(fd: int, size: int, span: int, seconds: float, seed: int, out: list) -> None:
-    buf = mmap.mmap(-1, size)
+    buf = huge_pages.io_buffer(size).numpy()  # where the runtime's reads land too: huge pages
     view = memoryview(buf)
     rng = random.Random(seed)
     slots = span // size

@@ -135,10 +135,9 @@ def write_pack(model_dir: Path, out: Path, progress: bool = True) -> dict:
     Raises:
         MoeOffloadError: ``out`` exists and is a file or a non-empty folder (nothing of it is touched), or the
             model cannot be loaded (``models.loader.load_offloaded``'s errors)."""
-    import mmap
-
-    import numpy as np
     from tqdm.auto import tqdm
+
+    from ..runtime import huge_pages
 
     from .loader import load_offloaded
 
@@ -158,8 +157,8 @@ def write_pack(model_dir: Path, out: Path, progress: bool = True) -> dict:
         store, total = lm.engine.store, lm.num_moe_layers * lm.num_experts
         n, stride = store.layout.expert_bytes, stride_for(store.layout.expert_bytes)
         out.mkdir(parents=True, exist_ok=True)
-        buf = mmap.mmap(-1, stride)  # page-aligned, zero padding after the row
-        row = np.frombuffer(buf, dtype=np.uint8)
+        row = huge_pages.io_buffer(stride).numpy()  # page-aligned, zero padding after the row
+        buf = memoryview(row)
         tmp = out / (PACK_FILE + ".partial")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:

@@ -33,7 +33,6 @@ Units: bytes; seconds; GB/s = 1e9 bytes per second.
 
 from __future__ import annotations
 
-import mmap
 import os
 import sys
 import threading
@@ -51,6 +50,7 @@ from ..errors import MoeOffloadError
 from .cpu_account import charge_within, io
 from .direct_io import (IO_ALIGN, _File, _Span, copy_concurrently, native_plan, open_direct,  # noqa: F401 (re-exported)
                         plan_spans, read_native)
+from . import huge_pages
 from .kernels import native
 from .store import ExpertLayout, gather_rows
 
@@ -214,9 +214,9 @@ class DiskStore:
         buf = getattr(st, "buf", None)
         if buf is None or len(buf) < nbytes:  # an older, smaller buffer is freed with its last view
             size = max(nbytes, self.staging_bytes)
-            st.buf = mmap.mmap(-1, -(-size // IO_ALIGN) * IO_ALIGN)  # anonymous maps are page-aligned
-            st.view = memoryview(st.buf)
-            st.np = np.frombuffer(st.buf, dtype=np.uint8)
+            st.buf = huge_pages.io_buffer(-(-size // IO_ALIGN) * IO_ALIGN)  # page-aligned, on huge pages
+            st.np = st.buf.numpy()
+            st.view = memoryview(st.np)
         return st.view, st.np
 
     def _read_span(self, span: _Span, view: memoryview, lo: int = 0, hi: int | None = None) -> int:

@@ -28,6 +28,7 @@ import torch
 from ..core.policies import make_policy
 from ..core.policy_spec import PolicySpec
 from ..errors import MoeOffloadError
+from . import huge_pages
 from .disk_store import DiskStore, copy_concurrently
 from .store import _pin_in_place, _unpin, gather_rows
 
@@ -76,7 +77,7 @@ class HostCache:
         self.num_experts_total = disk.num_experts_total
         self.rows = min(int(rows), disk.num_experts_total)
         self.policy = make_policy(policy, num_slots=self.rows, top_k=1)
-        self.buf = torch.empty((self.rows, self.layout.expert_bytes), dtype=torch.uint8)
+        self.buf = huge_pages.empty((self.rows, self.layout.expert_bytes), torch.uint8)  # direct reads land here
         self.pinned = bool(pin) and _pin_in_place(self.buf)
         self.pin_failed = bool(pin) and not self.pinned
         self._np = self.buf.numpy()
