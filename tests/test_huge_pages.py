@@ -16,7 +16,19 @@ def test_empty_and_copy_of():
     c = huge_pages.copy_of(src)
     assert torch.equal(c, src) and c.data_ptr() != src.data_ptr()
     small = huge_pages.empty((4, 4), torch.float32)
-    assert small.shape == (4, 4)
+    assert small.shape == (4, 4) and small.data_ptr() % 4096 == 0  # page-aligned: direct reads may land there
+
+
+def test_io_buffer_is_aligned_whatever_its_size():
+    """Where direct reads land (``io_buffer``): exactly the bytes asked for, 2 MiB-aligned where huge pages can be
+    advised (page-aligned anyway), writable."""
+    for n in (4096, 2654208, 5 << 20):
+        b = huge_pages.io_buffer(n)
+        assert b.shape == (n,) and b.dtype == torch.uint8 and b.data_ptr() % 4096 == 0
+        if huge_pages._ADVICE is not None:
+            assert b.data_ptr() % huge_pages.HUGE_PAGE == 0
+        b.fill_(7)
+        assert int(b[-1]) == 7
 
 
 def test_rehome_parameters_keeps_values_and_ties():
