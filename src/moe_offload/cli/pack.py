@@ -23,7 +23,8 @@ def run(args) -> int:
 
     Raises:
         MoeOffloadError: a model that cannot be loaded, or an ``--out`` that exists and is not an empty folder."""
-    from ..models.expert_pack import DEFAULT_DIR, PACK_FILE, write_pack
+    from ..models.expert_pack import DEFAULT_DIR, PACK_FILE
+    from ..models.pack_writer import write_pack
     from ..testbed.resolve import resolve_model
 
     path = Path(resolve_model(args.model, progress=not args.quiet))

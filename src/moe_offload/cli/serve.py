@@ -44,6 +44,11 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-cache", action="store_true", help="diffusion models: recompute the whole prefix at "
                    "every diffusion step instead of caching the committed blocks' keys and values (same tokens)")
     add_threads_arg(p)
+    p.add_argument("--graph", action="store_true", help="decode with graph mode's compiled step (torch.compile; "
+                   "compiled once at start, about a minute the first time, then cached by torch): batch 1, the pool "
+                   "from --residency / --slots, --host-store pinned, autoregressive models (default: the eager step)")
+    p.add_argument("--graph-backend", choices=["inductor", "aot_eager"], default="inductor",
+                   help="with --graph: the torch.compile backend (default inductor)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
@@ -124,7 +129,8 @@ def _config(args):
                        cors_origins=_origins(getattr(args, "cors_origins", "*")),
                        max_queue=getattr(args, "max_queue", DEFAULT_MAX_QUEUE) or None,
                        max_request_bytes=_request_bytes(getattr(args, "max_request_mb", None)),
-                       chat_template=chat, response_template=resp)
+                       chat_template=chat, response_template=resp, graph=args.graph,
+                       graph_backend=args.graph_backend)
 
 
 def _request_bytes(mb: float | None) -> int:

@@ -141,17 +141,22 @@ class GraphDecoder:
         backend: ``inductor`` (default) or ``aot_eager`` (``BACKENDS``).
         cuda_graphs: on CUDA, capture the step with CUDA graphs (``mode="reduce-overhead"``); default off (FullLoad
             captures; the offloaded step's custom ops read slot ids on the host, which capture refuses).
+        progress: show the compiling step as a progress phase (``common.progress.Phases``).
+        cache_len: every request's static KV cache holds this many positions (rounded up to ``CACHE_BUCKET``), so
+            one compiled step serves them all (``serve --graph``: the server's ``--max-context``); None (default):
+            the request's own length, rounded up, and a longer request compiles a new step once.
 
     Raises:
         MoeOffloadError: an unknown backend; an engine that is neither None (FullLoad) nor a ``GraphEngine``.
     """
 
-    def __init__(self, lm, backend: str = "inductor", cuda_graphs: bool = False, progress: bool = False):
+    def __init__(self, lm, backend: str = "inductor", cuda_graphs: bool = False, progress: bool = False,
+                 cache_len: int | None = None):
         if backend not in BACKENDS:
             raise MoeOffloadError(f"unknown graph backend {backend!r}; choose one of: {', '.join(BACKENDS)}")
         if lm.engine is not None and not isinstance(lm.engine, GraphEngine):
             raise MoeOffloadError("graph mode needs a model loaded with graph.decode.load_graph")
-        self.lm, self.backend, self.progress = lm, backend, progress
+        self.lm, self.backend, self.progress, self.cache_len = lm, backend, progress, cache_len
         self.cache = None
         #: seconds spent in the decode steps that compiled (not in ``generate_ids``' decode time)
         self.compile_s = 0.0
@@ -219,7 +224,7 @@ class GraphDecoder:
     def _static_cache(self, length: int):
         from transformers import StaticCache
 
-        need = -(-length // CACHE_BUCKET) * CACHE_BUCKET
+        need = -(-max(length, self.cache_len or 0) // CACHE_BUCKET) * CACHE_BUCKET
         if self.cache is None or self._cache_len < need:
             self.cache = StaticCache(config=self.lm.model.config, max_cache_len=need)
             self._cache_len = need
@@ -227,15 +232,27 @@ class GraphDecoder:
             self.cache.reset()
         return self.cache
 
+    def warm_up(self) -> float:
+        """Compile the decode step now, on a two-token request of token id 0 (its tokens are discarded; the engine's
+        counters are zeroed after it), so that the first real request does not wait for the compiler. Returns the
+        seconds it took."""
+        t0 = time.perf_counter()
+        self.generate_ids([0, 0], 2)
+        if self.lm.engine is not None:
+            self.lm.engine.reset_stats()
+        return time.perf_counter() - t0
+
     @torch.no_grad()
     def generate_ids(self, prompt_ids: list[int], max_new_tokens: int, *, temperature: float = 0.0,
-                     top_p: float = 1.0, top_k: int = 0, seed: int | None = None, request: int = 0):
+                     top_p: float = 1.0, top_k: int = 0, seed: int | None = None, request: int = 0,
+                     on_token=None):
         """``generation.generate.generate_ids`` in graph mode: eager prefill into a static KV cache, then compiled decode
         steps; stops at an EOS id or the model's position limit (``generation.generate.token_budget``); the same sampler
         (``moe_offload.generation.sampling``, outside the compiled step). Returns ``(new_ids, ttft_s, decode_s)``.
 
         The decode step that compiles (the first at a new cache length) is not in ``decode_s``: its seconds go to
-        ``compile_s``, and ``last_compile_steps`` says whether it happened.
+        ``compile_s``, and ``last_compile_steps`` says whether it happened. ``on_token(token_id)``: as
+        ``generation.generate.generate_ids``' (every new token as it is chosen; True stops after it).
 
         Raises:
             MoeOffloadError: the prompt leaves no room for a new token within the model's position limit."""
@@ -257,7 +274,8 @@ class GraphDecoder:
         sync_device(dev)
         t1 = time.perf_counter()
         compiled_before, self.last_compile_steps = self.compile_s, 0
-        while len(new) < max_new_tokens and new[-1] not in eos:
+        stop = on_token is not None and bool(on_token(new[-1]))
+        while not stop and len(new) < max_new_tokens and new[-1] not in eos:
             if engine is not None:
                 engine.begin_step(request, len(new))
             pos = torch.tensor([[len(prompt_ids) + len(new) - 1]], dtype=torch.long, device=dev)
@@ -268,6 +286,7 @@ class GraphDecoder:
                 self.last_compile_steps = 1
             tok = pick(logits, temperature, top_p, gen, top_k)
             new.append(int(tok))
+            stop = on_token is not None and bool(on_token(new[-1]))
         sync_device(dev)
         return new, t1 - t0, time.perf_counter() - t1 - (self.compile_s - compiled_before)
 

@@ -54,6 +54,8 @@ class ServeConfig:
         chat_template: a chat template (Jinja text) replacing the model's, or None (``serve --chat-template``).
         response_template: a transformers response template for parsing tool calls, or None (the tokenizer's own,
             else ours: ``serve.tool_formats``).
+        graph: decode with graph mode's compiled step, compiled at start (``serve.graph_serving``); graph_backend:
+            its compiler backend (``inductor``, default, or ``aot_eager``).
     """
 
     model_dir: Path
@@ -81,6 +83,8 @@ class ServeConfig:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     chat_template: str | None = None
     response_template: dict | None = None
+    graph: bool = False
+    graph_backend: str = "inductor"
 
     def __post_init__(self):
         self.policy = parse_policy(self.policy)
@@ -179,7 +183,14 @@ def load_for_serving(cfg: ServeConfig, log=_log):
     load = dict(device=cfg.device, dtype=cfg.dtype, policy=cfg.policy, progress=cfg.progress, host_store=cfg.host_store,
                 host_cache_gb=cfg.host_cache_gb, pack=cfg.pack)
     t0 = time.perf_counter()
-    if budget is not None:
+    if cfg.graph:
+        from .graph_serving import check_graph_config, load_graph_model
+
+        check_graph_config(cfg, diffusion)
+        budget, lm, pset, pred_bytes = None, load_graph_model(cfg, path), None, 0
+        source = _size_source(cfg)
+        batch, note, kv, act = plan_batch(lm, 1, None, 0, profile_request(lm, max_context, block), max_context)
+    elif budget is not None:
         lm, pset, batch, note, kv, act, budget = load_within_budget(
             path, budget, source, load, max_context, block, cfg.policy.refresh, cfg.max_batch,
             lambda lm: _load_predictor(cfg, lm), log)
@@ -188,8 +199,7 @@ def load_for_serving(cfg: ServeConfig, log=_log):
         lm = load_offloaded(path, residency=cfg.residency, slots=cfg.slots, **load)
         pset = _load_predictor(cfg, lm)
         pred_bytes = 0 if pset is None else pset.parameter_bytes()
-        source = ("--slots" if cfg.slots is not None else "--residency" if cfg.residency is not None
-                  else "--residency 1.0 (default)")
+        source = _size_source(cfg)
         log(f"profile run: the largest request ({max_context} tokens, sampled)")
         prof = profile_request(lm, max_context, block)
         batch, note, kv, act = plan_batch(lm, cfg.max_batch, None, 0, prof, max_context)
@@ -210,8 +220,19 @@ def load_for_serving(cfg: ServeConfig, log=_log):
     log(f"ready in {time.perf_counter() - t0:.1f} s: {arch.name}, {lm.device}, {str(lm.dtype).replace('torch.', '')}"
         + (f", block diffusion {diffusion}" if diffusion else ""))
     tracker = DeviceTierTracker(lm.device) if cfg.track_memory and lm.device.type != "cuda" else None
+    decoder = None
+    if cfg.graph:
+        from .graph_serving import compile_decoder
+
+        decoder = compile_decoder(lm, cfg, max_context, log)
     return ServeState(lm, cfg.model_name or str(cfg.model_dir), max_context, plan, diffusion, tracker, note,
-                      cfg.cors_origins, cfg.max_queue, cfg.max_request_bytes)
+                      cfg.cors_origins, cfg.max_queue, cfg.max_request_bytes, decoder)
+
+
+def _size_source(cfg: ServeConfig) -> str:
+    """Which option sized the slot pool, for the memory plan (no budget)."""
+    return ("--slots" if cfg.slots is not None else "--residency" if cfg.residency is not None
+            else "--residency 1.0 (default)")
 
 
 def _apply_templates(tokenizer, cfg: ServeConfig, log) -> None:

@@ -40,11 +40,13 @@ class ServeState:
         max_queue: most requests waiting before new ones are refused as overloaded (None: no limit;
             ``serve.limits``).
         max_request_bytes: most bytes of a request body (``serve.limits.BodyLimit``).
+        decoder: ``serve --graph``'s compiled decode step (``graph.decode.GraphDecoder``, batch 1), or None.
     """
 
     def __init__(self, lm, model_name: str, max_context: int, plan, diffusion: dict | None = None, tracker=None,
                  batch_note: str | None = None, cors_origins: tuple[str, ...] = ("*",),
-                 max_queue: int | None = DEFAULT_MAX_QUEUE, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES):
+                 max_queue: int | None = DEFAULT_MAX_QUEUE, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+                 decoder=None):
         self.lm = lm
         self.max_queue = max_queue
         self.max_request_bytes = max_request_bytes
@@ -61,7 +63,7 @@ class ServeState:
 
             self.worker = BatchWorker(lm, max_batch, tracker, prefill_tokens=max(1, max_context - 1))
         else:
-            self.worker = Worker(lm, diffusion, tracker)
+            self.worker = Worker(lm, diffusion, tracker, decoder)
         self.created = int(time.time())
         if lm.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(lm.device)
