@@ -34,7 +34,7 @@ def served(tiny_dirs):
 def test_compiled_at_start_and_equal_to_full_load(served):
     state, client, ref, log = served
     assert any("decode step compiled in" in m for m in log)
-    dec = state.worker.decoder
+    dec = state.worker.graph_decoder
     compiled = dec.compile_s
     assert compiled > 0 and state.plan.batch == 1
     want = generate_ids(ref, encode_prompt(ref.tokenizer, PROMPT), 12)[0]
@@ -49,6 +49,8 @@ def test_compiled_at_start_and_equal_to_full_load(served):
     assert [t for ch in chunks if ch.choices for t in (getattr(ch.choices[0], "token_ids", None) or [])] == want
     stats = state.lm.engine.stats
     assert stats.hits + stats.misses > 0 and stats.misses > 0  # offloaded at 0.5: the graph engine's counters
+    assert state.stats()["graph"] == {"backend": "aot_eager", "compile_s": round(compiled, 3),
+                                      "static_cache_positions": 256}
 
 
 @pytest.mark.parametrize("extra, needle", [

@@ -38,9 +38,9 @@ def prompts_for(n: int, max_chars: int) -> list[str]:
 
 
 def _reference(state, prompts: list[str], max_tokens: int) -> tuple[list[list[int]], float, list[float]]:
-    """Greedy tokens of each prompt from ``generate``'s loop, sequentially; the wall time and each request's TTFT
-    (prefill / first block; seconds)."""
-    lm = state.lm
+    """Greedy tokens of each prompt from ``generate``'s loop, sequentially (``serve --graph``: the server's own
+    compiled step, as ``generate --graph``); the wall time and each request's TTFT (prefill / first block; seconds)."""
+    lm, graph = state.lm, getattr(state.worker, "graph_decoder", None)
     out, ttft = [], []
     t0 = time.perf_counter()
     for p in prompts:
@@ -48,7 +48,9 @@ def _reference(state, prompts: list[str], max_tokens: int) -> tuple[list[list[in
         if len(ids) + max_tokens > state.max_context:
             raise MoeOffloadError(f"a prompt of {len(ids)} tokens + --max-tokens {max_tokens} exceeds --max-context "
                                   f"{state.max_context}")
-        if state.diffusion is None:
+        if graph is not None:
+            new, first, _ = graph.generate_ids(ids, max_tokens)
+        elif state.diffusion is None:
             new, first, _ = generate_ids(lm, ids, max_tokens)
         else:
             from ..generation.diffusion import diffusion_generate_ids
@@ -141,7 +143,8 @@ def _f(v, fmt="{:.2f}") -> str:
 def _report(state, prompts, max_tokens, refs, seq_wall, seq_ttft, seq_tokens, passes, stats, command) -> str:
     from ..generation.report import format_table
 
-    rows = [["sequential `generate` (reference, no server)", 1, len(refs), 0, "reference",
+    rows = [[f"sequential `generate{' --graph' if getattr(state.worker, 'graph_decoder', None) else ''}` "
+             "(reference, no server)", 1, len(refs), 0, "reference",
              _f(percentile(seq_ttft, 0.5)), _f(percentile(seq_ttft, 0.95)), seq_tokens,
              _f(seq_wall, "{:.1f}"), _f(seq_tokens / seq_wall if seq_wall > 0 else 0.0)]]
     for p in passes:

@@ -139,6 +139,10 @@ class ServeState:
                     "fallback_s": o.fallback_s, "prefetches": o.prefetches, "diffusion_steps": o.steps}
         if self.diffusion is not None:
             out["diffusion"] = dict(self.diffusion, streaming="block by block")
+        graph = getattr(w, "graph_decoder", None)
+        if graph is not None:  # serve --graph: the compiled step and how long it took to compile
+            out["graph"] = {"backend": graph.backend, "compile_s": round(graph.compile_s, 3),
+                            "static_cache_positions": graph.cache_len}
         return out
 
     def batching(self) -> dict:

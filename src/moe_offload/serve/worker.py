@@ -36,15 +36,15 @@ class Worker:
         diffusion: block-diffusion parameters ``{"block_length", "steps", "threshold"}`` for a diffusion model, else
             None.
         tracker: ``serve.memory_profile.DeviceTierTracker`` entered around every job (CPU memory measurement), or None.
-        decoder: a ``graph.decode.GraphDecoder`` whose compiled decode step runs the requests (``serve --graph``),
-            or None (the eager ``generate_ids``).
+        decoder: a ``graph.decode.GraphDecoder`` whose compiled decode step runs the requests (``serve --graph``;
+            kept as ``graph_decoder``), or None (the eager ``generate_ids``).
     """
 
     def __init__(self, lm, diffusion: dict | None = None, tracker=None, decoder=None):
         self.lm = lm
         self.diffusion = diffusion
         self.tracker = tracker
-        self.decoder = decoder
+        self.graph_decoder = decoder
         self.stats = ServerStats()
         self.eos = eos_ids(lm)
         self._queue: collections.deque[Job] = collections.deque()
@@ -166,9 +166,10 @@ class Worker:
         if self.diffusion is None:
             kw = dict(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed, request=request,
                       on_token=lambda t: on_tokens([t]))
-            new, ttft, dec = (generate_ids(lm, job.prompt_ids, p.max_tokens, **kw) if self.decoder is None
-                              else self.decoder.generate_ids(job.prompt_ids, p.max_tokens, **kw))
-            decode_tokens = max(0, len(new) - 1 - (self.decoder.last_compile_steps if self.decoder else 0))
+            new, ttft, dec = (generate_ids(lm, job.prompt_ids, p.max_tokens, **kw) if self.graph_decoder is None
+                              else self.graph_decoder.generate_ids(job.prompt_ids, p.max_tokens, **kw))
+            compiled = self.graph_decoder.last_compile_steps if self.graph_decoder is not None else 0
+            decode_tokens = max(0, len(new) - 1 - compiled)
         else:
             from ..generation.diffusion import diffusion_generate_ids
 
