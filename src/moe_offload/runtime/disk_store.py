@@ -39,7 +39,6 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -48,6 +47,7 @@ import torch
 from ..common.threads import pin_io_thread, short_switch_interval
 from ..errors import MoeOffloadError
 from .cpu_account import charge_within, io
+from .disk_stats import DiskReadStats  # noqa: F401 (re-exported)
 from .direct_io import (IO_ALIGN, _File, _Span, copy_concurrently, native_plan, open_direct,  # noqa: F401 (re-exported)
                         plan_spans, read_native)
 from . import huge_pages
@@ -59,54 +59,6 @@ DEFAULT_READERS = 4
 #: largest read of a prefetch between two checks for on-demand reads to yield to and for cancellation (bytes); an
 #: expert up to this size is read in one request (a 324 KiB testbed expert), a 9.4 MB one in ten
 PREFETCH_CHUNK = 1 << 20
-
-
-@dataclass
-class DiskReadStats:
-    """Counters of a ``DiskStore``.
-
-    ``requests`` (preadv calls), ``bytes_read`` (aligned span bytes transferred), ``expert_bytes`` (field bytes
-    delivered), ``experts`` (experts read), ``busy_s`` (seconds spent in reads, summed over threads). ``gbps`` is
-    ``bytes_read / busy_s / 1e9`` (per-thread bandwidth).
-
-    On-demand reads (``copy_to`` / ``copy_many``, misses the engine waits for): ``demand_s`` (wall seconds during
-    which at least one was outstanding), ``demand_bytes`` (their aligned bytes) and ``demand_reads`` ``{(span
-    bytes, queue depth at its start): reads}``, from which ``demand_efficiency`` compares them with a measured disk.
-    Prefetches (``read_prefetch``): ``prefetch_yields`` (chunks held back for on-demand reads),
-    ``prefetch_cancelled`` (prefetches stopped at a chunk because their copy was cancelled). ``in_place``: experts
-    read straight into their destination (from an expert pack: no staging copy).
-    """
-
-    requests: int = 0
-    bytes_read: int = 0
-    expert_bytes: int = 0
-    experts: int = 0
-    busy_s: float = 0.0
-    demand_s: float = 0.0
-    demand_bytes: int = 0
-    demand_reads: dict = field(default_factory=dict)
-    prefetch_yields: int = 0
-    prefetch_cancelled: int = 0
-    in_place: int = 0
-
-    @property
-    def gbps(self) -> float:
-        return self.bytes_read / self.busy_s / 1e9 if self.busy_s > 0 else 0.0
-
-    @property
-    def demand_gbps(self) -> float:
-        """GB/s of on-demand reads while they were outstanding: ``demand_bytes / demand_s / 1e9`` (0: none)."""
-        return self.demand_bytes / self.demand_s / 1e9 if self.demand_s > 0 else 0.0
-
-    def demand_efficiency(self, gbps_at) -> float | None:
-        """Share of a measured disk's speed the on-demand reads reached: the seconds the disk needs for these reads at
-        its measured bandwidth (``gbps_at(span_bytes, depth)`` GB/s for all ``depth`` reads in flight together, so one
-        read takes ``span_bytes / gbps`` of wall time) over ``demand_s``. 1.0 = as fast as ``bench link --disk``
-        measured; None when no on-demand read was made."""
-        if self.demand_s <= 0 or not self.demand_reads:
-            return None
-        ideal = sum(n * size / (gbps_at(size, depth) * 1e9) for (size, depth), n in self.demand_reads.items())
-        return ideal / self.demand_s
 
 
 class DiskStore:

@@ -18,6 +18,7 @@ from ..errors import MoeOffloadError
 from .batch_memory import plan_batch
 from .limits import DEFAULT_MAX_QUEUE, DEFAULT_MAX_REQUEST_BYTES
 from .budget import DEFAULT_MAX_CONTEXT, load_within_budget, resolve_budget
+from .graph_serving import check_graph_config, compile_decoder
 from .memory import MemoryPlan, host_cache_bytes, lookup_bytes, non_expert_bytes, staging_bytes
 from .memory_profile import DeviceTierTracker, profile_request
 
@@ -170,7 +171,7 @@ def load_for_serving(cfg: ServeConfig, log=_log):
         MoeOffloadError: a bad checkpoint or option, a policy the server cannot run, ``max_context`` above the
             model's positions, or a budget too small for top-k slots.
     """
-    from ..models.loader import load_offloaded, read_config, resolve_device
+    from ..models.loader import read_config, resolve_device
     from .state import ServeState
 
     path, config, arch = read_config(cfg.model_dir)
@@ -184,25 +185,16 @@ def load_for_serving(cfg: ServeConfig, log=_log):
                 host_cache_gb=cfg.host_cache_gb, pack=cfg.pack)
     t0 = time.perf_counter()
     if cfg.graph:
-        from .graph_serving import check_graph_config, load_graph_model
-
         check_graph_config(cfg, diffusion)
-        budget, lm, pset, pred_bytes = None, load_graph_model(cfg, path), None, 0
-        source = _size_source(cfg)
-        batch, note, kv, act = plan_batch(lm, 1, None, 0, profile_request(lm, max_context, block), max_context)
-    elif budget is not None:
+        budget = None  # graph mode sizes its pool from --residency / --slots
+    if budget is not None:
         lm, pset, batch, note, kv, act, budget = load_within_budget(
             path, budget, source, load, max_context, block, cfg.policy.refresh, cfg.max_batch,
             lambda lm: _load_predictor(cfg, lm), log)
-        pred_bytes = 0 if pset is None else pset.parameter_bytes()
     else:
-        lm = load_offloaded(path, residency=cfg.residency, slots=cfg.slots, **load)
-        pset = _load_predictor(cfg, lm)
-        pred_bytes = 0 if pset is None else pset.parameter_bytes()
+        lm, pset, batch, note, kv, act = _load_sized(cfg, path, load, max_context, block, log)
         source = _size_source(cfg)
-        log(f"profile run: the largest request ({max_context} tokens, sampled)")
-        prof = profile_request(lm, max_context, block)
-        batch, note, kv, act = plan_batch(lm, cfg.max_batch, None, 0, prof, max_context)
+    pred_bytes = 0 if pset is None else pset.parameter_bytes()
     if lm.tokenizer is None:
         raise MoeOffloadError(f"{path} has no tokenizer: cannot encode prompts")
     _apply_templates(lm.tokenizer, cfg, log)
@@ -220,13 +212,28 @@ def load_for_serving(cfg: ServeConfig, log=_log):
     log(f"ready in {time.perf_counter() - t0:.1f} s: {arch.name}, {lm.device}, {str(lm.dtype).replace('torch.', '')}"
         + (f", block diffusion {diffusion}" if diffusion else ""))
     tracker = DeviceTierTracker(lm.device) if cfg.track_memory and lm.device.type != "cuda" else None
-    decoder = None
-    if cfg.graph:
-        from .graph_serving import compile_decoder
-
-        decoder = compile_decoder(lm, cfg, max_context, log)
+    decoder = compile_decoder(lm, cfg, max_context, log) if cfg.graph else None
     return ServeState(lm, cfg.model_name or str(cfg.model_dir), max_context, plan, diffusion, tracker, note,
                       cfg.cors_origins, cfg.max_queue, cfg.max_request_bytes, decoder)
+
+
+def _load_sized(cfg: ServeConfig, path, load: dict, max_context: int, block: int | None, log):
+    """The model with its pool sized by ``--residency`` / ``--slots`` (no budget): graph mode's load under
+    ``--graph`` (batch 1; its predictor, if any, runs inside the step), else ``load_offloaded`` and the predictor;
+    then the profile run at ``max_context`` and the batch plan. Returns ``(lm, pset, batch, note, kv_cache_bytes,
+    activation_bytes)``."""
+    from ..models.loader import load_offloaded
+
+    if cfg.graph:
+        from .graph_serving import load_graph_model
+
+        lm, pset, requested = load_graph_model(cfg, path), None, 1
+    else:
+        lm = load_offloaded(path, residency=cfg.residency, slots=cfg.slots, **load)
+        pset, requested = _load_predictor(cfg, lm), cfg.max_batch
+    log(f"profile run: the largest request ({max_context} tokens, sampled)")
+    prof = profile_request(lm, max_context, block)
+    return (lm, pset, *plan_batch(lm, requested, None, 0, prof, max_context))
 
 
 def _size_source(cfg: ServeConfig) -> str:
