@@ -107,3 +107,14 @@ def test_pack_prefetches_in_place(model, one_thread):
     assert [o.token_ids for o in outs] == ref
     assert pf.prefetches > 0 and st.in_place == st.experts
     lm.close()
+
+
+def test_failed_pack_leaves_nothing(model, tmp_path, monkeypatch):
+    """A write that fails (a full disk) is a one-line error and leaves neither a partial pack file nor the folder
+    the pack would have made."""
+    import moe_offload.models.pack_writer as pw
+
+    monkeypatch.setattr(pw.os, "pwrite", lambda fd, data, offset: 0)
+    with pytest.raises(MoeOffloadError, match="disk full"):
+        pw.write_pack(model, tmp_path / "new" / "p", progress=False)
+    assert not (tmp_path / "new" / "p").exists()

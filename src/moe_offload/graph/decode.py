@@ -232,14 +232,24 @@ class GraphDecoder:
             self.cache.reset()
         return self.cache
 
+    @torch.no_grad()
     def warm_up(self) -> float:
-        """Compile the decode step now, on a two-token request of token id 0 (its tokens are discarded; the engine's
-        counters are zeroed after it), so that the first real request does not wait for the compiler. Returns the
-        seconds it took."""
-        t0 = time.perf_counter()
-        self.generate_ids([0, 0], 2)
-        if self.lm.engine is not None:
-            self.lm.engine.reset_stats()
+        """Compile the decode step now, so that the first real request does not wait for the compiler: a prefill of
+        two tokens of id 0 and one decode step after it, whatever they produce (an EOS included); the engine's
+        counters are zeroed after them. Returns the seconds it took (0 when the step was compiled already)."""
+        t0, engine, dev = time.perf_counter(), self.lm.engine, self.lm.device
+        cache = self._static_cache(3)
+        if self._cache_len in self._compiled_lengths:
+            return 0.0
+        ids = torch.zeros((1, 2), dtype=torch.long, device=dev)
+        if engine is not None:
+            engine.begin_step(0, 0)
+        self.lm.model(input_ids=ids, cache=cache, use_cache=True)  # the prefill, eager
+        if engine is not None:
+            engine.begin_step(0, 1)
+        self._compiling_step(ids[:, :1], torch.full((1, 1), 2, dtype=torch.long, device=dev), cache)
+        if engine is not None:
+            engine.reset_stats()
         return time.perf_counter() - t0
 
     @torch.no_grad()

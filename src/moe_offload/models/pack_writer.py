@@ -22,16 +22,14 @@ def write_pack(model_dir: Path, out: Path, progress: bool = True) -> dict:
     from tqdm.auto import tqdm
 
     from ..runtime import huge_pages
-
+    from .capability import top_k
+    from .checkpoint import read_config
     from .loader import load_offloaded
 
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise MoeOffloadError(f"{out} already exists and is not an empty folder: choose another --out "
                               "(nothing was written)")
-    from .capability import top_k
-    from .checkpoint import read_config
-
     fingerprint = checkpoint_fingerprint(model_dir)
     _, config, _ = read_config(model_dir)
     # the fewest slots a model can run with: the pack is written from the disk store, not from the slots
@@ -40,6 +38,7 @@ def write_pack(model_dir: Path, out: Path, progress: bool = True) -> dict:
     try:
         store, total = lm.engine.store, lm.num_moe_layers * lm.num_experts
         n, stride = store.layout.expert_bytes, stride_for(store.layout.expert_bytes)
+        created = not out.exists()
         out.mkdir(parents=True, exist_ok=True)
         row = huge_pages.io_buffer(stride).numpy()  # page-aligned, zero padding after the row
         buf = memoryview(row)
@@ -51,6 +50,11 @@ def write_pack(model_dir: Path, out: Path, progress: bool = True) -> dict:
                 if os.pwrite(fd, buf, eid * stride) != stride:
                     raise MoeOffloadError(f"writing {tmp} failed: disk full?")
             os.fsync(fd)
+        except BaseException:  # an interrupted pack leaves nothing behind: no partial file, no folder it made
+            tmp.unlink(missing_ok=True)
+            if created:
+                out.rmdir()
+            raise
         finally:
             os.close(fd)
         os.replace(tmp, out / PACK_FILE)
