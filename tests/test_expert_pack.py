@@ -79,7 +79,7 @@ def test_pack_bad_input(model, tmp_path, capsys):
                  "--host-store", "disk"])
     assert_one_line_error(code, capsys.readouterr().err, f"no {META_FILE} there")
     code = main(["generate", "--model", str(model), "--prompt", "hi", "--quiet", "--pack", str(occupied)])
-    assert_one_line_error(code, capsys.readouterr().err, "--pack is read by --host-store disk")
+    assert_one_line_error(code, capsys.readouterr().err, "--pack needs --host-store disk")
 
 
 def test_pack_of_another_layout_is_refused(model, tmp_path, capsys):

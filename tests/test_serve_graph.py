@@ -33,16 +33,19 @@ def served(tiny_dirs):
 
 def test_compiled_at_start_and_equal_to_full_load(served):
     state, client, ref, log = served
-    assert any("decode step compiled in" in m for m in log)
+    compiled_at = next(i for i, m in enumerate(log) if "decode step compiled in" in m)
+    assert any(m.startswith("ready in") for m in log[compiled_at:])  # "ready" only once the step is compiled
     dec = state.worker.graph_decoder
     compiled = dec.compile_s
     assert compiled > 0 and state.plan.batch == 1
     want = generate_ids(ref, encode_prompt(ref.tokenizer, PROMPT), 12)[0]
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     for _ in range(2):
         r = client.chat.completions.create(model="g", messages=[{"role": "user", "content": PROMPT}], max_tokens=12,
                                            temperature=0, extra_body={"return_token_ids": True})
         assert r.choices[0].token_ids == want
     assert dec.compile_s == compiled  # no request compiled: one static cache of --max-context for all
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # not even the first (no recompile)
     chunks = list(client.chat.completions.create(model="g", messages=[{"role": "user", "content": PROMPT}],
                                                  max_tokens=12, temperature=0, stream=True,
                                                  extra_body={"return_token_ids": True}))

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .args import MODEL_HELP
-
 
 def add_parser(sub) -> None:
     """Register ``moe-offload pack``."""
     p = sub.add_parser("pack", help="write a checkpoint's experts as an aligned expert pack (each expert 4 KiB-aligned, "
                        "laid out as its slot row) that --host-store disk reads without a staging copy")
-    p.add_argument("model", help=MODEL_HELP)
+    p.add_argument("model", help="the checkpoint to pack (required): a checkpoint directory, a built-in name "
+                   "(testbed, testbed-sparse, testbed-sparse-wide, llada2-medium) or a Hugging Face Hub name "
+                   "ORG/NAME[@REVISION], as --model of generate")
     p.add_argument("--out", metavar="DIR", help="the pack folder to write: new or empty (default: moe-offload-pack "
                    "inside the model folder, where --host-store disk finds it by itself)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")

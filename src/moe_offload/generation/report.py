@@ -225,8 +225,9 @@ def offload_notes(d: dict) -> list[str]:
     if d["mode"] != "offload" or d["residency"] >= 1 or not lookups:
         return []
     notes = [f"hit rate {d['hit_rate']:.1%}: {d['hits']} of the {lookups} times a layer needed an expert, it was "
-             f"already in the {d['slots']} device slots; the {d['misses']} misses were copied from the host store "
-             f"({_fmt_bytes(d['bytes_loaded'])})"]
+             f"already in the {d['slots']} device slots; the {d['misses']} misses were "
+             + ("read from disk" if d.get("host_store") == "disk" else "copied from the host store")
+             + f" ({_fmt_bytes(d['bytes_loaded'])})"]
     per_step = d["num_moe_layers"] * d["top_k"]
     if _family(d["policy"]) == "lru" and d["hit_rate"] < THRASH_HIT_RATE and d["slots"] < per_step:
         notes.append(f"LRU evicts every expert before its reuse at this residency (a step needs up to {per_step} "

@@ -204,16 +204,21 @@ class GraphDecoder:
         return f"{self.lm.model_id}|{self.lm.dtype}|{what}|{self._cache_len}|{self.backend}|torch {torch.__version__}"
 
     def _compiling_step(self, input_ids, position_ids, cache) -> torch.Tensor:
-        """The first decode step at a new static cache length: it compiles. Shown as a progress phase (expected:
-        the last time this step compiled, else ``COLD_COMPILE_S``), its time added to ``compile_s`` and remembered
-        for the next run's estimate."""
+        """The first decode step at a new static cache length: it compiles. Shown as a progress phase whose bar
+        runs to the slowest compile of this step seen so far (else ``COLD_COMPILE_S``) and whose label gives the
+        range seen: the fast end is a warm compile cache, the slow end a cold one (torch's cache keys hold the
+        source files' paths, so another checkout compiles cold once). Its time is added to ``compile_s`` and
+        remembered."""
         from ..common.progress import Phases
 
-        key, times = self._compile_key(), _read_compile_times()
-        expected = times.get(key, COLD_COMPILE_S)
+        key, where = self._compile_key(), inductor_cache_dir()
+        seen = _read_compile_times().get(key)
+        what = (f"compiling the decode step (earlier {seen[0]:.0f}-{seen[1]:.0f} s: the fast end when torch's compile "
+                f"cache in {where} holds it)" if seen else
+                f"compiling the decode step (about a minute the first time; torch's compile cache in {where} "
+                "shortens the next ones)")
         t0 = time.perf_counter()
-        with Phases(1, enabled=self.progress).phase(
-                f"compiling the decode step (cached across runs in {inductor_cache_dir()})", expected):
+        with Phases(1, enabled=self.progress).phase(what, seen[1] if seen else COLD_COMPILE_S):
             logits = self._compiled_step(input_ids, position_ids, cache)
         took = time.perf_counter() - t0
         self.compile_s += took
@@ -247,7 +252,10 @@ class GraphDecoder:
         self.lm.model(input_ids=ids, cache=cache, use_cache=True)  # the prefill, eager
         if engine is not None:
             engine.begin_step(0, 1)
-        self._compiling_step(ids[:, :1], torch.full((1, 1), 2, dtype=torch.long, device=dev), cache)
+        # a fresh [1, 1] token, as the requests' steps pass (a view of ``ids`` has other strides: dynamo would
+        # compile the step again at the first request)
+        self._compiling_step(torch.zeros((1, 1), dtype=torch.long, device=dev),
+                             torch.full((1, 1), 2, dtype=torch.long, device=dev), cache)
         if engine is not None:
             engine.reset_stats()
         return time.perf_counter() - t0
@@ -333,24 +341,29 @@ def _compile_times_path():
     return default_cache_dir() / "compile_times.json"
 
 
-def _read_compile_times() -> dict[str, float]:
-    """Seconds each decode step took to compile the last time (``GraphDecoder._compile_key`` -> s); {} if none."""
+def _read_compile_times() -> dict[str, list[float]]:
+    """The fastest and slowest compile seen of each decode step (``GraphDecoder._compile_key`` -> ``[s, s]``); {} if
+    none (an unreadable or malformed file counts as none)."""
     try:
         data = json.loads(_compile_times_path().read_text())
     except (OSError, ValueError):
         return {}
-    return data if isinstance(data, dict) else {}
+    if not isinstance(data, dict):
+        return {}
+    return {k: [float(v[0]), float(v[1])] for k, v in data.items()
+            if isinstance(v, list) and len(v) == 2 and all(isinstance(x, (int, float)) for x in v)}
 
 
 def _write_compile_time(key: str, seconds: float) -> None:
-    """Remember how long ``key``'s step took to compile (best effort: an unwritable cache only loses the estimate;
-    written to a temporary file and renamed, so a concurrent reader never sees half a file)."""
+    """Widen ``key``'s range of compile times by ``seconds`` (best effort: an unwritable cache only loses the
+    estimate; written to a temporary file and renamed, so a concurrent reader never sees half a file)."""
     import os
     import tempfile
 
     path = _compile_times_path()
     times = _read_compile_times()
-    times[key] = round(seconds, 1)
+    lo, hi = times.get(key, [seconds, seconds])
+    times[key] = [round(min(lo, seconds), 1), round(max(hi, seconds), 1)]
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".compile_times.", suffix=".tmp")

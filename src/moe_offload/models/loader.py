@@ -298,7 +298,8 @@ def _fill(store, fmt, cmap, ckpt, path: Path, pack, num_layers: int, num_experts
         MoeOffloadError: ``pack`` given for another host store, or a pack that does not match (``ExpertPack.check``).
     """
     if pack not in (None, False) and store.mode != "disk":
-        raise MoeOffloadError("--pack is read by --host-store disk (the pinned and mmap stores read the checkpoint)")
+        raise MoeOffloadError("--pack needs --host-store disk (the pinned and mmap stores read the checkpoint "
+                              "itself)")
     if store.mode == "disk" and pack is not False:
         from .expert_pack import find_pack
 

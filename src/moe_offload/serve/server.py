@@ -209,10 +209,10 @@ def load_for_serving(cfg: ServeConfig, log=_log):
         log(line)
     if note:
         log(f"batch 1: {note}")
+    decoder = compile_decoder(lm, cfg, max_context, log) if cfg.graph else None  # before "ready": no request waits
     log(f"ready in {time.perf_counter() - t0:.1f} s: {arch.name}, {lm.device}, {str(lm.dtype).replace('torch.', '')}"
         + (f", block diffusion {diffusion}" if diffusion else ""))
     tracker = DeviceTierTracker(lm.device) if cfg.track_memory and lm.device.type != "cuda" else None
-    decoder = compile_decoder(lm, cfg, max_context, log) if cfg.graph else None
     return ServeState(lm, cfg.model_name or str(cfg.model_dir), max_context, plan, diffusion, tracker, note,
                       cfg.cors_origins, cfg.max_queue, cfg.max_request_bytes, decoder)
 
