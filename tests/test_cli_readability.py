@@ -188,3 +188,19 @@ def test_seed_range_is_one_documented_mapping(tiny_dirs, capsys):
     _one_line_error(capsys, ["generate", "--seed", "-1"], "seed must be an integer in [0, 4294967295], got -1")
     _one_line_error(capsys, ["testbed", "tiny", "--arch", "mixtral", "--out", "x", "--seed", str(2**40)],
                     "seed must be an integer")
+
+
+def test_an_empty_output_says_why(capsys, monkeypatch):
+    """A generation whose tokens decode to nothing (an EOS first) is said so, not printed as a blank."""
+    import argparse
+
+    from moe_offload.cli import generate as gen_cli
+    from moe_offload.generation.generate import Output
+
+    monkeypatch.setattr("moe_offload.generation.report.stats_table", lambda info: "stats")
+    args = argparse.Namespace(json=False, max_new_tokens=8)
+    outs = [Output("hi", "", [2], 3, 0.1, 0.0, "stop"), Output("yo", "fine", [5, 6], 3, 0.1, 0.1, "length")]
+    assert gen_cli._print_outputs(args, "m", outs, {}) is False
+    out = capsys.readouterr().out
+    assert "(no text: the model ended with 1 token that decodes to nothing, finish reason stop)" in out
+    assert "### output\nfine\n" in out

@@ -122,7 +122,11 @@ def _print_outputs(args, path, outputs, info) -> bool:
              "position_limit": o.position_limit} for o in outputs], "stats": info}))
         return True
     for o in outputs:
-        print(f"### prompt\n{o.prompt}\n### output\n{o.text}\n")
+        n = len(o.token_ids)
+        text = o.text if o.text.strip() else (f"(no text: the model ended with {n} token{'' if n == 1 else 's'} "
+                                               f"that decode{'s' if n == 1 else ''} to nothing, finish reason "
+                                               f"{o.finish_reason})")
+        print(f"### prompt\n{o.prompt}\n### output\n{text}\n")
     print(stats_table(info))
     return False
 
