@@ -214,9 +214,13 @@ def no_readahead(fd: int) -> None:
         pass
 
 
-def _header(f: Path) -> tuple[int, dict]:
+def read_header(f: Path) -> tuple[int, dict]:
     """``(data_start, header)`` of a safetensors file, read without read-ahead (which would bring the first tensors,
-    experts among them, into the page cache)."""
+    experts among them, into the page cache).
+
+    Raises:
+        ValueError: a header length beyond the file's size, or a header that is not a JSON object.
+        OSError: the file cannot be read."""
     with f.open("rb", buffering=0) as fh:
         no_readahead(fh.fileno())
         header_len = int.from_bytes(fh.read(8), "little")
@@ -241,7 +245,7 @@ class Checkpoint:
         self.index: dict[str, TensorInfo] = {}
         for f in sorted(path.glob("*.safetensors")):
             try:
-                base, header = _header(f)
+                base, header = read_header(f)
                 infos = {k: TensorInfo(f, ST_DTYPES[v["dtype"]], tuple(int(s) for s in v["shape"]),
                                        base + int(v["data_offsets"][0]))
                          for k, v in header.items() if k != "__metadata__"}

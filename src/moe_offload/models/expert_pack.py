@@ -36,16 +36,23 @@ PACK_ALIGN = 4096
 
 def checkpoint_fingerprint(model_dir: Path) -> dict:
     """What identifies a checkpoint's bytes cheaply: config.json's SHA-256, and per safetensors file its size,
-    modification time (ns) and header's SHA-256. Any write to a file after packing changes its time, so an edited
-    checkpoint never reads a stale pack (a copied checkpoint must be packed again too)."""
+    modification time (ns) and its header's SHA-256 (the parsed header, read without read-ahead by
+    ``models.checkpoint.read_header``, so no expert enters the page cache). Any write to a file after packing changes
+    its time, so an edited checkpoint never reads a stale pack (a copied checkpoint must be packed again too).
+
+    Raises:
+        MoeOffloadError: a safetensors file whose header cannot be read."""
+    from .checkpoint import read_header
+
     files = {}
     for f in sorted(Path(model_dir).glob("*.safetensors")):
         st = f.stat()
-        with open(f, "rb") as fh:
-            head = fh.read(8)
-            n = int.from_bytes(head, "little") if len(head) == 8 else 0
-            header = fh.read(min(n, 100 << 20))
-        files[f.name] = [st.st_size, st.st_mtime_ns, hashlib.sha256(header).hexdigest()]
+        try:
+            header = read_header(f)[1]
+        except (OSError, ValueError) as e:
+            raise MoeOffloadError(f"cannot read the header of {f}: {e}") from None
+        digest = hashlib.sha256(json.dumps(header, sort_keys=True).encode()).hexdigest()
+        files[f.name] = [st.st_size, st.st_mtime_ns, digest]
     config = hashlib.sha256((Path(model_dir) / "config.json").read_bytes()).hexdigest()
     return {"config.json": config, "safetensors": files}
 
