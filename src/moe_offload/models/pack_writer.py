@@ -50,6 +50,7 @@ def write_pack(model_dir: Path, out: Path, progress: bool = True) -> dict:
                 if os.pwrite(fd, buf, eid * stride) != stride:
                     raise MoeOffloadError(f"writing {tmp} failed: disk full?")
             os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # written: none of it need stay in the page cache
         except BaseException:  # an interrupted pack leaves nothing behind: no partial file, no folder it made
             tmp.unlink(missing_ok=True)
             if created:
