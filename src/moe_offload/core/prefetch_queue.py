@@ -10,12 +10,12 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
-from dataclasses import replace
 
 import numpy as np
 
 from ..errors import MoeOffloadError
-from .prefetch_tasks import PrefetchTask, position, tasks_from_forecast
+from .prefetch_tasks import (PrefetchTask, _confidences, check_task_args, generate_tasks, not_resident, position,
+                             prefetch_width, top_candidates)
 
 Capacity = Callable[[int], float]
 
@@ -254,25 +254,52 @@ def submit_forecast(scheduler: PrefetchScheduler, forecast, num_moe_layers: int,
         MoeOffloadError: as ``generate_tasks``.
     """
     gate = scheduler.gate
+    lo, hi = forecast.layers
+    row = forecast.probs[0]
     if getattr(forecast, "cross_layer", False):
-        lo, hi = forecast.layers
         scheduler.drop_deadlines(position(forecast.step + 1, p, num_moe_layers) for p in range(lo, hi))
         if hi - lo < 2:
             return
-        forecast = replace(forecast, layers=(lo + 1, hi), probs=forecast.probs[:, 1:])
+        lo, row = lo + 1, row[1:]
     if gate is not None and gate.closed:
         return
-    tasks = tasks_from_forecast(forecast, num_moe_layers, num_experts, top_k, table=table)
-    if gate is not None:  # only the tasks worth their cost (core.prefetch_cost), by their chance of being used
-        used = inclusion_probabilities(forecast, top_k)
-        lo = forecast.layers[0]
-        chances = [float(used[t.layer - lo, t.expert]) for t in tasks]
-        kept = [(t, c) for t, c in zip(tasks, chances) if gate.worth(c)]
-        scheduler.gated += len(tasks) - len(kept)
-        scheduler.promised[0] += sum(c for _, c in kept)
-        scheduler.promised[1] += len(kept)
-        tasks = [t for t, _ in kept]
-    scheduler.submit(tasks)
+    keep = not_resident(table)
+    if gate is None:
+        scheduler.submit(generate_tasks(row, (lo, hi), forecast.step + 1, num_moe_layers, num_experts, top_k,
+                                        keep=keep))
+        return
+    scheduler.submit(_gated_tasks(scheduler, gate, row, (lo, hi), forecast.step + 1, num_moe_layers, num_experts,
+                                  top_k, keep))
+
+
+def _gated_tasks(scheduler: PrefetchScheduler, gate, probs, layers: tuple[int, int], step_index: int,
+                 num_moe_layers: int, num_experts: int, top_k: int, keep) -> list[PrefetchTask]:
+    """``generate_tasks``' tasks (the same candidates, order and checks) of those ``gate.worth`` their cost by
+    their chance of use (``inclusion_probabilities``), the chance and the gate's test computed for all candidates
+    at once; the candidates ``keep`` admits and the gate refuses are counted in ``scheduler.gated``, the chances of
+    the tasks made in ``scheduler.promised``."""
+    lo, hi = check_task_args(layers, step_index, num_moe_layers, num_experts, top_k)
+    a = _confidences(probs, hi - lo, num_experts)
+    top, conf = top_candidates(a, prefetch_width(num_experts, top_k))
+    sums = a.sum(axis=-1, keepdims=True)
+    chance = np.minimum(1.0, conf * top_k / np.where(sums > 0, sums, 1.0))   # inclusion_probabilities' arithmetic
+    worth = np.minimum(1.0, chance * gate.used_scale) > gate.threshold        # PrefetchCost.worth, vectorised
+    tasks, chances, refused = [], [], 0
+    for r, (qs, cs, ch, ok) in enumerate(zip(top.tolist(), conf.tolist(), chance.tolist(), worth.tolist())):
+        p = lo + r
+        ddl = position(step_index, p, num_moe_layers)
+        base = p * num_experts
+        for q, c, h, w in zip(qs, cs, ch, ok):
+            if keep is None or keep(base + q):
+                if w:
+                    tasks.append(PrefetchTask(base + q, c, ddl, p, q, step_index))
+                    chances.append(h)
+                else:
+                    refused += 1
+    scheduler.gated += refused
+    scheduler.promised[0] += sum(chances)
+    scheduler.promised[1] += len(tasks)
+    return tasks
 
 
 def inclusion_probabilities(forecast, top_k: int) -> np.ndarray:

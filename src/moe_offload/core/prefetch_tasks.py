@@ -88,6 +88,42 @@ def _confidences(probs, n: int, num_experts: int) -> np.ndarray:
     return a
 
 
+def check_task_args(layers: tuple[int, int], step_index: int, num_moe_layers: int, num_experts: int, top_k: int,
+                    extra: int = 3) -> tuple[int, int]:
+    """``generate_tasks``' arguments checked; returns ``(l, l')``.
+
+    Raises:
+        MoeOffloadError: an argument out of its range (``generate_tasks``' Args)."""
+    lo, hi = (int(x) for x in layers)
+    if num_moe_layers < 1 or not 0 <= lo < hi <= num_moe_layers:
+        raise MoeOffloadError(f"layers must satisfy 0 <= l < l' <= L={num_moe_layers}, got {layers}")
+    if num_experts < 1 or not 1 <= top_k <= num_experts:
+        raise MoeOffloadError(f"need 1 <= top_k <= num_experts, got top_k={top_k}, num_experts={num_experts}")
+    if extra < 0:
+        raise MoeOffloadError(f"extra must be >= 0, got {extra}")
+    if step_index < 1:
+        raise MoeOffloadError(f"step_index is the decode step predicted (>= 1), got {step_index}")
+    return lo, hi
+
+
+def not_resident(table):
+    """``keep(eid)`` for ``generate_tasks``: the expert is neither resident nor in flight in ``table`` (a
+    ``core.slots.SlotTable`` or anything with ``slot_of`` and ``fetching``); None for no table."""
+    if table is None:
+        return None
+    slot_of, fetching = table.slot_of, table.fetching
+    return lambda eid: slot_of[eid] < 0 and eid not in fetching  # noqa: E731
+
+
+def top_candidates(a: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """The ``width`` most confident experts of each layer of a one-step prediction ``a`` (float ``[n, e]``), best
+    first, ties to the smaller expert index (SeqMoE §6.1's top-k'): ``(int64 expert indices [n, width], their
+    confidences [n, width])``. The one choice of candidates ``generate_tasks`` and ``core.prefetch_queue``'s gated
+    submission share."""
+    top = np.argsort(-a, axis=1, kind="stable")[:, :width]
+    return top, np.take_along_axis(a, top, axis=1)
+
+
 def generate_tasks(probs, layers: tuple[int, int], step_index: int, num_moe_layers: int, num_experts: int,
                    top_k: int, extra: int = 3, keep=None) -> list[PrefetchTask]:
     """Prefetch tasks from one one-step prediction (SeqMoE §6.1).
@@ -117,19 +153,9 @@ def generate_tasks(probs, layers: tuple[int, int], step_index: int, num_moe_laye
         MoeOffloadError: a shape that does not match ``layers``/``num_experts`` (a 3-D ``[1 + c, n, e]`` forecast
             must be indexed by row first), non-finite probabilities, or out-of-range arguments.
     """
-    lo, hi = (int(x) for x in layers)
-    if num_moe_layers < 1 or not 0 <= lo < hi <= num_moe_layers:
-        raise MoeOffloadError(f"layers must satisfy 0 <= l < l' <= L={num_moe_layers}, got {layers}")
-    if num_experts < 1 or not 1 <= top_k <= num_experts:
-        raise MoeOffloadError(f"need 1 <= top_k <= num_experts, got top_k={top_k}, num_experts={num_experts}")
-    if extra < 0:
-        raise MoeOffloadError(f"extra must be >= 0, got {extra}")
-    if step_index < 1:
-        raise MoeOffloadError(f"step_index is the decode step predicted (>= 1), got {step_index}")
+    lo, hi = check_task_args(layers, step_index, num_moe_layers, num_experts, top_k, extra)
     a = _confidences(probs, hi - lo, num_experts)
-    width = prefetch_width(num_experts, top_k, extra)
-    top = np.argsort(-a, axis=1, kind="stable")[:, :width]              # [n, k'] expert indices, best first
-    conf = np.take_along_axis(a, top, axis=1)
+    top, conf = top_candidates(a, prefetch_width(num_experts, top_k, extra))
     tasks = []
     add, task = tasks.append, PrefetchTask
     for r, (qs, cs) in enumerate(zip(top.tolist(), conf.tolist())):
@@ -152,9 +178,5 @@ def tasks_from_forecast(forecast, num_moe_layers: int, num_experts: int, top_k: 
     Raises:
         MoeOffloadError: as ``generate_tasks``.
     """
-    keep = None
-    if table is not None:
-        slot_of, fetching = table.slot_of, table.fetching
-        keep = (lambda eid: slot_of[eid] < 0 and eid not in fetching)  # noqa: E731
     return generate_tasks(forecast.probs[0], forecast.layers, forecast.step + 1, num_moe_layers, num_experts, top_k,
-                          extra, keep)
+                          extra, not_resident(table))

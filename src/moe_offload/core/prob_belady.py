@@ -163,8 +163,15 @@ class ProbabilisticBelady(EvictionPolicy):
             self._score[lo * E:hi * E] = w @ a[:len(w)].reshape(len(w), -1)    # [n * e]: sum_j w_j * row j
             return
         self._grow_layers(hi)
+        first = int(first_step)
         for p in range(lo, hi):
-            self._rows[p] = (a[:, p - lo], int(first_step))
+            self._rows[p] = (a[:, p - lo], first)
+        if a.shape[0] == 1 and (self._ran[lo:hi] < first).all():
+            # one row (a cross-layer forecast alone, ``xl``), none of its layers run in its step yet: the row is the
+            # score (its weight is 1), as ``_score_layer`` would set it layer by layer
+            self._score[lo * E:hi * E] = a[0].reshape(-1)
+            return
+        for p in range(lo, hi):
             self._score_layer(p)
 
     def _grow_layers(self, n: int) -> None:
