@@ -236,6 +236,7 @@ def test_gpu_check_dry_run(tmp_path):
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     text = out.read_text()
     assert "dry run" in text and "| lossless" in text and "FAIL" not in text
+    assert "| xl+gate | disk | PASS |" in text  # the disk tier with prefetches (issue 47 part 5)
 
 
 def test_decode_time_breakdown_sums_to_the_decode_time(tiny_dirs):

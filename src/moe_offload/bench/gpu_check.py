@@ -25,6 +25,8 @@ from ..errors import MoeOffloadError
 
 PROMPTS = ["Hello there, how are you today? The slot pool is shared by all MoE layers.", "Explain KV caches."]
 AR_POLICIES = ("lru", "lfu", "seqmoe-cacheonly", "seqmoe", "seqmoe-infinity")
+#: the disk tier (``--host-store disk``): LRU, and the cross-layer forecasts with the cost gate (prefetches)
+DISK_RUNS = [("lru", "disk"), ("xl+gate", "disk")]
 
 
 def _checkpoints(root: Path) -> dict[str, Path]:
@@ -79,6 +81,7 @@ def lossless_rows(root: Path, device: str, new_tokens: int) -> list[str]:
     from ..models.loader import load_full, load_offloaded
     from ..predictor.model import load_predictor
     from ..predictor.attach import attach_predictor
+    from ..predictor.cross_layer import attach_forecasts
 
     rows = []
     for name, d in _checkpoints(root).items():
@@ -90,12 +93,17 @@ def lossless_rows(root: Path, device: str, new_tokens: int) -> list[str]:
                 [(p, "pinned") for p in AR_POLICIES] + [("lru", "mmap")])
         if not diffusion and not name.startswith(("qwen3", "gpt-oss")):
             runs = runs[:1] + runs[-1:]  # every format with lru (pinned, mmap); every policy on qwen3 / gpt-oss
+        if name == "qwen3-moe fp32":  # the disk tier's CUDA flow (issue 47): misses read at once into the slots on
+            runs += DISK_RUNS         # the compute stream, prefetches read on the copy worker's side stream
         for policy, store in runs:
             t0 = time.perf_counter()
             try:
                 lm = load_offloaded(d, device=device, residency=0.5 if diffusion else 0.3, policy=policy,
                                     progress=False, host_store=store)
-                if parse_policy(policy).needs_predictor:
+                spec = parse_policy(policy)
+                if spec.cross_layer:
+                    attach_forecasts(lm, spec, None)
+                elif spec.needs_predictor:
                     attach_predictor(lm.engine, load_predictor(_predictor(d, root, device), device=lm.device))
                 got = _generate(lm, new_tokens, diffusion)
                 st = lm.engine.stats

@@ -102,20 +102,23 @@ class CopyWorker:
         _sleep_until(job.deadline, spin=job.urgent)
 
     def copy_now(self, eids: list[int], slots: list[int]) -> bool:
-        """``VirtualLinkEngine.copy_now``'s counterpart. A pool on the CPU fed by the disk tier without link
-        emulation (``store.mode == "disk"``): the misses are read at once, on the calling thread and the store's
-        readers (``copy_many``: whole experts, the queue depth of the misses, the native read), the way a pool
-        loads them without a prefetcher; a prefetch on the worker yields to them at its next chunk
-        (``DiskStore.read_prefetch``). Returns True (done). Anywhere else False (nothing done): on-demand copies
-        then go through the worker (``submit``, then ``wait``, which moves them ahead of queued prefetches).
+        """``VirtualLinkEngine.copy_now``'s counterpart. A pool fed by the disk tier without link emulation
+        (``store.mode == "disk"``), on the CPU or CUDA: the misses are read at once, on the calling thread and the
+        store's readers (``copy_many``: whole experts, the queue depth of the misses, the native read), as
+        ``SlotPool.load`` reads them without a prefetcher; a prefetch on the worker yields to them at its next chunk
+        (``DiskStore.read_prefetch``). On CUDA each expert's copy into its slot is ordered on the current stream,
+        after the kernels already enqueued there (which may still read the slot's previous expert). Returns True
+        (done). Anywhere else False (nothing done): on-demand copies then go through the worker (``submit``, then
+        ``wait``, which moves them ahead of queued prefetches).
 
         Before issue 47's session 44 every miss went through the worker, one at a time, in prefetch-sized chunks:
         a forecast policy read the same bytes 8-10% more slowly than LRU.
         """
-        if (not self._cpu or self._closed or self.seconds_per_expert is not None
+        if (self._closed or self.seconds_per_expert is not None or not (self._cpu or self._cuda)
                 or getattr(self.store, "mode", None) != "disk"):
             return False
-        self.store.copy_many(list(eids), [self._dst[s] for s in slots])
+        rows = self._dst if self._cpu else self.pool.buf
+        self.store.copy_many(list(eids), [rows[s] for s in slots], non_blocking=self._cuda)
         return True
 
     def _read(self, job: _Job, dst, non_blocking: bool = False) -> None:
