@@ -152,3 +152,24 @@ def test_copy_concurrently_caller_takes_part_and_reraises():
 
         with pytest.raises(ValueError, match="boom"):
             copy_concurrently(fail, pool, [0, 1, 2], [0, 1, 2], depth=3)
+
+
+def test_transfer_copy_now_reads_misses_at_once_from_disk(stores):
+    """A CPU pool fed by the disk tier: ``TransferEngine.copy_now`` reads the misses at once, as the pool loads them
+    without a prefetcher (``copy_many``: whole experts, depth 3 here), into their slots; nothing goes through the
+    worker. With an emulated link it declines (the worker paces the copies)."""
+    pinned, disk, pool = stores
+    disk.reset_stats()
+    eng = TransferEngine(disk, pool)
+    try:
+        assert eng.copy_now([4, 5, 6], [0, 1, 2]) is True
+        rows = pool.buf.numpy()
+        assert all(_fields_equal(disk, rows[s], pinned.buf.numpy()[e]) for e, s in ((4, 0), (5, 1), (6, 2)))
+        assert {d for _, d in disk.stats.demand_reads} == {3} and eng.stats.submitted == 0
+    finally:
+        eng.close()
+    paced = TransferEngine(disk, pool, seconds_per_expert=1e-4)
+    try:
+        assert paced.copy_now([4], [0]) is False
+    finally:
+        paced.close()

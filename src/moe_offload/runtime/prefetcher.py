@@ -143,7 +143,8 @@ class Prefetcher:
     def load_on_demand(self, loads: list[Load]) -> None:
         """Copy missed experts now (through the link, ahead of queued prefetches, new ones paused: §8.3): on this
         thread (a CPU pool's ``VirtualLinkEngine.copy_now``: at once, or once a prefetch holding the emulated link
-        yields at a chunk), else by the ``TransferEngine``'s worker ahead of its queue."""
+        yields at a chunk; the disk tier's ``TransferEngine.copy_now``: at once, with the store's readers, a
+        prefetch read yielding at its next chunk), else by the ``TransferEngine``'s worker ahead of its queue."""
         if not loads:
             return
         t0 = time.perf_counter()
