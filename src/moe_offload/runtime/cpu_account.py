@@ -30,7 +30,8 @@ PHASE_ROLE = {"expert_compute": "compute", "other_compute": "compute", "predicto
 
 
 #: our threads' names (``runtime.transfer``, ``runtime.disk_store``) -> their names in reports
-THREAD_NAMES = {"moe-offload-transfer": "copy worker", "moe-offload-disk": "disk readers"}
+THREAD_NAMES = {"moe-offload-transfer": "copy worker", "moe-offload-disk": "disk readers",
+                "moe-offload-overlap": "overlap reads"}
 
 
 def thread_label() -> str:

@@ -25,6 +25,7 @@ from .emulated_clock import now
 from .experts import IMPLEMENTATION_NAME, device_index, register, slot_pair_outputs
 from .fused_experts import fused_round, kernel_for, kernel_operands, sum_rounds
 from .pool import SlotPool
+from .read_overlap import ReadOverlap
 from .route_rows import observed_routing
 from .store import HostStore, reset_store_stats
 
@@ -75,6 +76,7 @@ class OffloadEngine:
         self.observers: list = []  # callables(moe_layer, top_k_index, top_k_weights), e.g. trace recorders
         self.prefetcher = None     # runtime.prefetcher.Prefetcher when prefetching (SeqMoE), else None
         self._cuda = pool.device.type == "cuda"
+        self._overlap = ReadOverlap()  # misses read while the resident experts compute (runtime.read_overlap)
 
     def attach(self, experts_modules: list[torch.nn.Module]) -> None:
         """Route the given experts modules (in MoE-layer order) through this engine via ``ExpertsInterface``."""
@@ -135,6 +137,7 @@ class OffloadEngine:
         run afterwards."""
         if self.prefetcher is not None:
             self.prefetcher.close()
+        self._overlap.close()
         for obs in self.observers:  # e.g. a predictor.lagged.LaggedFeed's worker process
             close = getattr(obs, "close", None)
             if close is not None:
@@ -221,6 +224,10 @@ class OffloadEngine:
         one round; else each round's pairs written per pair and added in routing order at the end (the same float
         operations as one round). A pool format that needs decoding (FP8 blocks) has each round's slots decoded once
         (``runtime.fused_experts.kernel_operands``)."""
+        if (len(plan.rounds) == 1 and top_k_index.shape[0] == 1
+                and self._overlap.applies(plan.rounds[0], self.pool, self.store)):
+            return self._fused_overlapped(plan.rounds[0], kernel, moe_layer, top_k_index, hidden_states,
+                                          top_k_weights)
         num_tokens, k = top_k_weights.shape
         pair_out = None if len(plan.rounds) == 1 else torch.zeros(num_tokens, k, hidden_states.shape[-1])
         layer_lookup = self.pool.lookup.view(-1, self.num_experts)[moe_layer]  # this layer's expert -> slot
@@ -236,6 +243,38 @@ class OffloadEngine:
         if pair_out is not None:
             result = sum_rounds(kernel, pair_out, hidden_states.dtype)
             self.clock.lap("expert_compute")
+        return result
+
+    def _fused_overlapped(self, rnd, kernel, moe_layer: int, top_k_index: torch.Tensor,
+                          hidden_states: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        """A one-token, one-round layer whose misses come from the disk tier: the misses (and the prefetches in
+        flight it waits for) are read on the overlap thread while the resident experts' pairs compute, then the late
+        pairs compute and the pairs are added in routing order (``sum_rounds``: bit for bit one round's result;
+        ``runtime.read_overlap``). Each pass's slots come from the plan (the table's ``slot_of`` for the hits, the
+        round's loads and waits for the late ones), not from the lookup table the reads update."""
+        clock, pf = self.clock, self.prefetcher
+        base = moe_layer * self.num_experts
+        late = {ld.eid - base: ld.slot for ld in rnd.loads} | {w.eid - base: w.slot for w in rnd.waits}
+        slot_of, ids = self.table.slot_of, top_k_index.reshape(-1).tolist()
+        early = [-1 if e in late else slot_of[base + e] for e in ids]
+        pair_out = torch.zeros(1, len(ids), hidden_states.shape[-1])
+        clock.lap("management")
+        reads = self._overlap.start(self._read_round, rnd)
+        try:
+            views, slot_ids = kernel_operands(self.pool.rows, torch.tensor([early]), [s for s in early if s >= 0])
+            fused_round(kernel, views, hidden_states, slot_ids, top_k_weights, pair_out)
+            clock.lap("expert_compute")
+        finally:
+            reads.result()  # the reads' error, if any, once they are over
+        clock.lap("stall")
+        if pf is not None:  # overlap the prefetcher's next copies with the late pairs' compute
+            pf.issue(moe_layer)
+            clock.lap("management")
+        views, slot_ids = kernel_operands(self.pool.rows, torch.tensor([[late.get(e, -1) for e in ids]]),
+                                          list(late.values()))
+        fused_round(kernel, views, hidden_states, slot_ids, top_k_weights, pair_out)
+        result = sum_rounds(kernel, pair_out, hidden_states.dtype)
+        clock.lap("expert_compute")
         return result
 
     def _grouped_rounds(self, plan, module, moe_layer: int, gid: torch.Tensor, hidden_states: torch.Tensor,
@@ -270,9 +309,18 @@ class OffloadEngine:
         overlap this layer's compute)."""
         clock, pf = self.clock, self.prefetcher
         clock.lap("management")
+        self._read_round(rnd)
+        clock.lap("stall")
+        if pf is not None and only_round:  # overlap the copies with this layer's compute
+            pf.issue(moe_layer)
+            clock.lap("management")
+
+    def _read_round(self, rnd) -> None:
+        """Bring one round's missing experts into their slots: the in-flight prefetches it waits for, then the
+        on-demand copies (through the prefetcher when there is one); returns when all are in."""
+        pf = self.prefetcher
         if pf is None:
             self._load(rnd.loads)
-            clock.lap("stall")
             return
         st = self.stats
         t0 = now()
@@ -281,7 +329,3 @@ class OffloadEngine:
         st.load_time_s += now() - t0
         st.bytes_loaded += len(rnd.loads) * self.store.layout.expert_bytes
         self.account.add_bytes("on_demand", len(rnd.loads) * self.store.layout.expert_bytes)
-        clock.lap("stall")
-        if only_round:  # overlap the copies with this layer's compute
-            pf.issue(moe_layer)
-            clock.lap("management")

@@ -1,0 +1,69 @@
+"""A layer's misses read from disk while its resident experts compute (``runtime.read_overlap``, issue 47): the
+tokens stay FullLoad's, the decisions do not change, and a failed read still reaches the caller."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from moe_offload.errors import MoeOffloadError
+from moe_offload.generation.generate import encode_prompt, generate_ids
+from moe_offload.models.loader import load_full, load_offloaded
+from moe_offload.runtime.kernels import native
+
+PROMPTS = ["The slot pool is shared by all MoE layers.", "Explain KV caches."]
+
+pytestmark = pytest.mark.skipif(native() is None, reason="the overlap runs on the native experts kernel")
+
+
+def _tokens(lm, n: int = 6) -> list[list[int]]:
+    return [generate_ids(lm, encode_prompt(lm.tokenizer, p), n)[0] for p in PROMPTS]
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_overlap_keeps_tokens_and_decisions(tiny_dirs, arch):
+    """LRU from disk with and without the overlap: FullLoad's tokens, the same hits and misses; the overlap ran."""
+    want = _tokens(load_full(tiny_dirs[arch], device="cpu"))
+    runs = {}
+    for enabled in (True, False):
+        lm = load_offloaded(tiny_dirs[arch], device="cpu", residency=0.3, progress=False, host_store="disk")
+        lm.engine._overlap.enabled = enabled
+        got = _tokens(lm)
+        st = lm.engine.stats
+        runs[enabled] = (got, st.hits, st.misses, lm.engine._overlap.layers)
+        lm.close()
+    assert runs[True][0] == runs[False][0] == want
+    assert runs[True][1:3] == runs[False][1:3] and runs[True][2] > 0
+    assert runs[True][3] > 0 and runs[False][3] == 0
+
+
+def test_overlap_with_prefetches_keeps_tokens(tiny_dirs):
+    """xl+gate from disk (prefetches on the copy worker, misses on the overlap thread): FullLoad's tokens."""
+    from moe_offload.predictor.cross_layer import attach_forecasts
+
+    d = tiny_dirs["qwen3_moe"]
+    want = _tokens(load_full(d, device="cpu"))
+    lm = load_offloaded(d, device="cpu", residency=0.3, policy="xl+gate", progress=False, host_store="disk")
+    attach_forecasts(lm, "xl+gate", None)
+    assert _tokens(lm) == want and lm.engine._overlap.layers > 0
+    lm.close()
+
+
+def test_failed_read_reaches_the_caller(tiny_dirs):
+    """A read that fails on the overlap thread raises its error in the layer that needed it, after the compute."""
+    lm = load_offloaded(tiny_dirs["qwen3_moe"], device="cpu", residency=0.3, progress=False, host_store="disk")
+    store = lm.engine.store
+    real = store.copy_many
+
+    def broken(*args, **kwargs):  # the prefill's reads (several tokens: no overlap) succeed
+        if threading.current_thread().name.startswith("moe-offload-overlap"):
+            raise MoeOffloadError("reading model.safetensors failed: Input/output error")
+        return real(*args, **kwargs)
+
+    store.copy_many = broken
+    with pytest.raises(MoeOffloadError, match="Input/output error"):
+        _tokens(lm, 4)
+    assert lm.engine._overlap.layers > 0
+    del store.copy_many
+    lm.close()
