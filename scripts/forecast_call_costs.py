@@ -1,0 +1,87 @@
+#!/usr/bin/env python3
+"""What each per-layer call of a forecast policy costs in the decode step (issue 47), measured two ways:
+
+- in the step: the main thread's CPU time (``time.thread_time``) inside each call during the decode of one ShareGPT
+  prompt with the experts read from disk, per call and per step;
+- alone: the same calls repeated on one forecast (``timeit``), with the caches warm.
+
+    python scripts/forecast_call_costs.py [POLICY] [MODEL] [RESIDENCY]   # default xl+gate testbed-sparse-wide 0.25
+
+The gap between the two is what the calls pay for running between the experts' kernels, which stream the
+experts' bytes through the caches: the interpreter's code and the decision core's arrays are fetched again at each
+layer.
+"""
+
+import collections
+import sys
+import time
+import timeit
+
+import torch
+
+from moe_offload.core.policy_spec import parse_policy
+from moe_offload.generation.generate import run
+from moe_offload.models.loader import load_offloaded
+from moe_offload.predictor.blend import blend_forecast
+from moe_offload.predictor.cross_layer import CrossLayerFeed, attach_forecasts
+from moe_offload.testbed.resolve import resolve_model
+from moe_offload.testbed.sharegpt import human_turns
+
+policy = parse_policy(sys.argv[1] if len(sys.argv) > 1 else "xl+gate")
+model = sys.argv[2] if len(sys.argv) > 2 else "testbed-sparse-wide"
+residency = float(sys.argv[3]) if len(sys.argv) > 3 else 0.25
+if not policy.cross_layer:
+    sys.exit("forecast_call_costs.py: a cross-layer policy (xl, xl+gate)")
+torch.set_num_threads(2)
+lm = load_offloaded(resolve_model(model, progress=False), residency=residency, policy=policy, host_store="disk",
+                    progress=False)
+attach_forecasts(lm, policy, None)
+eng = lm.engine
+feed = next(o for o in eng.observers if isinstance(o, CrossLayerFeed))
+pf, pol, table = eng.prefetcher, eng.table.policy, eng.table
+cpu, calls = collections.Counter(), collections.Counter()
+
+
+def timed(obj, name: str, label: str):
+    """Wrap ``obj.name`` so that its calls' thread CPU time adds up under ``label``."""
+    fn = getattr(obj, name)
+
+    def wrapper(*args, **kwargs):
+        t0 = time.thread_time_ns()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            cpu[label] += time.thread_time_ns() - t0
+            calls[label] += 1
+    setattr(obj, name, wrapper)
+    return fn
+
+
+originals = {"forecast (router_forecast)": timed(feed.source, "probs", "forecast (router_forecast)")}
+for c in feed.consumers:
+    originals[f"{type(c).__name__}.observe"] = timed(c, "observe", f"{type(c).__name__}.observe")
+for name in ("land_ready", "issue", "fetch_waits", "load_on_demand"):
+    timed(pf, name, f"Prefetcher.{name}")
+timed(table, "plan_layer", "SlotTable.plan_layer")
+timed(table, "release", "SlotTable.release")
+prompts = human_turns(1, offset=600)
+run(lm, prompts, 8)  # warm-up
+cpu.clear()
+calls.clear()
+_, stats = run(lm, prompts, 48)
+steps = stats.decode_tokens
+print(f"{policy.name}, {model} at residency {residency}: {stats.decode_tokens_per_s:.2f} decode tok/s, {steps} steps\n")
+print("| call | in the step: us per call | ms per step | calls per step | alone: us per call |")
+print("|---|---:|---:|---:|---:|")
+layer = 10
+xl = originals["forecast (router_forecast)"](layer)
+fc = blend_forecast(0, 5, layer, xl, None, feed.weights)
+alone = {"forecast (router_forecast)": lambda: originals["forecast (router_forecast)"](layer)}
+for c in feed.consumers:
+    alone[f"{type(c).__name__}.observe"] = lambda c=c: originals[f"{type(c).__name__}.observe"](fc)
+for label, ns in sorted(cpu.items(), key=lambda kv: -kv[1]):
+    warm = alone.get(label)
+    warm_us = f"{timeit.timeit(warm, number=2000) / 2000 * 1e6:.1f}" if warm else "-"
+    print(f"| {label} | {ns / 1e3 / calls[label]:.1f} | {ns / 1e6 / steps:.2f} | {calls[label] / steps:.1f} | "
+          f"{warm_us} |")
+lm.close()
