@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
 """What each per-layer call of a forecast policy costs in the decode step (issue 47), measured two ways:
 
-- in the step: the main thread's CPU time (``time.thread_time``) inside each call during the decode of one ShareGPT
-  prompt with the experts read from disk, per call and per step;
+- in the step: the calling thread's CPU time (``time.thread_time``) inside each call during the decode of one
+  ShareGPT prompt with the experts read from disk, per call and per step (the main thread's, except
+  ``Prefetcher.fetch_waits`` / ``load_on_demand`` on a layer that reads while it computes: the overlap thread's,
+  ``runtime.read_overlap``);
 - alone: the same calls repeated on one forecast (``timeit``), with the caches warm.
 
     python scripts/forecast_call_costs.py [POLICY] [MODEL] [RESIDENCY]   # default xl+gate testbed-sparse-wide 0.25

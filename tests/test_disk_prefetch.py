@@ -9,6 +9,7 @@ import time
 import numpy as np
 import pytest
 
+from moe_offload.errors import MoeOffloadError
 from moe_offload.models.loader import load_offloaded
 from moe_offload.runtime.disk_store import IO_ALIGN, DiskReadStats, DiskStore, copy_concurrently
 from moe_offload.runtime.transfer import TransferEngine
@@ -166,6 +167,9 @@ def test_transfer_copy_now_reads_misses_at_once_from_disk(stores):
         rows = pool.buf.numpy()
         assert all(_fields_equal(disk, rows[s], pinned.buf.numpy()[e]) for e, s in ((4, 0), (5, 1), (6, 2)))
         assert {d for _, d in disk.stats.demand_reads} == {3} and eng.stats.submitted == 0
+        assert (eng.stats.copies, eng.stats.bytes_copied) == (3, 3 * disk.layout.expert_bytes)
+        with pytest.raises(MoeOffloadError, match="slot -1 out of range"):
+            eng.copy_now([4], [-1])
     finally:
         eng.close()
     paced = TransferEngine(disk, pool, seconds_per_expert=1e-4)

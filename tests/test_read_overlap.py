@@ -67,3 +67,26 @@ def test_failed_read_reaches_the_caller(tiny_dirs):
     assert lm.engine._overlap.layers > 0
     del store.copy_many
     lm.close()
+
+
+def test_a_thread_that_cannot_start_does_not_hang(monkeypatch):
+    """The overlap thread's start-up failing (its core pinning raising): ``start`` returns the failed future instead
+    of waiting for a thread that never runs; after ``close`` it no longer applies and ``start`` refuses."""
+    from concurrent.futures import BrokenExecutor
+    from types import SimpleNamespace
+
+    from moe_offload.runtime import read_overlap
+
+    def no_affinity():
+        raise OSError("sched_setaffinity: Invalid argument")
+
+    monkeypatch.setattr(read_overlap, "pin_io_thread", no_affinity)
+    ov = read_overlap.ReadOverlap()
+    fut = ov.start(lambda rnd: None, SimpleNamespace(loads=[1]))
+    with pytest.raises(BrokenExecutor):
+        fut.result(timeout=10)
+    ov.close()
+    rnd = SimpleNamespace(loads=[1], waits=[], eids=[1, 2])
+    assert not ov.applies(rnd, SimpleNamespace(device=SimpleNamespace(type="cpu")), SimpleNamespace(mode="disk"))
+    with pytest.raises(RuntimeError, match="closed"):
+        ov.start(lambda rnd: None, rnd)

@@ -3,8 +3,9 @@ not estimated.
 
 The main thread's time is split by the engine's lap timer (``runtime.breakdown.StepClock``) into compute (experts
 and everything else), predictor, management and stall; the expert copies are charged where they run — the main
-thread (on-demand loads without a prefetcher), a transfer engine's copy worker (prefetches, and on-demand copies it
-is asked to hurry), a disk store's reader threads — as ``on_demand_reads``, ``prefetch_reads`` and
+thread (on-demand loads), the engine's read overlap thread (a decode layer's misses from disk, read while its
+resident experts compute: ``runtime.read_overlap``), a transfer engine's copy worker (prefetches, and on-demand
+copies it is asked to hurry), a disk store's reader threads — as ``on_demand_reads``, ``prefetch_reads`` and
 ``staging_copies`` (a disk store's copy from its aligned staging buffer into the slot). A copy's time is charged to
 the innermost role: a staging copy inside a prefetch read is a staging copy, not a read, and the main thread's stall
 holds only the waiting its own copies do not explain. Only decode steps are counted (``active``).
@@ -29,7 +30,8 @@ PHASE_ROLE = {"expert_compute": "compute", "other_compute": "compute", "predicto
               "management": "management", "stall": "stall"}
 
 
-#: our threads' names (``runtime.transfer``, ``runtime.disk_store``) -> their names in reports
+#: our threads' names (``runtime.transfer``, ``runtime.disk_store``, ``runtime.read_overlap``) -> their names in
+#: reports
 THREAD_NAMES = {"moe-offload-transfer": "copy worker", "moe-offload-disk": "disk readers",
                 "moe-offload-overlap": "overlap reads"}
 

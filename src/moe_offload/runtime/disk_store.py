@@ -158,8 +158,8 @@ class DiskStore:
     @property
     def max_staging_bytes(self) -> int:
         """Host bytes the staging buffers can take at most: one per thread that reads (the caller's, the ``readers``
-        of ``copy_many`` and a transfer engine's worker), each ``staging_bytes``."""
-        return (self.readers + 2) * -(-self.staging_bytes // IO_ALIGN) * IO_ALIGN
+        of ``copy_many``, a transfer engine's worker and an engine's read overlap thread), each ``staging_bytes``."""
+        return (self.readers + 3) * -(-self.staging_bytes // IO_ALIGN) * IO_ALIGN
 
     def _buffer(self, nbytes: int) -> tuple[memoryview, np.ndarray]:
         st = self._stage

@@ -12,6 +12,7 @@ Per layer execution:
 
 from __future__ import annotations
 
+from concurrent.futures import wait
 from dataclasses import dataclass
 
 import numpy as np
@@ -132,12 +133,12 @@ class OffloadEngine:
         reset_store_stats(self.store)
 
     def close(self) -> None:
-        """Stop the prefetcher's copy worker (which otherwise keeps the store and the pool alive), close the
-        observers that have a ``close`` (a predictor worker process) and unpin the host store. The engine must not
-        run afterwards."""
+        """Stop the read overlap's thread and the prefetcher's copy worker (which otherwise keeps the store and the
+        pool alive), close the observers that have a ``close`` (a predictor worker process) and unpin the host
+        store. The engine must not run afterwards."""
+        self._overlap.close()  # first: a read in flight there finishes through the prefetcher
         if self.prefetcher is not None:
             self.prefetcher.close()
-        self._overlap.close()
         for obs in self.observers:  # e.g. a predictor.lagged.LaggedFeed's worker process
             close = getattr(obs, "close", None)
             if close is not None:
@@ -223,7 +224,8 @@ class OffloadEngine:
         """The plan's rounds through the native kernel (``runtime.fused_experts``): one call when the layer fits in
         one round; else each round's pairs written per pair and added in routing order at the end (the same float
         operations as one round). A pool format that needs decoding (FP8 blocks) has each round's slots decoded once
-        (``runtime.fused_experts.kernel_operands``)."""
+        (``runtime.fused_experts.kernel_operands``). A one-token, one-round layer reading from the disk tier reads
+        while its resident experts compute (``_fused_overlapped``)."""
         if (len(plan.rounds) == 1 and top_k_index.shape[0] == 1
                 and self._overlap.applies(plan.rounds[0], self.pool, self.store)):
             return self._fused_overlapped(plan.rounds[0], kernel, moe_layer, top_k_index, hidden_states,
@@ -263,9 +265,11 @@ class OffloadEngine:
         try:
             views, slot_ids = kernel_operands(self.pool.rows, torch.tensor([early]), [s for s in early if s >= 0])
             fused_round(kernel, views, hidden_states, slot_ids, top_k_weights, pair_out)
-            clock.lap("expert_compute")
-        finally:
-            reads.result()  # the reads' error, if any, once they are over
+        except BaseException:
+            wait([reads])  # the compute's error goes on, once the reads are over
+            raise
+        clock.lap("expert_compute")
+        reads.result()  # the reads' error, if any
         clock.lap("stall")
         if pf is not None:  # overlap the prefetcher's next copies with the late pairs' compute
             pf.issue(moe_layer)

@@ -13,6 +13,10 @@ Per MoE layer the engine calls, in this order (the same order ``sim.prefetch_sim
    one this layer computes with) and submitted to the ``TransferEngine``; the copies run while the layer computes;
 5. (the engine computes, then ``SlotTable.release(layer)``).
 
+A one-token layer reading from the disk tier (``runtime.read_overlap``) runs step 3 on the engine's overlap thread
+while the main thread computes the layer's resident experts, then ``issue`` once the reads are over. While step 3
+runs there, the main thread calls nothing of the prefetcher: its pending lookup writes are not synchronised.
+
 Forecasts arrive through ``observe(forecast)`` (a ``predictor.runtime.Forecast``), e.g. from a ``ForecastFeed``.
 """
 

@@ -36,19 +36,25 @@ class ReadOverlap:
         self.enabled = True
         self.layers = 0
         self._pool: ThreadPoolExecutor | None = None
+        self._closed = False
 
     def applies(self, rnd, pool, store) -> bool:
         """Whether the one round ``rnd`` (a ``core.slot_states.Round``) of a layer reads while it computes: enabled,
         a pool on the CPU, the disk tier, and the round has experts to read (loads or waits) and resident ones."""
         late = len(rnd.loads) + len(rnd.waits)
-        return (self.enabled and late > 0 and len(rnd.eids) > late and pool.device.type == "cpu"
-                and getattr(store, "mode", None) == "disk")
+        return (self.enabled and not self._closed and late > 0 and len(rnd.eids) > late
+                and pool.device.type == "cpu" and getattr(store, "mode", None) == "disk")
 
     def start(self, read, rnd) -> Future:
         """``read(rnd)`` on the overlap thread (started at the first use); returns its future (``result()`` re-raises
-        what the read raised) once that thread has begun. Waiting for it costs this thread a hand-off (~0.06 ms);
-        without it the overlap thread woke only once the compute that follows had released the cores (~0.9 ms
-        later: the whole overlap)."""
+        what the read raised) once that thread has begun (or the future is done: a thread that could not start).
+        Waiting for it costs this thread a hand-off (~0.06 ms); without it the overlap thread woke only once the
+        compute that follows had released the cores (~0.9 ms later: the whole overlap).
+
+        Raises:
+            RuntimeError: called after ``close``."""
+        if self._closed:
+            raise RuntimeError("the read overlap is closed")
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="moe-offload-overlap", initializer=pin_io_thread)
         started = threading.Event()
@@ -58,12 +64,14 @@ class ReadOverlap:
             return read(r)
 
         fut = self._pool.submit(run, rnd)
+        fut.add_done_callback(lambda _: started.set())
         self.layers += 1
         started.wait()
         return fut
 
     def close(self) -> None:
-        """Stop the overlap thread (after the read it runs, if any)."""
+        """Stop the overlap thread (after the read it runs, if any); later layers read, then compute."""
+        self._closed = True
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None

@@ -63,7 +63,8 @@ class RefreshEngine:
         pool: device slot pool with ``L * budget`` slots.
         planner: the refresh planner (its ``budget`` experts per layer).
         num_moe_layers, num_experts: L and E.
-        transfer: the copy engine (link emulation included); all copies, blocking ones too, go through it.
+        transfer: the copy engine (link emulation included); all copies, blocking ones too, go through it (blocking
+            ones on the calling thread where its ``copy_now`` takes them: the emulated link, the disk tier).
         host_seconds_per_token_expert, host_seconds_per_expert: emulated host fallback cost (seconds, >= 0) on a
             machine without an accelerator; 0 = the real cost only.
         overlap_host: compute a layer's host experts while its device experts compute (default; the cost model
@@ -222,7 +223,8 @@ class RefreshEngine:
     def _load_blocking(self, gids: list[int], slots: list[int]) -> None:
         """Copy experts ``gids`` into pool ``slots`` before returning and point the lookup table at them: on this
         thread (a CPU pool's ``VirtualLinkEngine.copy_now``: at once, or once a prefetch yields the emulated link at
-        a chunk), else through the ``TransferEngine``'s worker ahead of its queue."""
+        a chunk; the disk tier's ``TransferEngine.copy_now``: at once with the store's readers, raising the store's
+        error when a read fails), else through the ``TransferEngine``'s worker ahead of its queue."""
         if not self.transfer.copy_now(gids, slots):
             for g, slot in zip(gids, slots):
                 self.transfer.submit(g, slot)
