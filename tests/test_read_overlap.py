@@ -90,3 +90,18 @@ def test_a_thread_that_cannot_start_does_not_hang(monkeypatch):
     assert not ov.applies(rnd, SimpleNamespace(device=SimpleNamespace(type="cpu")), SimpleNamespace(mode="disk"))
     with pytest.raises(RuntimeError, match="closed"):
         ov.start(lambda rnd: None, rnd)
+
+
+def test_overlapped_misses_cost_the_meter_their_visible_wait(tiny_dirs):
+    """The cost meter is fed what an overlapped layer's misses cost the step: their 6 ms of reads, of which 1 ms
+    was waited for, count 1 ms; a wait longer than the reads (prefetches in flight) counts the reads' 6 ms."""
+    lm = load_offloaded(tiny_dirs["qwen3_moe"], device="cpu", residency=0.3, policy="xl+gate", progress=False,
+                        host_store="disk")
+    pf = lm.engine.prefetcher
+    pf._demand, pf._last_demand_s = [2, 0.010], 0.006
+    pf.overlapped(0.001)
+    assert pf._demand == [2, pytest.approx(0.005)] and pf._last_demand_s == 0.0
+    pf._demand, pf._last_demand_s = [2, 0.010], 0.006
+    pf.overlapped(0.5)
+    assert pf._demand == [2, pytest.approx(0.010)]
+    lm.close()

@@ -269,9 +269,11 @@ class OffloadEngine:
             wait([reads])  # the compute's error goes on, once the reads are over
             raise
         clock.lap("expert_compute")
+        t0 = now()
         reads.result()  # the reads' error, if any
         clock.lap("stall")
-        if pf is not None:  # overlap the prefetcher's next copies with the late pairs' compute
+        if pf is not None:  # the misses cost the step only the wait; the next copies overlap the late pairs
+            pf.overlapped(now() - t0)
             pf.issue(moe_layer)
             clock.lap("management")
         views, slot_ids = kernel_operands(self.pool.rows, torch.tensor([[late.get(e, -1) for e in ids]]),

@@ -62,6 +62,7 @@ class Prefetcher:
         self.store, self.pool, self.table, self.scheduler, self.transfer = store, pool, table, scheduler, transfer
         self.meter = meter
         self._demand = [0, 0.0]       # this step's on-demand experts and the wall seconds spent on them
+        self._last_demand_s = 0.0     # the wall seconds of the last load_on_demand
         self._seen_prefetch = (0, 0.0)  # the transfer engine's prefetch copies and their CPU seconds at the last step
         self._seen_fate = (0, 0)        # the slot table's prefetches used and wasted at the last step
         self._step_t0 = 0.0             # when the current step began (perf_counter seconds)
@@ -149,6 +150,7 @@ class Prefetcher:
         thread (a CPU pool's ``VirtualLinkEngine.copy_now``: at once, or once a prefetch holding the emulated link
         yields at a chunk; the disk tier's ``TransferEngine.copy_now``: at once, with the store's readers, a
         prefetch read yielding at its next chunk), else by the ``TransferEngine``'s worker ahead of its queue."""
+        self._last_demand_s = 0.0
         if not loads:
             return
         t0 = time.perf_counter()
@@ -173,8 +175,16 @@ class Prefetcher:
         finally:
             self._flush_lookup()
             self.transfer.resume()
+            self._last_demand_s = time.perf_counter() - t0
             self._demand[0] += len(loads)
-            self._demand[1] += time.perf_counter() - t0
+            self._demand[1] += self._last_demand_s
+
+    def overlapped(self, visible_s: float) -> None:
+        """The last ``load_on_demand`` ran while its layer computed (``runtime.read_overlap``) and the step waited
+        ``visible_s`` seconds for it: that, not the copies' whole wall time, is what the misses cost the step, and
+        what the cost meter is fed (``core.prefetch_cost``: a used prefetch saves a miss's wait)."""
+        self._demand[1] -= self._last_demand_s - min(visible_s, self._last_demand_s)
+        self._last_demand_s = 0.0
 
     def issue(self, layer: int) -> None:
         """Reserve and submit the scheduler's next tasks at position (step, ``layer``) up to ``max_outstanding``;
