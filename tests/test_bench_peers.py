@@ -125,3 +125,38 @@ def test_compute_threads_bad_input_is_one_line(tiny_dirs, capsys, args, message)
     err = capsys.readouterr().err.strip()
     assert code == 2 and message in err and "Traceback" not in err and len(err.splitlines()) <= 3
     assert os.sched_getaffinity(0) == cpus
+
+
+def test_io_priority_realtime(tiny_dirs, capsys):
+    """``--io-priority realtime`` (issue 47): the expert readers run under the real-time scheduler, FullLoad's tokens
+    from disk, the setting given back to the caller; a reader started under it is SCHED_FIFO, a polling worker
+    (``realtime=False``) is not. Where the process may not use the scheduler it is a one-line error."""
+    import os
+    import threading
+
+    from moe_offload.common import threads as th
+
+    path = str(tiny_dirs["qwen3_moe"])
+    common = ["generate", "--model", path, "--prompt", "hello there", "--max-new-tokens", "6", "--json", "--quiet"]
+    assert main(common + ["--full-load"]) == 0
+    ref = json.loads(capsys.readouterr().out)["outputs"][0]["token_ids"]
+    code = main(common + ["--residency", "0.3", "--host-store", "disk", "--io-priority", "realtime"])
+    out, err = capsys.readouterr()
+    if code == 2:  # no CAP_SYS_NICE here: refused in one line
+        assert "may not use the real-time scheduler" in err and len(err.strip().splitlines()) == 1
+        return
+    assert code == 0 and json.loads(out)["outputs"][0]["token_ids"] == ref and "priority" not in th._IO_CPUS
+    th.set_io_priority("realtime")
+    seen = []
+    try:
+        for rt in (True, False):
+            t = threading.Thread(target=lambda rt=rt: (th.pin_io_thread(realtime=rt),
+                                                       seen.append((os.sched_getscheduler(0), th.io_thread_realtime()))))
+            t.start()
+            t.join()
+        assert seen == [(os.SCHED_FIFO, True), (os.SCHED_OTHER, False)]
+        assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the calling thread itself is left as it was
+    finally:
+        th.undo_partition(os.sched_getaffinity(0))
+    with pytest.raises(Exception, match="--io-priority must be one of normal, realtime"):
+        th.set_io_priority("high")

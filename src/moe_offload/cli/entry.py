@@ -136,6 +136,10 @@ def main(argv: list[str] | None = None) -> int:
         if (isinstance(getattr(args, "threads", None), int) or getattr(args, "compute_threads", None) is not None
                 or (argv is None and args.cmd in ("generate", "serve"))):
             _command_threads(args)  # --threads / --compute-threads given, or generate / serve started from the shell
+        if getattr(args, "io_priority", "normal") != "normal":
+            from ..common.threads import set_io_priority
+
+            set_io_priority(args.io_priority)
         return _dispatch(args)
     except MoeOffloadError as e:
         print(f"moe-offload: error: {e}", file=sys.stderr)
@@ -148,9 +152,10 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(devnull, sys.stdout.fileno())       # so the interpreter's final flush does not raise again
         return 1
     finally:
-        if argv is not None:  # called by code: its thread count and cores are as they were
+        if argv is not None:  # called by code: its thread count, cores and I/O priority are as they were
             torch.set_num_threads(threads_before)
-            if getattr(args, "compute_threads", None) is not None:
+            if (getattr(args, "compute_threads", None) is not None
+                    or getattr(args, "io_priority", "normal") != "normal"):
                 from ..common.threads import undo_partition
 
                 undo_partition(cpus_before)

@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from ..common.threads import pin_io_thread
+from ..common.threads import io_thread_realtime, pin_io_thread
 from ..errors import MoeOffloadError
 from .cpu_account import io
 from .emulated_clock import sleep_until as _sleep_until
@@ -99,8 +99,9 @@ class CopyWorker:
 
     def _link_time(self, job: _Job) -> None:
         """Hold the emulated link until ``job.deadline`` (sleeping; spinning only for an urgent copy, which the main
-        thread waits for: spinning then takes the GIL from no computation)."""
-        _sleep_until(job.deadline, spin=job.urgent)
+        thread waits for: spinning then takes the GIL from no computation; never on a real-time thread, which would
+        hold its core: ``--io-priority realtime``)."""
+        _sleep_until(job.deadline, spin=job.urgent and not io_thread_realtime())
 
     def copy_now(self, eids: list[int], slots: list[int]) -> bool:
         """``VirtualLinkEngine.copy_now``'s counterpart. A pool fed by the disk tier without link emulation

@@ -196,7 +196,7 @@ class GraphPrefetcher:
 
     def _run(self) -> None:
         try:
-            pin_io_thread()
+            pin_io_thread(realtime=False)  # it polls and schedules: never ahead of the compute
             while not self._stop.is_set():
                 busy = self._copy_granted()
                 busy |= self._take_forecasts()
