@@ -145,7 +145,9 @@ def test_io_priority_realtime(tiny_dirs, capsys):
     if code == 2:  # no CAP_SYS_NICE here: refused in one line
         assert "may not use the real-time scheduler" in err and len(err.strip().splitlines()) == 1
         return
-    assert code == 0 and json.loads(out)["outputs"][0]["token_ids"] == ref and "priority" not in th._IO_CPUS
+    got = json.loads(out)
+    assert code == 0 and got["outputs"][0]["token_ids"] == ref and got["stats"]["io_priority"] == "realtime"
+    assert "priority" not in th._IO_CPUS and th.io_priority() == "normal"
     th.set_io_priority("realtime")
     seen = []
     try:

@@ -7,6 +7,7 @@ import gc
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..common.threads import io_priority
 from ..core.policy_spec import PolicySpec, parse_policies, parse_policy, require_predictor
 from ..generation.generate import run
 from ..models.loader import load_full, load_offloaded
@@ -109,6 +110,8 @@ def bench_decode(path: Path, prompts: list[str], residencies: list[float], *, ma
         pack = find_pack(path, None)
         regime += (f"; from the expert pack {pack.folder} (read straight into the slots)" if pack is not None
                    else "; from the checkpoint's safetensors files (through a staging buffer)")
+        if io_priority() == "realtime":
+            regime += "; the expert readers under the real-time scheduler (--io-priority realtime)"
     del full
     gc.collect()
     rows, breakdowns = [full_row], []

@@ -182,9 +182,10 @@ def add_threads_arg(p: argparse.ArgumentParser) -> None:
                    "may use, the expert readers and copiers on the others (all of them when N is every core); "
                    "instead of --threads (default: not partitioned)")
     p.add_argument("--io-priority", choices=("normal", "realtime"), default="normal",
-                   help="how the threads that read and copy experts are scheduled: realtime runs them under Linux's "
-                   "real-time scheduler, so that a read's thread runs as soon as it wakes even while the compute "
-                   "holds every core (needs CAP_SYS_NICE; default: normal)")
+                   help="how the threads that read and copy experts (--host-store disk, prefetching policies) are "
+                   "scheduled: realtime runs them under Linux's real-time scheduler, so that a read's thread runs as "
+                   "soon as it wakes even while the compute holds every core (needs CAP_SYS_NICE or an RLIMIT_RTPRIO "
+                   "of 1 or more; no effect where no such thread runs; default: normal)")
 
 
 def memory_budget(s: str) -> float | str:

@@ -214,6 +214,11 @@ def set_io_priority(priority: str) -> None:
     _IO_CPUS["priority"] = priority
 
 
+def io_priority() -> str:
+    """The I/O priority set for this process (``set_io_priority``): ``normal`` or ``realtime``."""
+    return _IO_CPUS.get("priority", "normal")
+
+
 def io_thread_realtime() -> bool:
     """Whether the calling thread runs under the real-time scheduler (``pin_io_thread`` with ``realtime``)."""
     return getattr(_io_thread, "realtime", False)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from ..common.threads import io_priority
 from ..core.policy_spec import parse_policy
 from ..errors import MoeOffloadError
 from ..models.capability import experts_modules
@@ -44,6 +45,7 @@ def stats_dict(lm: LoadedModel, s: RunStats) -> dict:
         "device": str(lm.device),
         "dtype": str(lm.dtype).replace("torch.", ""),
         "threads": torch.get_num_threads(),
+        "io_priority": io_priority(),
         "experts_compute": experts_path([m for _, m in experts_modules(lm.model)], lm.dtype, lm.device),
         "requests": s.requests,
         "prompt_tokens": s.prompt_tokens,
@@ -204,7 +206,8 @@ def stats_table(d: dict) -> str:
     ] if diff else [
         ("TTFT (mean)", f"{d['ttft_s']:.3f} s"),
         ("decode", f"{d['decode_tokens_per_s']:.2f} tok/s ({d['decode_tokens']} tokens"
-                   + (f", {d['threads']} intra-op thread{'' if d['threads'] == 1 else 's'})" if "threads" in d else ")")),
+                   + (f", {d['threads']} intra-op thread{'' if d['threads'] == 1 else 's'}" if "threads" in d else "")
+                   + ("; expert readers real-time" if d.get("io_priority") == "realtime" else "") + ")"),
     ]) + [
         ("experts compute", d["experts_compute"]),
         ("peak slot bytes", _fmt_bytes(d["peak_slot_bytes"])),
