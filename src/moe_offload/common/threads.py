@@ -135,7 +135,8 @@ def compute_share() -> float:
     return min(1.0, torch.get_num_threads() / max(1, os.cpu_count() or 1))
 
 
-#: the cores the expert readers and copiers run on once ``set_compute_threads`` has partitioned the machine
+#: how the expert readers and copiers run: ``"io"``, the cores they run on once ``set_compute_threads`` has
+#: partitioned the machine; ``"priority"``, their scheduling once ``set_io_priority`` has set one
 _IO_CPUS: dict = {}
 
 

@@ -14,8 +14,8 @@ from collections.abc import Callable, Iterable
 import numpy as np
 
 from ..errors import MoeOffloadError
-from .prefetch_tasks import (PrefetchTask, _confidences, check_task_args, generate_tasks, not_resident, position,
-                             prefetch_width, top_candidates)
+from .prefetch_tasks import (PrefetchTask, _confidences, candidate_tasks, check_task_args, generate_tasks,
+                             not_resident, position, prefetch_width, top_candidates)
 
 Capacity = Callable[[int], float]
 
@@ -275,28 +275,21 @@ def submit_forecast(scheduler: PrefetchScheduler, forecast, num_moe_layers: int,
 def _gated_tasks(scheduler: PrefetchScheduler, gate, probs, layers: tuple[int, int], step_index: int,
                  num_moe_layers: int, num_experts: int, top_k: int, keep) -> list[PrefetchTask]:
     """``generate_tasks``' tasks (the same candidates, order and checks) of those ``gate.worth`` their cost by
-    their chance of use (``inclusion_probabilities``), the chance and the gate's test computed for all candidates
-    at once; the candidates ``keep`` admits and the gate refuses are counted in ``scheduler.gated``, the chances of
-    the tasks made in ``scheduler.promised``."""
+    their chance of use (``chance_of_use``), the chance and the gate's test computed for all candidates at once;
+    the candidates ``keep`` admits and the gate refuses are counted in ``scheduler.gated``, the chances of the
+    tasks made in ``scheduler.promised``."""
     lo, hi = check_task_args(layers, step_index, num_moe_layers, num_experts, top_k)
     a = _confidences(probs, hi - lo, num_experts)
     top, conf = top_candidates(a, prefetch_width(num_experts, top_k))
-    sums = a.sum(axis=-1, keepdims=True)
-    chance = np.minimum(1.0, conf * top_k / np.where(sums > 0, sums, 1.0))   # inclusion_probabilities' arithmetic
+    chance = np.take_along_axis(chance_of_use(a, top_k), top, axis=1)
     worth = np.minimum(1.0, chance * gate.used_scale) > gate.threshold        # PrefetchCost.worth, vectorised
-    tasks, chances, refused = [], [], 0
-    for r, (qs, cs, ch, ok) in enumerate(zip(top.tolist(), conf.tolist(), chance.tolist(), worth.tolist())):
-        p = lo + r
-        ddl = position(step_index, p, num_moe_layers)
-        base = p * num_experts
-        for q, c, h, w in zip(qs, cs, ch, ok):
-            if keep is None or keep(base + q):
-                if w:
-                    tasks.append(PrefetchTask(base + q, c, ddl, p, q, step_index))
-                    chances.append(h)
-                else:
-                    refused += 1
-    scheduler.gated += refused
+    candidates, where = candidate_tasks(top, conf, lo, step_index, num_moe_layers, num_experts, keep)
+    tasks, chances = [], []
+    for t, (r, j) in zip(candidates, where):
+        if worth[r, j]:
+            tasks.append(t)
+            chances.append(float(chance[r, j]))
+    scheduler.gated += len(candidates) - len(tasks)
     scheduler.promised[0] += sum(chances)
     scheduler.promised[1] += len(tasks)
     return tasks
@@ -304,9 +297,14 @@ def _gated_tasks(scheduler: PrefetchScheduler, gate, probs, layers: tuple[int, i
 
 def inclusion_probabilities(forecast, top_k: int) -> np.ndarray:
     """``[n, E]``: each forecast expert's chance of being among the ``top_k`` its layer uses, what a prefetch's
-    saving is weighed by. Forecasts come in two scales: per-expert activation probabilities (a row sums to about
-    ``top_k``: SeqMoE's predictor) and a distribution over the experts (a row sums to 1: cross-layer forecasts,
-    ``runtime.cross_layer``). Each row of ``forecast.probs[0]`` is scaled to sum to ``top_k``, capped at 1."""
-    p = np.asarray(forecast.probs[0], dtype=np.float64)
+    saving is weighed by: ``chance_of_use`` of ``forecast.probs[0]``."""
+    return chance_of_use(np.asarray(forecast.probs[0], dtype=np.float64), top_k)
+
+
+def chance_of_use(p: np.ndarray, top_k: int) -> np.ndarray:
+    """float64 ``[n, E]``: each expert's chance of being among the ``top_k`` its layer uses, from a forecast row
+    ``p`` (float64 ``[n, E]``). Forecasts come in two scales: per-expert activation probabilities (a row sums to
+    about ``top_k``: SeqMoE's predictor) and a distribution over the experts (a row sums to 1: cross-layer
+    forecasts, ``runtime.cross_layer``). Each row is scaled to sum to ``top_k``, capped at 1."""
     sums = p.sum(axis=-1, keepdims=True)
     return np.minimum(1.0, p * top_k / np.where(sums > 0, sums, 1.0))

@@ -156,16 +156,24 @@ def generate_tasks(probs, layers: tuple[int, int], step_index: int, num_moe_laye
     lo, hi = check_task_args(layers, step_index, num_moe_layers, num_experts, top_k, extra)
     a = _confidences(probs, hi - lo, num_experts)
     top, conf = top_candidates(a, prefetch_width(num_experts, top_k, extra))
-    tasks = []
+    return candidate_tasks(top, conf, lo, step_index, num_moe_layers, num_experts, keep)[0]
+
+
+def candidate_tasks(top: np.ndarray, conf: np.ndarray, lo: int, step_index: int, num_moe_layers: int,
+                    num_experts: int, keep=None) -> tuple[list[PrefetchTask], list[tuple[int, int]]]:
+    """The task of each candidate (``top_candidates``' ``top`` / ``conf`` of layers ``lo ..``) that ``keep``
+    admits, ordered by layer then rank (``generate_tasks``' order), and each one's ``(row, rank)`` in ``top``."""
+    tasks, where = [], []
     add, task = tasks.append, PrefetchTask
     for r, (qs, cs) in enumerate(zip(top.tolist(), conf.tolist())):
         p = lo + r
         ddl = position(step_index, p, num_moe_layers)
         base = p * num_experts
-        for q, c in zip(qs, cs):
+        for j, (q, c) in enumerate(zip(qs, cs)):
             if keep is None or keep(base + q):
                 add(task(base + q, c, ddl, p, q, step_index))
-    return tasks
+                where.append((r, j))
+    return tasks, where
 
 
 def tasks_from_forecast(forecast, num_moe_layers: int, num_experts: int, top_k: int,

@@ -14,7 +14,6 @@ import time
 import torch
 
 from ..common.threads import io_thread_realtime, pin_io_thread
-from ..errors import MoeOffloadError
 from .cpu_account import io
 from .emulated_clock import sleep_until as _sleep_until
 
@@ -125,10 +124,7 @@ class CopyWorker:
                 or getattr(self.store, "mode", None) != "disk"):
             return False
         for eid, slot in zip(eids, slots):
-            if not 0 <= eid < self.store.num_experts_total:
-                raise MoeOffloadError(f"expert id {eid} out of range [0, {self.store.num_experts_total})")
-            if not 0 <= slot < self.pool.num_slots:
-                raise MoeOffloadError(f"slot {slot} out of range [0, {self.pool.num_slots})")
+            self._check(eid, slot)
         rows = self._dst if self._cpu else self.pool.buf
         t0 = time.perf_counter()
         self.store.copy_many(list(eids), [rows[s] for s in slots], non_blocking=self._cuda)

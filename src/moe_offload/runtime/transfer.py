@@ -146,10 +146,7 @@ class TransferEngine(CopyWorker):
                 ``[0, pool.num_slots)``, a copy of ``eid`` is already queued or in flight, or the engine is closed.
         """
         eid, slot = int(eid), int(slot)
-        if not 0 <= eid < self.store.num_experts_total:
-            raise MoeOffloadError(f"expert id {eid} out of range [0, {self.store.num_experts_total})")
-        if not 0 <= slot < self.pool.num_slots:
-            raise MoeOffloadError(f"slot {slot} out of range [0, {self.pool.num_slots})")
+        self._check(eid, slot)
         ready = None
         if self._cuda:  # the copy must not overwrite the slot before work already enqueued (reading it) finishes
             ready = torch.cuda.Event()
@@ -168,6 +165,14 @@ class TransferEngine(CopyWorker):
             self.stats.submitted += 1
             self.stats.max_queued = max(self.stats.max_queued, len(self._queue))
             self._cond.notify_all()
+
+    def _check(self, eid: int, slot: int) -> None:
+        """Raises MoeOffloadError unless ``eid`` is in ``[0, store.num_experts_total)`` and ``slot`` in
+        ``[0, pool.num_slots)``."""
+        if not 0 <= eid < self.store.num_experts_total:
+            raise MoeOffloadError(f"expert id {eid} out of range [0, {self.store.num_experts_total})")
+        if not 0 <= slot < self.pool.num_slots:
+            raise MoeOffloadError(f"slot {slot} out of range [0, {self.pool.num_slots})")
 
     def poll(self) -> list[Landing]:
         """The copies that completed (or were cancelled / failed) since the last ``poll``, in completion order.
