@@ -11,6 +11,7 @@ import pytest
 
 from moe_offload.core.policy_spec import parse_policy
 from moe_offload.core.prob_belady import ProbabilisticBelady, forecast_eviction
+from moe_offload.runtime.kernels import belady_victim_kernel
 
 
 def _forecast(step: int, layers: tuple[int, int], probs) -> SimpleNamespace:
@@ -78,12 +79,20 @@ def test_experts_without_a_forecast_go_in_the_cycle_order():
     assert pb.victim({0, 1, 2}) == 4
 
 
-def test_cycle_ranked_victims_equal_a_full_scan():
-    """The ranking reused between calls picks exactly what a full scan of the cycle order picks, over random
-    forecasts, steps, accesses, inserts, evictions and pinned sets."""
+_VICTIM_KERNEL = belady_victim_kernel()
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["numpy", "native"])
+def test_cycle_ranked_victims_equal_a_full_scan(native):
+    """The ranking reused between calls (numpy), and the native one-pass victim (``runtime.kernels``'
+    ``belady_victim``), pick exactly what a full scan of the cycle order picks, over random forecasts, steps,
+    accesses (one at a time and a layer's at once, ``on_layer_access``), inserts, evictions and pinned sets."""
+    if native and _VICTIM_KERNEL is None:
+        pytest.skip("the native kernels are not built here")
     rng = np.random.default_rng(11)
     E, L = 3, 4
-    pb = ProbabilisticBelady(num_experts=E, horizon=3, lam=0.5, layer_cycle=True)
+    pb = ProbabilisticBelady(num_experts=E, horizon=3, lam=0.5, layer_cycle=True,
+                             victim_kernel=_VICTIM_KERNEL if native else None)
     last, used, ran, seq, step, cur = {}, {}, [-1] * L, 0, 1, 0
     rows: dict[int, tuple[np.ndarray, int]] = {}
     pb.on_step(0, step)
@@ -113,13 +122,19 @@ def test_cycle_ranked_victims_equal_a_full_scan():
             for p in range(lo, hi):
                 rows[p] = (a[:, p - lo], f + 1)
         elif op == 1:
-            e = int(rng.integers(L * E))
-            pb.on_access(e, 0)
-            p = e // E
-            ran[p], used[e], cur = step, step, p
-            if e in pb.resident:
-                seq += 1
-                last[e] = seq
+            p = int(rng.integers(L))
+            many = rng.random() < 0.5
+            eids = sorted({p * E + int(x) for x in rng.integers(E, size=int(rng.integers(1, E + 1)))}) if many \
+                else [p * E + int(rng.integers(E))]
+            if many:
+                pb.on_layer_access([(e, 1) for e in eids], 0)
+            else:
+                pb.on_access(eids[0], 0)
+            for e in eids:
+                ran[p], used[e], cur = step, step, p
+                if e in pb.resident:
+                    seq += 1
+                    last[e] = seq
         elif op == 2:
             e = int(rng.integers(L * E))
             if e not in pb.resident:
@@ -146,3 +161,42 @@ def test_the_cross_layer_policies_follow_the_cycle():
     assert forecast_eviction(parse_policy("seqmoe-xl"), 8).layer_cycle
     assert forecast_eviction(parse_policy("xl+gate"), 8).name == "xl+gate"
     assert not forecast_eviction(parse_policy("seqmoe"), 8).layer_cycle
+
+
+def test_native_victims_equal_numpy_without_the_cycle():
+    """Without ``layer_cycle`` (seqmoe's order: score, last use, id) the native victim equals numpy's ranking over
+    random multi-row forecasts, accesses, inserts, evictions and pinned sets; arrays of different lengths are a
+    ValueError."""
+    if _VICTIM_KERNEL is None:
+        pytest.skip("the native kernels are not built here")
+    rng = np.random.default_rng(5)
+    E, L = 4, 3
+    a = ProbabilisticBelady(num_experts=E, horizon=3, lam=0.5)
+    b = ProbabilisticBelady(num_experts=E, horizon=3, lam=0.5, victim_kernel=_VICTIM_KERNEL)
+    for _ in range(2000):
+        op = rng.integers(5)
+        if op == 0:
+            f = _forecast(0, (0, L), np.round(rng.random((int(rng.integers(1, 4)), L, E)), 1))
+            a.observe(f)
+            b.observe(f)
+        elif op == 1:
+            p = int(rng.integers(L))
+            pairs = [(p * E + e, 1) for e in sorted({int(x) for x in rng.integers(E, size=2)})]
+            a.on_layer_access(pairs, 0)
+            b.on_layer_access(pairs, 0)
+        elif op == 2:
+            e = int(rng.integers(L * E))
+            if e not in a.resident:
+                a.on_insert(e, 0)
+                b.on_insert(e, 0)
+        elif op == 3 and a.resident:
+            e = int(rng.choice(sorted(a.resident)))
+            a.on_evict(e)
+            b.on_evict(e)
+        elif a.resident:
+            pinned = {int(e) for e in sorted(a.resident) if rng.random() < 0.4}
+            if len(pinned) < len(a.resident):
+                assert b.victim(pinned) == a.victim(pinned)
+    with pytest.raises(ValueError):
+        _VICTIM_KERNEL(np.zeros(3), np.zeros(2, dtype=np.int64), np.zeros(3, dtype=bool), np.zeros(1, dtype=np.int64),
+                       np.zeros(3, dtype=np.int64), set(), 0, 1, False)

@@ -7,7 +7,8 @@ policy what happens; the policy only answers "which resident expert should leave
 Event order the table guarantees:
   * ``on_step(request, step)`` before each forward pass (step 0 = a request's prefill, i >= 1 = decode step i);
   * ``on_access(eid, tick, tokens)`` for every expert a layer needs, hit or miss, before any load of that layer
-    (``tokens``: how many of the layer's tokens selected it);
+    (``tokens``: how many of the layer's tokens selected it), in ascending ``eid`` order; the table makes these
+    calls through ``on_layer_access``, which a policy may override to take a layer's accesses at once;
   * ``on_insert(eid, tick)`` when a missed expert lands in a slot;
   * ``on_evict(eid)`` when an expert leaves its slot;
   * ``victim(pinned)`` picks a resident expert not in ``pinned`` (asked only when one exists).
@@ -37,6 +38,13 @@ class EvictionPolicy(ABC):
 
     def on_access(self, eid: int, tick: int, tokens: int = 1) -> None:
         """Record that expert ``eid`` was required at ``tick`` (hit or miss) by ``tokens`` tokens."""
+
+    def on_layer_access(self, pairs: list[tuple[int, int]], tick: int) -> None:
+        """One layer execution's accesses, ``[(eid, tokens)]`` in ascending ``eid`` order: the same as calling
+        ``on_access(eid, tick, tokens)`` for each in turn (what this default does; an override must leave the
+        policy in the same state)."""
+        for e, n in pairs:
+            self.on_access(e, tick, n)
 
     def on_insert(self, eid: int, tick: int) -> None:
         """Record that expert ``eid`` was loaded into a slot at ``tick``."""

@@ -278,8 +278,7 @@ class SlotTable:
         if fetching:
             late_list = [e for e in miss_list if e in fetching]
             miss_list = [e for e in miss_list if e not in fetching]
-        for e, n in pairs:
-            self.policy.on_access(e, self.tick, n)
+        self.policy.on_layer_access(pairs, self.tick)
         order = hit_list + late_list + miss_list
         chunks = [order[i:i + width] for i in range(0, len(order), width)]
         rounds = []
@@ -298,9 +297,7 @@ class SlotTable:
         """``plan_layer`` when every needed expert is resident and no slot is in Fetch or Compute (the common case of
         a decode step): the same policy events and the same plan, without the state changes that would cancel out
         (each slot Used -> Compute -> Used; with ``hold``, the slots stay in Compute until ``release``)."""
-        on_access, tick = self.policy.on_access, self.tick
-        for e, n in pairs:
-            on_access(e, tick, n)
+        self.policy.on_layer_access(pairs, self.tick)
         slot_of = self.slot_of
         if hold:
             compute, state = SlotState.COMPUTE, self._state

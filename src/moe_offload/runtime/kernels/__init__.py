@@ -14,6 +14,8 @@
   (``runtime.fast_norm``).
 - ``expert_read.cpp``: ``read_expert(fds, direct, spans, pieces, staging, dst)``, one expert read from disk and
   copied into its destination without the interpreter lock (``runtime.disk_store``).
+- ``belady_victim.cpp``: ``belady_victim(score, last, resident, ran, used, pinned, cur, num_experts,
+  layer_cycle)``, probabilistic Belady's victim in one pass over the policy's arrays (``core.prob_belady``).
 - ``vec.h``: the dot product, bfloat16 widening and axpy they share (an AVX2 + FMA path and a portable path, bit
   for bit the same); ``bindings.cpp``: the Python module.
 
@@ -38,7 +40,7 @@ from pathlib import Path
 from ...errors import MoeOffloadError
 
 SOURCES = ("bindings.cpp", "routed_experts.cpp", "linear_rows.cpp", "decode_attention.cpp", "router_forecast.cpp",
-           "expert_read.cpp", "rms_norm.cpp", "ops.cpp")
+           "expert_read.cpp", "rms_norm.cpp", "ops.cpp", "belady_victim.cpp")
 #: included by the sources (part of the cache key, not compiled on their own)
 HEADERS = ("vec.h", "gil.h")
 #: compiler flags: optimised, and no contraction of a * b + c into one fused multiply-add behind the source's back
@@ -150,6 +152,13 @@ def native():
             why = f"the native kernels could not be loaded: {e}"
     _state["module"], _state["why"] = module, why
     return module
+
+
+def belady_victim_kernel():
+    """``belady_victim`` of the kernels' module (``core.prob_belady.ProbabilisticBelady``'s ``victim_kernel``), or
+    None when the kernels cannot be had (the policy then ranks in numpy, with the same victims)."""
+    module = native()
+    return None if module is None else module.belady_victim
 
 
 def describe() -> str:

@@ -19,6 +19,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, bool p
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::optional<torch::Tensor> mask,
                                double scale, bool portable);
 bool register_ops(const std::string& ns);
+void bind_belady_victim(pybind11::module_& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("routed_experts", &routed_experts, "the routed experts of one MoE layer from a slot pool",
@@ -40,5 +41,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("eps"), pybind11::arg("portable") = false);
   m.def("read_expert", &read_expert, "one expert's spans read from disk and its fields copied, without the GIL");
   m.def("kernel_path", &kernel_path, "which path the kernels run on this CPU");
+  bind_belady_victim(m);
   m.def("register_ops", &register_ops, "the kernels as torch operators in namespace ns (once per process)");
 }
