@@ -38,3 +38,13 @@ class Forecast:
     layers: tuple[int, int]
     probs: Any
     cross_layer: bool = False
+
+
+def triggered(events, layer: int, planned: bool) -> list:
+    """The forecasts MoE ``layer`` hands the decision core at one point of its run, in order, from a step's
+    ``[(trigger layer, forecast)]`` (the runtime's order, which the replays follow): before the layer is planned
+    (``planned`` False) the SeqMoE predictor's; after it is planned and before it issues prefetches (``planned``
+    True) the cross-layer ones (``Forecast.cross_layer``), which the runtime computes while the layer's misses are
+    read from disk (``runtime.engine``: the work hides in the wait instead of lengthening the step; the layer's own
+    victims are then chosen on the earlier layers' forecasts)."""
+    return [f for trig, f in events if trig == layer and bool(getattr(f, "cross_layer", False)) == planned]

@@ -11,6 +11,7 @@ import numpy as np
 
 from ..errors import MoeOffloadError
 from .eviction import EvictionPolicy
+from .forecast import triggered
 from .slots import SlotTable
 
 
@@ -56,7 +57,7 @@ def replay_needs(needs: list, num_moe_layers: int, num_experts: int, num_slots: 
     ``num_slots`` slots under the fresh policy object ``pol``.
 
     ``forecasts``: per step, ``[(trigger layer, forecast)]`` handed to the policy's ``observe`` before planning the
-    layer that triggered them (required by forecast-driven policies). ``on_loads(step, eids)``: told the experts
+    layer that triggered them, the cross-layer ones right after (``core.forecast.triggered``) (required by forecast-driven policies). ``on_loads(step, eids)``: told the experts
     each layer loads on demand, in order (a tier below the slots, e.g. ``sim.host_tier.HostTierReplay``).
 
     Raises:
@@ -77,10 +78,11 @@ def replay_needs(needs: list, num_moe_layers: int, num_experts: int, num_slots: 
         h = m = 0
         events = forecasts[i] if forecasts is not None else ()
         for layer, (ids, cnt) in enumerate(zip(needed, tokens)):
-            for trig, f in events:
-                if trig == layer:
-                    pol.observe(f)
+            for f in triggered(events, layer, planned=False):
+                pol.observe(f)
             plan = table.plan_layer(ids, cnt)
+            for f in triggered(events, layer, planned=True):
+                pol.observe(f)
             h += plan.hits
             m += plan.misses
             if on_loads is not None:

@@ -28,8 +28,8 @@ from .runtime import ForecastFeed
 class CrossLayerFeed:
     """Engine observer for the policies ``xl`` and ``seqmoe-xl``: at each MoE layer of a decode step, the
     cross-layer forecast of the next layers (from ``source``), alone or blended with a predictor's forecasts
-    (``predictor.blend.blend_forecast``), handed to the consumers before the layer is planned — the order the
-    simulator replays.
+    (``predictor.blend.blend_forecast``), handed to the consumers once the layer is planned (``deliver``; the
+    predictor's own forecasts before) — the order the simulator replays (``core.forecast.triggered``).
 
     Args:
         source: ``probs(layer) -> float32 [n, E] | None`` for the current pass (a ``CrossLayerForecaster`` in the
@@ -52,21 +52,29 @@ class CrossLayerFeed:
         self.inner = ForecastFeed(runner, *consumers) if runner is not None else None
         self.host = HostForecasts(runner) if runner is not None else None
         self.request, self.step = -1, 0
+        self._pending: int | None = None   # the MoE layer whose cross-layer forecast ``deliver`` makes next
 
     def begin_step(self, request: int, step: int) -> None:
         """Before each forward pass (0 = prefill)."""
-        self.request, self.step = request, step
+        self.request, self.step, self._pending = request, step, None
         if self.inner is not None:
             self.inner.begin_step(request, step)
 
     def __call__(self, layer: int, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> None:
-        """At MoE ``layer``: the predictor's new forecasts (if any), then the cross-layer forecast of the next layers
-        (decode steps only)."""
-        from .blend import blend_forecast
-
+        """At MoE ``layer``, before it is planned: the predictor's new forecasts (if any); the cross-layer forecast
+        of the next layers (decode steps only) is made and handed over by ``deliver``, which the engine calls once
+        the layer is planned (``core.forecast.triggered``: the order the replays follow)."""
         if self.inner is not None:
             self.inner(layer, top_k_index, top_k_weights)
-        if self.step < 1:
+        self._pending = layer if self.step >= 1 else None
+
+    def deliver(self) -> None:
+        """The cross-layer forecast of the layer last seen by ``__call__`` (if a decode step's and not yet
+        delivered), blended with the predictor's rows for ``seqmoe-xl``, handed to the consumers."""
+        from .blend import blend_forecast
+
+        layer, self._pending = self._pending, None
+        if layer is None:
             return
         xl = self.source.probs(layer)
         if xl is None:

@@ -207,9 +207,15 @@ class OffloadEngine:
         st.layer_calls += 1
         st.rounds += len(plan.rounds)
         kernel = kernel_for(module, hidden_states.dtype, hidden_states.device)
-        if kernel is not None:
+        if (kernel is not None and len(plan.rounds) == 1 and top_k_index.shape[0] == 1
+                and self._overlap.applies(plan.rounds[0], self.pool, self.store)):
+            result = self._fused_overlapped(plan.rounds[0], kernel, moe_layer, top_k_index, hidden_states,
+                                            top_k_weights)
+        elif kernel is not None:
+            self._deliver_forecasts()
             result = self._fused_rounds(plan, kernel, moe_layer, top_k_index, hidden_states, top_k_weights)
         else:
+            self._deliver_forecasts()
             gid = (top_k_index + moe_layer * self.num_experts).reshape(-1)
             result = self._grouped_rounds(plan, module, moe_layer, gid, hidden_states, top_k_weights)
         if pf is not None:
@@ -219,17 +225,22 @@ class OffloadEngine:
             clock.lap("management")
         return result
 
+    def _deliver_forecasts(self) -> None:
+        """The forecasts observers make once the layer is planned (a ``deliver()`` method: the cross-layer feed,
+        ``predictor.cross_layer``; ``core.forecast.triggered``), charged to the predictor."""
+        for obs in self.observers:
+            deliver = getattr(obs, "deliver", None)
+            if deliver is not None:
+                deliver()
+        self.clock.lap("predictor")
+
     def _fused_rounds(self, plan, kernel, moe_layer: int, top_k_index: torch.Tensor,
                       hidden_states: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         """The plan's rounds through the native kernel (``runtime.fused_experts``): one call when the layer fits in
         one round; else each round's pairs written per pair and added in routing order at the end (the same float
         operations as one round). A pool format that needs decoding (FP8 blocks) has each round's slots decoded once
-        (``runtime.fused_experts.kernel_operands``). A one-token, one-round layer reading from the disk tier reads
-        while its resident experts compute (``_fused_overlapped``)."""
-        if (len(plan.rounds) == 1 and top_k_index.shape[0] == 1
-                and self._overlap.applies(plan.rounds[0], self.pool, self.store)):
-            return self._fused_overlapped(plan.rounds[0], kernel, moe_layer, top_k_index, hidden_states,
-                                          top_k_weights)
+        (``runtime.fused_experts.kernel_operands``). (A one-token, one-round layer reading from the disk tier reads
+        while its resident experts compute instead: ``_fused_overlapped``.)"""
         num_tokens, k = top_k_weights.shape
         pair_out = None if len(plan.rounds) == 1 else torch.zeros(num_tokens, k, hidden_states.shape[-1])
         layer_lookup = self.pool.lookup.view(-1, self.num_experts)[moe_layer]  # this layer's expert -> slot
@@ -253,7 +264,10 @@ class OffloadEngine:
         flight it waits for) are read on the overlap thread while the resident experts' pairs compute, then the late
         pairs compute and the pairs are added in routing order (``sum_rounds``: bit for bit one round's result;
         ``runtime.read_overlap``). Each pass's slots come from the plan (the table's ``slot_of`` for the hits, the
-        round's loads and waits for the late ones), not from the lookup table the reads update."""
+        round's loads and waits for the late ones), not from the lookup table the reads update. Between the early
+        pairs and the wait for the reads, the cross-layer forecasts are made and handed over
+        (``_deliver_forecasts``: the policy and the scheduler are not touched by the reads), in time the CPU would
+        otherwise spend waiting."""
         clock, pf = self.clock, self.prefetcher
         base = moe_layer * self.num_experts
         late = {ld.eid - base: ld.slot for ld in rnd.loads} | {w.eid - base: w.slot for w in rnd.waits}
@@ -265,10 +279,11 @@ class OffloadEngine:
         try:
             views, slot_ids = kernel_operands(self.pool.rows, torch.tensor([early]), [s for s in early if s >= 0])
             fused_round(kernel, views, hidden_states, slot_ids, top_k_weights, pair_out)
+            clock.lap("expert_compute")
+            self._deliver_forecasts()  # while the reads are in flight: the CPU would otherwise wait for them
         except BaseException:
             wait([reads])  # the compute's error goes on, once the reads are over
             raise
-        clock.lap("expert_compute")
         t0 = now()
         reads.result()  # the reads' error, if any
         clock.lap("stall")

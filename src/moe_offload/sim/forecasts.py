@@ -59,7 +59,8 @@ class _Sink:
 
 def _replay_feed(feed, trace: Trace, progress: bool = False, xl=None) -> list[list[tuple[int, Forecast]]]:
     """Run an engine-observer ``feed`` (whose consumers end with a ``_Sink``) over ``trace``'s routing in the
-    runtime's order: per step ``begin_step``, then every MoE layer; ``xl`` (a ``TraceXL``) follows the steps."""
+    runtime's order: per step ``begin_step``, then every MoE layer (the feed's call, then its ``deliver`` if it has
+    one); ``xl`` (a ``TraceXL``) follows the steps."""
     from tqdm.auto import tqdm
 
     sink = feed.consumers[-1]
@@ -74,6 +75,9 @@ def _replay_feed(feed, trace: Trace, progress: bool = False, xl=None) -> list[li
         for layer in range(trace.num_moe_layers):
             sink.layer = layer
             feed(layer, ids[a:b, layer], w[a:b, layer])
+            deliver = getattr(feed, "deliver", None)  # what the engine hands over once the layer is planned
+            if deliver is not None:
+                deliver()
         out.append(sink.events)
     return out
 

@@ -6,7 +6,8 @@ copy at a time in FIFO order. For each layer, in the runtime's order:
 
 1. land the prefetches whose copy finished by now (Fetch -> Compute, ``SlotTable.land``);
 2. hand the forecasts this layer triggers to the policy (``observe``) and turn them into prefetch tasks
-   (``core.prefetch.tasks_from_forecast``: k + 3 tasks per layer, conf, ddl) for the scheduler;
+   (``core.prefetch.tasks_from_forecast``: k + 3 tasks per layer, conf, ddl) for the scheduler; a cross-layer
+   forecast only once the layer is planned (``core.forecast.triggered``);
 3. plan the layer (``plan_layer(..., hold=True)``): hits, in-flight experts to wait for, on-demand loads; the
    layer stalls until its waits and loads are done. On-demand loads pause prefetching (§8.3): a prefetch copy in
    flight that the layer does not wait for yields the link at its next chunk boundary (a copy moves in
@@ -38,6 +39,7 @@ import heapq
 from dataclasses import dataclass
 
 from ..core.prefetch import LINK_CHUNKS, link_time_after_chunk, make_scheduler, position, submit_forecast
+from ..core.forecast import triggered
 from ..core.prefetch_cost import CostMeter
 from ..core.prefill_prefetch import PrefillPrefetch
 from ..core.slots import SlotTable
@@ -210,17 +212,13 @@ class _LinkReplay:
         step's ``(trigger layer, forecast)`` pairs."""
         table, res = self.table, self.res
         self.land_until(self.now)
-        for trig, f in events:
-            if trig == p:
-                if self.observe is not None:
-                    self.observe(f)
-                if self.sched is not None:
-                    submit_forecast(self.sched, f, self.L, self.E, self.k, table=table)
+        self.hand_over(triggered(events, p, planned=False))
         if self.prefetched:  # prefetched experts this layer finds resident or in flight
             res.prefetches_used += sum(1 for e in needed
                                        if e in self.prefetched and (table.is_resident(e) or table.in_flight(e)))
             self.prefetched.difference_update(needed)
         plan = table.plan_layer(needed, tokens, layer=p, hold=True)
+        self.hand_over(triggered(events, p, planned=True))
         ready = self.on_demand(plan)
         stall = ready - self.now
         self.now = ready
@@ -247,6 +245,14 @@ class _LinkReplay:
         self.step_stall += stall
         self.step_prefetches += started
         self.now = end + cpu
+
+    def hand_over(self, forecasts: list) -> None:
+        """Give each forecast to the policy (``observe``) and to the scheduler (``submit_forecast``), in order."""
+        for f in forecasts:
+            if self.observe is not None:
+                self.observe(f)
+            if self.sched is not None:
+                submit_forecast(self.sched, f, self.L, self.E, self.k, table=self.table)
 
     def on_demand(self, plan) -> float:
         """Copy ``plan``'s misses on demand; returns when the layer has every expert (copies it waits for
