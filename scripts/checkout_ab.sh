@@ -21,14 +21,17 @@ for i in $(seq 1 "$rounds"); do
     out=$(PYTHONPATH="$src" .venv/bin/python -m moe_offload.cli generate --model testbed-sparse-wide \
           --residency "$residency" --policy "$policy" --host-store disk --sharegpt 1 --sharegpt-offset 600 \
           --max-new-tokens 64 --threads 2 --json 2>/dev/null)
-    SIDE=$side POLICY=$policy .venv/bin/python -c '
-import json, os, sys
-s = json.loads(sys.stdin.read())["stats"]
-acc = s["cpu_account"]; m = acc["ms_per_step"]["main"]; b = acc["bytes_per_step"]
-step = 1000 / s["decode_tokens_per_s"]; pm = m["predictor"]["cpu"] + m["management"]["cpu"]
-print(f"{os.environ[\"SIDE\"]} {os.environ[\"POLICY\"]}: {s[\"decode_tokens_per_s\"]:.2f} tok/s, {step:.1f} ms per step, "
-      f"predictor + management {pm:.2f} ms ({pm / step:.1%}), stall {m[\"stall\"][\"wall\"]:.1f} ms, "
-      f"hit rate {s[\"hit_rate\"]:.4f}, prefetched MB used / wasted {b[\"prefetched_used\"] / 1e6:.2f} / "
-      f"{b[\"prefetched_wasted\"] / 1e6:.2f}")' <<<"$out"
+    OUT=$out SIDE=$side POLICY=$policy .venv/bin/python - <<'PY'
+import json, os
+s = json.loads(os.environ["OUT"])["stats"]
+acc = s["cpu_account"]
+m, b = acc["ms_per_step"]["main"], acc["bytes_per_step"]
+step = 1000 / s["decode_tokens_per_s"]
+pm = m["predictor"]["cpu"] + m["management"]["cpu"]
+used, wasted = b["prefetched_used"] / 1e6, b["prefetched_wasted"] / 1e6
+print(f"{os.environ['SIDE']} {os.environ['POLICY']}: {s['decode_tokens_per_s']:.2f} tok/s, {step:.1f} ms per step, "
+      f"predictor + management {pm:.2f} ms ({pm / step:.1%}), stall {m['stall']['wall']:.1f} ms, "
+      f"hit rate {s['hit_rate']:.4f}, prefetched MB used / wasted {used:.2f} / {wasted:.2f}")
+PY
   done
 done

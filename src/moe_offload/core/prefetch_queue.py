@@ -281,17 +281,14 @@ def _gated_tasks(scheduler: PrefetchScheduler, gate, probs, layers: tuple[int, i
     lo, hi = check_task_args(layers, step_index, num_moe_layers, num_experts, top_k)
     a = _confidences(probs, hi - lo, num_experts)
     top, conf = top_candidates(a, prefetch_width(num_experts, top_k))
-    chance = np.take_along_axis(chance_of_use(a, top_k), top, axis=1)
+    chance = chance_of_use(conf, top_k, a.sum(axis=-1, keepdims=True))      # the candidates' only
     worth = np.minimum(1.0, chance * gate.used_scale) > gate.threshold        # PrefetchCost.worth, vectorised
-    candidates, where = candidate_tasks(top, conf, lo, step_index, num_moe_layers, num_experts, keep)
-    tasks, chances = [], []
-    for t, (r, j) in zip(candidates, where):
-        if worth[r, j]:
-            tasks.append(t)
-            chances.append(float(chance[r, j]))
-    scheduler.gated += len(candidates) - len(tasks)
-    scheduler.promised[0] += sum(chances)
-    scheduler.promised[1] += len(tasks)
+    tasks, where, refused = candidate_tasks(top, conf, lo, step_index, num_moe_layers, num_experts, keep, worth)
+    scheduler.gated += refused
+    if tasks:
+        ch = chance.tolist()
+        scheduler.promised[0] += sum(ch[r][j] for r, j in where)
+        scheduler.promised[1] += len(tasks)
     return tasks
 
 
@@ -301,10 +298,12 @@ def inclusion_probabilities(forecast, top_k: int) -> np.ndarray:
     return chance_of_use(np.asarray(forecast.probs[0], dtype=np.float64), top_k)
 
 
-def chance_of_use(p: np.ndarray, top_k: int) -> np.ndarray:
+def chance_of_use(p: np.ndarray, top_k: int, sums: np.ndarray | None = None) -> np.ndarray:
     """float64 ``[n, E]``: each expert's chance of being among the ``top_k`` its layer uses, from a forecast row
     ``p`` (float64 ``[n, E]``). Forecasts come in two scales: per-expert activation probabilities (a row sums to
     about ``top_k``: SeqMoE's predictor) and a distribution over the experts (a row sums to 1: cross-layer
-    forecasts, ``runtime.cross_layer``). Each row is scaled to sum to ``top_k``, capped at 1."""
-    sums = p.sum(axis=-1, keepdims=True)
+    forecasts, ``runtime.cross_layer``). Each row is scaled to sum to ``top_k``, capped at 1. ``sums`` (``[n, 1]``):
+    the whole rows' sums when ``p`` holds only some entries of each row (``[n, m]``, e.g. its top candidates)."""
+    if sums is None:
+        sums = p.sum(axis=-1, keepdims=True)
     return np.minimum(1.0, p * top_k / np.where(sums > 0, sums, 1.0))

@@ -121,7 +121,7 @@ def top_candidates(a: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
     confidences [n, width])``. The one choice of candidates ``generate_tasks`` and ``core.prefetch_queue``'s gated
     submission share."""
     top = np.argsort(-a, axis=1, kind="stable")[:, :width]
-    return top, np.take_along_axis(a, top, axis=1)
+    return top, a[np.arange(a.shape[0])[:, None], top]  # take_along_axis, without its Python wrapper's cost
 
 
 def generate_tasks(probs, layers: tuple[int, int], step_index: int, num_moe_layers: int, num_experts: int,
@@ -160,20 +160,27 @@ def generate_tasks(probs, layers: tuple[int, int], step_index: int, num_moe_laye
 
 
 def candidate_tasks(top: np.ndarray, conf: np.ndarray, lo: int, step_index: int, num_moe_layers: int,
-                    num_experts: int, keep=None) -> tuple[list[PrefetchTask], list[tuple[int, int]]]:
-    """The task of each candidate (``top_candidates``' ``top`` / ``conf`` of layers ``lo ..``) that ``keep``
-    admits, ordered by layer then rank (``generate_tasks``' order), and each one's ``(row, rank)`` in ``top``."""
+                    num_experts: int, keep=None, admit=None) -> tuple[list[PrefetchTask], list[tuple[int, int]], int]:
+    """The task of each candidate (``top_candidates``' ``top`` / ``conf`` of layers ``lo ..``) that ``keep`` admits
+    and ``admit`` (optional, bool ``[n, width]`` aligned with ``top``: e.g. a cost gate's verdict) does too, ordered
+    by layer then rank (``generate_tasks``' order); each one's ``(row, rank)`` in ``top``; and how many candidates
+    ``keep`` admits and ``admit`` refuses (no task is made for them)."""
     tasks, where = [], []
     add, task = tasks.append, PrefetchTask
+    ok = admit.tolist() if admit is not None else None
+    refused = 0
     for r, (qs, cs) in enumerate(zip(top.tolist(), conf.tolist())):
         p = lo + r
         ddl = position(step_index, p, num_moe_layers)
         base = p * num_experts
         for j, (q, c) in enumerate(zip(qs, cs)):
             if keep is None or keep(base + q):
+                if ok is not None and not ok[r][j]:
+                    refused += 1
+                    continue
                 add(task(base + q, c, ddl, p, q, step_index))
                 where.append((r, j))
-    return tasks, where
+    return tasks, where, refused
 
 
 def tasks_from_forecast(forecast, num_moe_layers: int, num_experts: int, top_k: int,
