@@ -136,12 +136,14 @@ def _attach_xl(lm, runner=None):
     return rec
 
 
+@pytest.mark.parametrize("store", ["pinned", "disk"])
 @pytest.mark.parametrize("blend", [False, True])
-def test_xl_eviction_runtime_equals_simulator(tiny_dirs, random_pset, blend, one_thread):
+def test_xl_eviction_runtime_equals_simulator(tiny_dirs, random_pset, blend, one_thread, store):
     """Probabilistic Belady fed cross-layer forecasts (alone, or blended with a predictor's): the forecasts the
     runtime handed over equal the simulator's replay of the trace recorded with them (``xl_stream``) — bitwise for
     the cross-layer forecasts alone; blended, up to the float16 routing weights a trace stores, which the
-    predictor's input is computed from — and so do the hits and misses; tokens equal FullLoad's."""
+    predictor's input is computed from — and so do the hits and misses; tokens equal FullLoad's. From disk the
+    forecasts are handed over while the misses are read (``runtime.read_overlap``), in the same decision order."""
     from moe_offload.generation.generate import run
     from moe_offload.models.loader import load_full, load_offloaded
     from moe_offload.core.forecast import ROLLOUT
@@ -152,12 +154,14 @@ def test_xl_eviction_runtime_equals_simulator(tiny_dirs, random_pset, blend, one
 
     prompts = ["a b c", "hello there"]
     ref, _ = run(load_full(tiny_dirs["mixtral"]), prompts, 8)
-    lm = load_offloaded(tiny_dirs["mixtral"], residency=0.5, policy="seqmoe-cacheonly", progress=False)
+    lm = load_offloaded(tiny_dirs["mixtral"], residency=0.5, policy="seqmoe-cacheonly", progress=False,
+                        host_store=store)
     pset = random_pset(lm, seed=4) if blend else None
     with TraceRecorder(lm, xl_depth=3) as tracer:
         rec = _attach_xl(lm, PredictorRunner(pset, rollout=ROLLOUT) if blend else None)
         outs, st = run(lm, prompts, 8, recorder=tracer)
         tr = tracer.trace()
+    assert (lm.engine._overlap.layers > 0) == (store == "disk")
     assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
     stream = xl_stream(tr, pset)
     sim_fc = [f for events in stream for _, f in events]
@@ -171,6 +175,44 @@ def test_xl_eviction_runtime_equals_simulator(tiny_dirs, random_pset, blend, one
         assert {f.probs.shape[0] for f in sim_fc if f.cross_layer} <= set(range(2, 2 + ROLLOUT))
     sim = replay(tr, lm.engine.pool.num_slots, "seqmoe-cacheonly", forecasts=stream)
     assert (sim.hits, sim.misses) == (st.offload.hits, st.offload.misses) and sim.misses > 0
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["numpy", "native"])
+def test_layer_cycle_victims_from_disk_equal_the_simulator(tiny_dirs, one_thread, native):
+    """The layer-cycle order of the cross-layer policies (``ProbabilisticBelady(layer_cycle=True)``), its victims
+    ranked in numpy or by the native kernel, reading its misses from disk while the forecasts are made: the same
+    hits and misses as the simulator's replay; the time breakdown charges the forecasts to the predictor and
+    the planning to the management (an engine without observers charges next to nothing to the predictor)."""
+    from moe_offload.core.prob_belady import ProbabilisticBelady
+    from moe_offload.generation.generate import run
+    from moe_offload.models.loader import load_offloaded
+    from moe_offload.runtime.kernels import belady_victim_kernel
+    from moe_offload.sim.forecasts import xl_stream
+    from moe_offload.sim.simulator import replay
+    from moe_offload.trace.collect import TraceRecorder
+
+    if native and belady_victim_kernel() is None:
+        pytest.skip("the native kernels are not built here")
+    prompts = ["a b c", "hello there", "the cat sat on the mat"]
+    bare = load_offloaded(tiny_dirs["mixtral"], residency=0.4, policy="lru", progress=False, host_store="disk")
+    run(bare, prompts[:1], 4)
+    sec = bare.engine.breakdown.seconds  # the planning is management, not predictor (the laps' gaps aside)
+    assert sec["predictor"] < 0.02 * sum(sec.values()) and sec["management"] > sec["predictor"]
+    bare.close()
+    lm = load_offloaded(tiny_dirs["mixtral"], residency=0.4, policy="seqmoe-cacheonly", progress=False,
+                        host_store="disk")
+    pol = lm.engine.table.policy
+    pol.layer_cycle = True
+    pol.victim_kernel = belady_victim_kernel() if native else None
+    with TraceRecorder(lm, xl_depth=3) as tracer:
+        _attach_xl(lm, None)
+        _, st = run(lm, prompts, 10, recorder=tracer)
+        tr = tracer.trace()
+    assert lm.engine._overlap.layers > 0 and lm.engine.breakdown.seconds["predictor"] > 0
+    sim_pol = ProbabilisticBelady(tr.num_experts, horizon=8, lam=0.5, layer_cycle=True)
+    sim = replay(tr, lm.engine.pool.num_slots, sim_pol, forecasts=xl_stream(tr, None))
+    assert (sim.hits, sim.misses) == (st.offload.hits, st.offload.misses) and sim.misses > 0
+    lm.close()
 
 
 @pytest.mark.parametrize("policy", ["xl", "seqmoe-xl"])

@@ -57,8 +57,9 @@ def replay_needs(needs: list, num_moe_layers: int, num_experts: int, num_slots: 
     ``num_slots`` slots under the fresh policy object ``pol``.
 
     ``forecasts``: per step, ``[(trigger layer, forecast)]`` handed to the policy's ``observe`` before planning the
-    layer that triggered them, the cross-layer ones right after (``core.forecast.triggered``) (required by forecast-driven policies). ``on_loads(step, eids)``: told the experts
-    each layer loads on demand, in order (a tier below the slots, e.g. ``sim.host_tier.HostTierReplay``).
+    layer that triggered them, the cross-layer ones right after (``core.forecast.triggered``); required by
+    forecast-driven policies. ``on_loads(step, eids)``: told the experts each layer loads on demand, in order (a
+    tier below the slots, e.g. ``sim.host_tier.HostTierReplay``).
 
     Raises:
         MoeOffloadError: a forecast-driven policy without forecasts.

@@ -212,10 +212,8 @@ class OffloadEngine:
             result = self._fused_overlapped(plan.rounds[0], kernel, moe_layer, top_k_index, hidden_states,
                                             top_k_weights)
         elif kernel is not None:
-            self._deliver_forecasts()
             result = self._fused_rounds(plan, kernel, moe_layer, top_k_index, hidden_states, top_k_weights)
         else:
-            self._deliver_forecasts()
             gid = (top_k_index + moe_layer * self.num_experts).reshape(-1)
             result = self._grouped_rounds(plan, module, moe_layer, gid, hidden_states, top_k_weights)
         if pf is not None:
@@ -227,12 +225,18 @@ class OffloadEngine:
 
     def _deliver_forecasts(self) -> None:
         """The forecasts observers make once the layer is planned (a ``deliver()`` method: the cross-layer feed,
-        ``predictor.cross_layer``; ``core.forecast.triggered``), charged to the predictor."""
+        ``predictor.cross_layer``, which delivers once per layer; ``core.forecast.triggered``), charged to the
+        predictor. Called where the clock's last lap has just been taken: while a one-round layer's reads are in
+        flight (``_fused_overlapped``), else once the first round's reads are in (``_load_round``: an error in a
+        consumer then leaves no slot the table maps without its expert)."""
+        delivered = False
         for obs in self.observers:
             deliver = getattr(obs, "deliver", None)
             if deliver is not None:
                 deliver()
-        self.clock.lap("predictor")
+                delivered = True
+        if delivered:
+            self.clock.lap("predictor")
 
     def _fused_rounds(self, plan, kernel, moe_layer: int, top_k_index: torch.Tensor,
                       hidden_states: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -326,12 +330,14 @@ class OffloadEngine:
 
     def _load_round(self, rnd, moe_layer: int, only_round: bool) -> None:
         """Copy one round's missing experts into their slots (with a prefetcher: after the copies in flight that
-        the round waits for; when it is the layer's only round, the prefetcher's next copies are issued at once, to
-        overlap this layer's compute)."""
+        the round waits for), then hand over the layer's cross-layer forecasts (``_deliver_forecasts``; the first
+        round delivers, later ones find nothing pending); when it is the layer's only round, the prefetcher's next
+        copies are issued at once, to overlap this layer's compute."""
         clock, pf = self.clock, self.prefetcher
         clock.lap("management")
         self._read_round(rnd)
         clock.lap("stall")
+        self._deliver_forecasts()
         if pf is not None and only_round:  # overlap the copies with this layer's compute
             pf.issue(moe_layer)
             clock.lap("management")

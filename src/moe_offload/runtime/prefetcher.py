@@ -15,8 +15,9 @@ Per MoE layer the engine calls, in this order (the same order ``sim.prefetch_sim
 
 A one-token layer reading from the disk tier (``runtime.read_overlap``) runs step 3 on the engine's overlap thread
 while the main thread computes the layer's resident experts, then ``issue`` once the reads are over. While step 3
-runs there, the main thread calls nothing of the prefetcher but ``observe`` (the layer's cross-layer forecast, which
-touches only the scheduler's queue): its pending lookup writes are not synchronised.
+runs there, the main thread calls nothing of the prefetcher but ``observe`` (the layer's cross-layer forecast: it
+touches the scheduler and reads the slot table, which the reads never touch): its pending lookup writes are not
+synchronised.
 
 Forecasts arrive through ``observe(forecast)`` (a ``predictor.runtime.Forecast``), e.g. from a ``ForecastFeed``.
 """

@@ -57,7 +57,7 @@ def build_policy(policy: PolicySpec | str, trace: Trace, num_slots: int, needs=N
         from ..core.prob_belady import forecast_eviction
         from ..runtime.kernels import belady_victim_kernel
 
-        return forecast_eviction(spec, trace.num_experts, belady_victim_kernel())
+        return forecast_eviction(spec, trace.num_experts, belady_victim_kernel(build=False))
     future = None
     if spec.family == "belady":
         needs = needs if needs is not None else layer_needs(trace)

@@ -154,9 +154,17 @@ def native():
     return module
 
 
-def belady_victim_kernel():
+def belady_victim_kernel(build: bool = True):
     """``belady_victim`` of the kernels' module (``core.prob_belady.ProbabilisticBelady``'s ``victim_kernel``), or
-    None when the kernels cannot be had (the policy then ranks in numpy, with the same victims)."""
+    None when the kernels cannot be had (the policy then ranks in numpy, with the same victims). ``build`` False:
+    None too when they are not built yet (the simulator, which should not start a build of minutes for them)."""
+    if not build and "module" not in _state and os.environ.get("MOE_OFFLOAD_KERNELS", "").lower() != "torch":
+        try:
+            name, entry = _entry()
+        except (ImportError, OSError):
+            return None
+        if _so(entry, name) is None:
+            return None
     module = native()
     return None if module is None else module.belady_victim
 
