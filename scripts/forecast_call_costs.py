@@ -66,6 +66,12 @@ for name in ("land_ready", "issue", "fetch_waits", "load_on_demand"):
     timed(pf, name, f"Prefetcher.{name}")
 timed(table, "plan_layer", "SlotTable.plan_layer")
 timed(table, "release", "SlotTable.release")
+# inside the calls above (their rows include these): the policy's events, the scheduler's choice, the reservations
+for name in ("victim", "on_layer_access", "on_insert", "on_evict"):
+    timed(pol, name, f"  {type(pol).__name__}.{name}")
+timed(pf.scheduler, "select", "  scheduler.select")
+timed(table, "prefetch", "  SlotTable.prefetch")
+timed(pf.transfer, "submit", "  transfer.submit")
 prompts = human_turns(1, offset=600)
 run(lm, prompts, 8)  # warm-up
 cpu.clear()
@@ -81,9 +87,11 @@ fc = blend_forecast(0, 5, layer, xl, None, feed.weights)
 alone = {"forecast (router_forecast)": lambda: originals["forecast (router_forecast)"](layer)}
 for c in feed.consumers:
     alone[f"{type(c).__name__}.observe"] = lambda c=c: originals[f"{type(c).__name__}.observe"](fc)
-for label, ns in sorted(cpu.items(), key=lambda kv: -kv[1]):
+measured, counted = dict(cpu), dict(calls)
+cpu, calls = collections.Counter(), collections.Counter()  # the "alone" timings below go through the same wrappers
+for label, ns in sorted(measured.items(), key=lambda kv: -kv[1]):
     warm = alone.get(label)
     warm_us = f"{timeit.timeit(warm, number=2000) / 2000 * 1e6:.1f}" if warm else "-"
-    print(f"| {label} | {ns / 1e3 / calls[label]:.1f} | {ns / 1e6 / steps:.2f} | {calls[label] / steps:.1f} | "
+    print(f"| {label} | {ns / 1e3 / counted[label]:.1f} | {ns / 1e6 / steps:.2f} | {counted[label] / steps:.1f} | "
           f"{warm_us} |")
 lm.close()
