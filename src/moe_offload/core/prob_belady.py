@@ -231,8 +231,8 @@ class ProbabilisticBelady(EvictionPolicy):
 
     def on_layer_access(self, pairs: list[tuple[int, int]], tick: int) -> None:
         """A layer's accesses at once (``EvictionPolicy.on_layer_access``): when they are of one MoE layer, its
-        layer-cycle bookkeeping once and the recency stamps in one indexed write, the state ``on_access`` in turn
-        leaves; else ``on_access`` in turn."""
+        layer-cycle bookkeeping once and the recency stamps in one loop, the state ``on_access`` in turn leaves;
+        else ``on_access`` in turn."""
         if not pairs:
             return
         E = self.num_experts
