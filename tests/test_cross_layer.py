@@ -369,3 +369,48 @@ def test_cli_xl_policies_and_errors(tiny_dirs, tmp_path, capsys):
     assert main(["simulate", "--trace", str(tmp_path / "xl.trace"), "--policy", "lru,xl", "--residency", "0.5",
                  "--link-epl", "2", "--out", str(tmp_path / "o2")]) == 0
     assert "| xl |" in capsys.readouterr().out
+
+
+def test_xl_oracle_forecasts_are_the_truth_and_every_prefetch_is_used(tmp_path, capsys):
+    """``xl-oracle`` (simulator only): ``xl``'s cross-layer forecasts with their probabilities replaced by the true
+    next layers' experts, 1/k each, so the prefetch queue's chance of use is exactly 1 for the experts each layer
+    then uses and 0 for the rest; replayed, every prefetch it makes is used, it misses less than ``xl`` fed noise,
+    and ``simulate`` runs it from a trace collected with cross-layer forecasts, without a predictor."""
+    from moe_offload.cli import main
+    from moe_offload.core.policy_spec import parse_policy
+    from moe_offload.core.prefetch_queue import chance_of_use
+    from moe_offload.sim.forecasts import oracle_stream, xl_stream
+    from moe_offload.sim.prefetch_sim import replay_policy
+    from test_predictor import planted_trace
+
+    tr = planted_trace(requests=3, length=12, L=4, E=16, k=2, prompt=4)
+    dec = tr.step > 0
+    rng = np.random.default_rng(1)
+    xl = rng.dirichlet(np.ones(16), size=(int(dec.sum()), 4, 3)).astype(np.float32)  # forecasts of no use
+    tr.xl_probs = xl
+    spec = parse_policy("xl-oracle")
+    assert spec.oracle and spec.cross_layer and spec.simulator_only and spec.prefetch == "jsd"
+    truth = oracle_stream(xl_stream(tr), tr, weighted=False)
+    rows_of = {(r, s): a for r, s, a, _ in tr.steps()}
+    checked = 0
+    for events in truth:
+        for _, f in events:
+            lo, hi = f.layers
+            row = rows_of[(f.request, f.step + 1)]
+            c = chance_of_use(np.asarray(f.probs[0], np.float64), tr.top_k)
+            want = np.zeros((hi - lo, 16))
+            for p in range(lo, hi):
+                want[p - lo, tr.expert_ids[row, p].astype(np.int64)] = 1.0
+            assert np.array_equal(c, want)
+            checked += 1
+    assert checked > 0
+    oracle, _ = replay_policy(tr, spec, 16, 1.0, forecasts=truth)
+    noise, _ = replay_policy(tr, parse_policy("xl"), 16, 1.0, forecasts=xl_stream(tr))
+    assert oracle.prefetches > 0 and oracle.prefetch_accuracy == 1.0
+    assert oracle.decode_misses < noise.decode_misses
+    tr.save(tmp_path / "xl.trace")
+    assert main(["simulate", "--trace", str(tmp_path / "xl.trace"), "--policy", "lru,xl,xl-oracle",
+                 "--residency", "0.25", "--hardware", "rtx4090", "--link-epl", "1.0", "--out",
+                 str(tmp_path / "sim")]) == 0
+    report = (tmp_path / "sim" / "results.md").read_text()
+    assert "xl-oracle" in report

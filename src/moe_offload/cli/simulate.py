@@ -33,7 +33,8 @@ def add_parser(sub) -> None:
     sm.add_argument("--predictor", help="a trained predictor (for seqmoe-cacheonly, seqmoe, seqmoe-infinity, "
                     "seqmoe-xl, and seqmoe-oracle: its forecasts replaced by the true future, an upper bound); when "
                     "the traces are its training traces, every policy replays only its held-out requests (default: "
-                    "none). The policies xl and seqmoe-xl need traces collected with --xl-forecasts")
+                    "none). The policies xl, seqmoe-xl and xl-oracle (xl's forecasts replaced by the true future, "
+                    "no predictor) need traces collected with --xl-forecasts")
     add_rollout_every_arg(sm, ", as the runtime runs it")
     add_predictor_lag_arg(sm)
     sm.add_argument("--link", choices=["host", "disk"], default="host",

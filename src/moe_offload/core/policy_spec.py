@@ -14,6 +14,7 @@ takes the spec and asks it, so each rule about policies is written once, as a pr
 | ``seqmoe-infinity`` | forecast | - | a predictor | MoE-Infinity's order | runtime, simulator |
 | ``xl`` | forecast | - | cross-layer forecasts | JSD | runtime, simulator |
 | ``seqmoe-xl`` | forecast | - | a predictor, cross-layer forecasts | JSD | runtime, simulator |
+| ``xl-oracle`` | forecast | - | cross-layer forecasts (replaced by the future) | JSD | simulator |
 | ``seqmoe-oracle`` | forecast | - | a predictor (its forecasts replaced by the future) | JSD | simulator |
 | ``reactive``, ``tide`` | refresh | - | a diffusion model | - | runtime, diffusion simulator (TIDE) |
 | ``tide-fixed`` | refresh | ``interval`` T (``tide-fixed-T<n>``; none: the caller's) | a diffusion model | - | the same |
@@ -35,22 +36,26 @@ LFRU_HALF_LIFE_STEPS = 8
 #: family -> kind (see the module table)
 KINDS = {"lru": "history", "lfu": "history", "lfru": "history", "prefill-hot": "history", "auto": "auto",
          "belady": "oracle", "seqmoe-cacheonly": "forecast", "seqmoe": "forecast", "seqmoe-infinity": "forecast",
-         "xl": "forecast", "seqmoe-xl": "forecast", "seqmoe-oracle": "forecast", "reactive": "refresh",
+         "xl": "forecast", "seqmoe-xl": "forecast", "seqmoe-oracle": "forecast", "xl-oracle": "forecast",
+         "reactive": "refresh",
          "tide-fixed": "refresh", "tide": "refresh"}
 #: forecast-driven family -> its prefetch scheduler (``core.prefetch.make_scheduler``); None: eviction only
 PREFETCH = {"seqmoe-cacheonly": None, "seqmoe": "jsd", "seqmoe-infinity": "moe-infinity", "xl": "jsd",
-            "seqmoe-xl": "jsd", "seqmoe-oracle": "jsd"}
+            "seqmoe-xl": "jsd", "seqmoe-oracle": "jsd", "xl-oracle": "jsd"}
 #: the families a trained predictor drives
 PREDICTOR = ("seqmoe-cacheonly", "seqmoe", "seqmoe-infinity", "seqmoe-xl", "seqmoe-oracle")
 #: the families fed cross-layer forecasts (the model's own routers on earlier layers' inputs)
-CROSS_LAYER = ("xl", "seqmoe-xl")
+CROSS_LAYER = ("xl", "seqmoe-xl", "xl-oracle")
 #: the families only the simulator can run (they read the future)
-SIMULATOR_ONLY = ("belady", "seqmoe-oracle")
+SIMULATOR_ONLY = ("belady", "seqmoe-oracle", "xl-oracle")
+#: the families whose forecasts the simulator replaces by the true future (``sim.forecasts.oracle_stream``): upper
+#: bounds of what a better predictor (``seqmoe-oracle``) or better cross-layer forecasts (``xl-oracle``) could give
+ORACLE = ("seqmoe-oracle", "xl-oracle")
 #: the families graph mode runs as tensor ops (``runtime.graph.cache``)
 GRAPH = ("lru", "lfu", "seqmoe-cacheonly", "seqmoe")
 #: the written forms, for messages
 CHOICES = ("auto, lru, lfu, lfru[-H], prefill-hot; with a predictor: seqmoe-cacheonly, seqmoe, seqmoe-infinity, "
-           "seqmoe-xl; no predictor: xl; simulator only: belady[-K], seqmoe-oracle; diffusion models: reactive, "
+           "seqmoe-xl; no predictor: xl; simulator only: belady[-K], seqmoe-oracle, xl-oracle; diffusion models: reactive, "
            "tide-fixed[-T<n>], tide; a prefetching policy+gate: only prefetches worth their cost")
 
 _PARAM = re.compile(r"(lfru)-(\d+(?:\.\d+)?)|(belady)-(\d+)|(tide-fixed)-t(\d+)")
@@ -113,6 +118,11 @@ class PolicySpec:
         return self.family in CROSS_LAYER
 
     @property
+    def oracle(self) -> bool:
+        """Its forecasts are the true future (``ORACLE``): the simulator's upper bound for its forecast family."""
+        return self.family in ORACLE
+
+    @property
     def simulator_only(self) -> bool:
         """Reads the future: the simulator runs it, the runtime cannot."""
         return self.family in SIMULATOR_ONLY
@@ -147,7 +157,7 @@ def parse_policy(text) -> PolicySpec:
         base = parse_policy(key[:-len("+gate")])
         if base.prefetch is None:
             raise MoeOffloadError(f"{text!r}: +gate applies to policies that prefetch (seqmoe, seqmoe-infinity, xl, "
-                                  "seqmoe-xl, seqmoe-oracle)")
+                                  "seqmoe-xl, seqmoe-oracle, xl-oracle)")
         return PolicySpec(base.family, gated=True)
     if key in KINDS:
         return PolicySpec(key)

@@ -123,12 +123,17 @@ def xl_stream(trace: Trace, pset: PredictorSet | None = None, rollout_every: int
     return _replay_feed(CrossLayerFeed(src, [_Sink()], runner, weights), trace, progress, xl=src)
 
 
-def oracle_stream(stream: list[list[tuple[int, Forecast]]], trace: Trace) -> list[list[tuple[int, Forecast]]]:
-    """The perfect predictor's version of ``stream`` (a ``forecast_stream`` of ``trace``): the same forecasts (same
-    trigger layers, steps, layer ranges and rows) whose ``probs`` are the *true* activations: row ``j`` of a
-    forecast made at step ``s`` is Psi (SeqMoE §5.2) of the request's step ``s + 1 + j`` (averaged over its tokens;
-    zeros past the request's end). Replaying with it bounds what any predictor could give the same scheduler and
-    eviction policy (``simulate --policy seqmoe-oracle``)."""
+def oracle_stream(stream: list[list[tuple[int, Forecast]]], trace: Trace,
+                  weighted: bool = True) -> list[list[tuple[int, Forecast]]]:
+    """The perfect predictor's version of ``stream`` (a ``forecast_stream`` or ``xl_stream`` of ``trace``): the same
+    forecasts (same trigger layers, steps, layer ranges and rows) whose ``probs`` are the *true* activations: row
+    ``j`` of a forecast made at step ``s`` is Psi (SeqMoE §5.2) of the request's step ``s + 1 + j`` (averaged over
+    its tokens; zeros past the request's end). Replaying with it bounds what any predictor could give the same
+    scheduler and eviction policy (``simulate --policy seqmoe-oracle``, ``xl-oracle``).
+
+    ``weighted``: Psi's routing weights (SeqMoE's definition); False: each active expert ``1 / k`` of its layer, so
+    the prefetch queue's chance of use (``core.prefetch_queue.chance_of_use``) is exactly 1 for every expert the
+    layer will use and 0 for the others (``xl-oracle``: a perfect cross-layer forecast)."""
     from ..predictor.features import psi
 
     L, E = trace.num_moe_layers, trace.num_experts
@@ -141,7 +146,11 @@ def oracle_stream(stream: list[list[tuple[int, Forecast]]], trace: Trace) -> lis
         key = (req, step)
         if key not in cache:
             ab = rows_of.get(key)
-            cache[key] = None if ab is None else psi(ids[ab[0]:ab[1]], w[ab[0]:ab[1]], E).view(-1, L, E).mean(0)
+            if ab is None:
+                cache[key] = None
+            else:
+                wk = w[ab[0]:ab[1]] if weighted else torch.ones_like(w[ab[0]:ab[1]])
+                cache[key] = psi(ids[ab[0]:ab[1]], wk, E).view(-1, L, E).mean(0)
         return cache[key]
 
     out = []
@@ -149,11 +158,12 @@ def oracle_stream(stream: list[list[tuple[int, Forecast]]], trace: Trace) -> lis
         new = []
         for trig, f in events:
             lo, hi = f.layers
-            probs = torch.zeros_like(f.probs)
+            host = isinstance(f.probs, np.ndarray)  # a cross-layer forecast's rows are numpy, a predictor's torch
+            probs = np.zeros_like(f.probs) if host else torch.zeros_like(f.probs)
             for j in range(f.probs.shape[0]):
                 t = truth(f.request, f.step + 1 + j)
                 if t is not None:
-                    probs[j] = t[lo:hi]
-            new.append((trig, Forecast(f.request, f.step, f.layers, probs)))
+                    probs[j] = t[lo:hi].numpy() if host else t[lo:hi]
+            new.append((trig, Forecast(f.request, f.step, f.layers, probs, cross_layer=f.cross_layer)))
         out.append(new)
     return out

@@ -236,10 +236,10 @@ def replays(traces, policies: list[PolicySpec], residencies, mp, hw, tm, epl, fo
             for r in residencies:
                 slots = max(1, math.ceil(r * n_total - 1e-9))
                 fc = forecasts.get((name, spec.name), forecasts.get(name))
-                if spec.family == "seqmoe-oracle" and fc is not None:
+                if spec.oracle and fc is not None:
                     from .forecasts import oracle_stream
 
-                    fc = oracle.setdefault(name, oracle_stream(fc, tr))
+                    fc = oracle.setdefault((name, spec.family), oracle_stream(fc, tr, weighted=spec.family == "seqmoe-oracle"))
                 tier = None if host is None else HostTierReplay(max(1, math.ceil(host[0] * n_total - 1e-9)))
                 res, fraction = replay_policy(tr, spec, slots, epl, forecasts=fc, needs=needs,
                                               prefill_popularity=popularity if spec.needs_predictor else None,
@@ -290,7 +290,8 @@ def predictor_replay_set(predictor: str, traces: list, need_forecasts: bool, rol
 
 def xl_streams(traces: list, policies: list[PolicySpec], pset, rollout_every: int) -> dict:
     """``{(trace name, policy name): forecast stream}`` for the cross-layer policies among ``policies``
-    (``sim.forecasts.xl_stream``: ``xl`` alone, ``seqmoe-xl`` blended with ``pset``'s forecasts).
+    (``sim.forecasts.xl_stream``: ``xl`` alone, ``seqmoe-xl`` blended with ``pset``'s forecasts, ``xl-oracle``
+    those of ``xl``, whose probabilities ``replays`` replaces by the truth).
 
     Raises:
         MoeOffloadError: a trace without cross-layer forecasts.
