@@ -37,8 +37,7 @@ LFRU_HALF_LIFE_STEPS = 8
 KINDS = {"lru": "history", "lfu": "history", "lfru": "history", "prefill-hot": "history", "auto": "auto",
          "belady": "oracle", "seqmoe-cacheonly": "forecast", "seqmoe": "forecast", "seqmoe-infinity": "forecast",
          "xl": "forecast", "seqmoe-xl": "forecast", "seqmoe-oracle": "forecast", "xl-oracle": "forecast",
-         "reactive": "refresh",
-         "tide-fixed": "refresh", "tide": "refresh"}
+         "reactive": "refresh", "tide-fixed": "refresh", "tide": "refresh"}
 #: forecast-driven family -> its prefetch scheduler (``core.prefetch.make_scheduler``); None: eviction only
 PREFETCH = {"seqmoe-cacheonly": None, "seqmoe": "jsd", "seqmoe-infinity": "moe-infinity", "xl": "jsd",
             "seqmoe-xl": "jsd", "seqmoe-oracle": "jsd", "xl-oracle": "jsd"}
@@ -55,8 +54,8 @@ ORACLE = ("seqmoe-oracle", "xl-oracle")
 GRAPH = ("lru", "lfu", "seqmoe-cacheonly", "seqmoe")
 #: the written forms, for messages
 CHOICES = ("auto, lru, lfu, lfru[-H], prefill-hot; with a predictor: seqmoe-cacheonly, seqmoe, seqmoe-infinity, "
-           "seqmoe-xl; no predictor: xl; simulator only: belady[-K], seqmoe-oracle, xl-oracle; diffusion models: reactive, "
-           "tide-fixed[-T<n>], tide; a prefetching policy+gate: only prefetches worth their cost")
+           "seqmoe-xl; no predictor: xl; simulator only: belady[-K], seqmoe-oracle, xl-oracle; diffusion models: "
+           "reactive, tide-fixed[-T<n>], tide; a prefetching policy+gate: only prefetches worth their cost")
 
 _PARAM = re.compile(r"(lfru)-(\d+(?:\.\d+)?)|(belady)-(\d+)|(tide-fixed)-t(\d+)")
 

@@ -20,8 +20,8 @@ def check_policy(spec: PolicySpec, arch: Architecture, interval: int) -> None:
     """Reject a policy the runtime cannot run on ``arch`` before any work.
 
     Raises:
-        MoeOffloadError: a simulator-only policy (Belady, seqmoe-oracle), a refresh planner for a model that is not
-            a diffusion model, or a bad ``tide-fixed`` interval (one line)."""
+        MoeOffloadError: a simulator-only policy (Belady, seqmoe-oracle, xl-oracle), a refresh planner for a model
+            that is not a diffusion model, or a bad ``tide-fixed`` interval (one line)."""
     if spec.simulator_only:
         raise MoeOffloadError(f"policy {spec.name!r} needs the future and is only available in the simulator")
     if spec.refresh and not arch.diffusion:
