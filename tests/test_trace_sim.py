@@ -112,9 +112,10 @@ def test_belady_ordering_on_runtime_trace(tiny_dirs):
     assert rates["belady"] > rates["lru"]
 
 
-def test_simulator_only_policy_refused_by_runtime(tiny_dirs):
+@pytest.mark.parametrize("policy", ["belady", "xl-oracle"])
+def test_simulator_only_policy_refused_by_runtime(tiny_dirs, policy):
     with pytest.raises(MoeOffloadError, match="only available in the simulator"):
-        load_offloaded(tiny_dirs["olmoe"], device="cpu", policy="belady", progress=False)
+        load_offloaded(tiny_dirs["olmoe"], device="cpu", policy=policy, progress=False)
 
 
 def test_random_sequences_belady_matches_brute_force():
