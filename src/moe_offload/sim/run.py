@@ -239,8 +239,8 @@ def replays(traces, policies: list[PolicySpec], residencies, mp, hw, tm, epl, fo
                 if spec.oracle and fc is not None:
                     from .forecasts import oracle_stream
 
-                    weighted = spec.family == "seqmoe-oracle"  # xl-oracle: 1/k each, a chance of use of 1
-                    fc = oracle.setdefault((name, spec.family), oracle_stream(fc, tr, weighted=weighted))
+                    # a cross-layer oracle names the true experts 1/k each: a chance of use of exactly 1
+                    fc = oracle.setdefault((name, spec.family), oracle_stream(fc, tr, weighted=not spec.cross_layer))
                 tier = None if host is None else HostTierReplay(max(1, math.ceil(host[0] * n_total - 1e-9)))
                 res, fraction = replay_policy(tr, spec, slots, epl, forecasts=fc, needs=needs,
                                               prefill_popularity=popularity if spec.needs_predictor else None,
