@@ -1,5 +1,5 @@
 """The disk tier's prefetch reads (issue 35, item 3): they yield to on-demand reads at each chunk, a cancelled one
-stops at a chunk, and the on-demand reads' speed is set against a measured disk (``demand_efficiency``)."""
+stops at a chunk (in Python, and in one native call polling flags: issue 47), and the on-demand reads' speed is set against a measured disk (``demand_efficiency``)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import pytest
 
 from moe_offload.errors import MoeOffloadError
 from moe_offload.models.loader import load_offloaded
-from moe_offload.runtime.disk_store import IO_ALIGN, DiskReadStats, DiskStore, copy_concurrently
+from moe_offload.runtime.disk_store import IO_ALIGN, DiskReadStats, DiskStore, StopFlag, copy_concurrently
+from moe_offload.runtime.kernels import native
 from moe_offload.runtime.transfer import TransferEngine
 
 
@@ -36,22 +37,33 @@ def _largest_expert(store: DiskStore) -> int:
     return max(range(store.num_experts_total), key=lambda e: sum(s.need for s in store.spans(e)))
 
 
-def test_prefetch_yields_to_on_demand_reads(stores):
-    """A prefetch waits before its first chunk while an on-demand read is outstanding, then reads all of it."""
+def _needs_native(path: str) -> None:
+    if path == "native" and native() is None:
+        pytest.skip("the native kernels are not built here")
+
+
+@pytest.mark.parametrize("path", ["native", "python"])
+def test_prefetch_yields_to_on_demand_reads(stores, path):
+    """A prefetch waits before its first chunk while an on-demand read is outstanding, then reads all of it, one
+    request per chunk: one native call polling the store's flags (``stopped`` None: the store makes its own
+    ``StopFlag``), or Python asking a ``stopped()`` callable at each chunk."""
+    _needs_native(path)
     pinned, disk, _ = stores
     eid = _largest_expert(disk)
     assert sum(s.need for s in disk.spans(eid)) > IO_ALIGN  # several chunks
     got = np.zeros(disk.layout.expert_bytes, dtype=np.uint8)
     disk.reset_stats()
     result = []
+    stopped = None if path == "native" else (lambda: False)
     with disk._on_demand():  # an on-demand read outstanding
-        t = threading.Thread(target=lambda: result.append(disk.read_prefetch(eid, got)))
+        t = threading.Thread(target=lambda: result.append(disk.read_prefetch(eid, got, stopped)))
         t.start()
         time.sleep(0.2)
-        assert t.is_alive() and disk.stats.requests == 0 and disk.stats.prefetch_yields == 1
+        assert t.is_alive() and disk.stats.requests == 0 and not got.any()  # nothing read yet
     t.join(10)
     assert result == [True] and _fields_equal(disk, got, pinned.buf.numpy()[eid])
     assert disk.stats.requests == sum(-(-s.need // IO_ALIGN) for s in disk.spans(eid))  # one request per chunk
+    assert disk.stats.prefetch_yields == 1
     assert disk.stats.prefetch_cancelled == 0 and disk.stats.experts == 1
 
 
@@ -72,10 +84,36 @@ def test_stopped_prefetch_stops_at_a_chunk(stores):
     assert (st.requests, st.prefetch_cancelled, st.experts) == (1, 1, 0)
 
 
-def test_transfer_cancel_stops_a_running_disk_copy(stores):
-    """``TransferEngine.cancel`` of a copy in flight from the disk store: it stops at the next chunk and lands
-    ``ok=False``, ``error="cancelled"``, counted in ``stats.cancelled`` (not ``failed``)."""
+def test_native_prefetch_stopped_while_it_yields(stores):
+    """The native read: a ``StopFlag`` set while the prefetch waits for an on-demand read ends it before any request
+    (False, counted as cancelled, its bytes not counted); one set before the call reads nothing either."""
+    _needs_native("native")
+    _, disk, _ = stores
+    eid = _largest_expert(disk)
+    got = np.zeros(disk.layout.expert_bytes, dtype=np.uint8)
+    disk.reset_stats()
+    flag, result = StopFlag(), []
+    with disk._on_demand():
+        t = threading.Thread(target=lambda: result.append(disk.read_prefetch(eid, got, flag)))
+        t.start()
+        time.sleep(0.1)
+        flag.set()
+        t.join(10)  # ends without the on-demand read finishing
+        assert result == [False]
+    flag = StopFlag()
+    flag.set()
+    assert disk.read_prefetch(eid, got, flag) is False
+    st = disk.stats
+    assert (st.requests, st.prefetch_cancelled, st.experts, st.bytes_read, st.prefetch_yields) == (0, 2, 0, 0, 1)
+    assert not got.any()
+
+
+def test_transfer_cancel_stops_a_running_disk_copy(stores, monkeypatch):
+    """``TransferEngine.cancel`` of a copy in flight from the disk store (the Python path, its first chunk held): it
+    stops at the next chunk and lands ``ok=False``, ``error="cancelled"``, counted in ``stats.cancelled`` (not
+    ``failed``)."""
     _, disk, pool = stores
+    monkeypatch.setattr(disk, "_kernel", None)  # chunks read in Python, so that the test can hold one
     eid = _largest_expert(disk)
     entered, release = threading.Event(), threading.Event()
     real = disk._read_span
@@ -98,6 +136,31 @@ def test_transfer_cancel_stops_a_running_disk_copy(stores):
         eng.close()
     finally:
         del disk._read_span
+
+
+def test_transfer_cancel_stops_a_native_disk_copy(stores):
+    """The same through the native read: the copy waits for an on-demand read, is cancelled (its job's
+    ``StopFlag``), and lands ``ok=False``, ``error="cancelled"`` once the on-demand read is over, with no request
+    made."""
+    _needs_native("native")
+    _, disk, pool = stores
+    eid = _largest_expert(disk)
+    disk.reset_stats()
+    eng = TransferEngine(disk, pool)
+    try:
+        with disk._on_demand():
+            eng.submit(eid, 0)
+            deadline = time.perf_counter() + 10
+            while eng._current is None and time.perf_counter() < deadline:  # the worker took the copy
+                time.sleep(0.01)
+            time.sleep(0.05)
+            assert eng.cancel(eid) is False  # running: stopped in the native read
+        landing = eng.wait(eid, timeout=10)
+        assert (landing.ok, landing.error) == (False, "cancelled")
+        assert (eng.stats.cancelled, eng.stats.failed, eng.stats.copies) == (1, 0, 0)
+        assert (disk.stats.requests, disk.stats.prefetch_cancelled) == (0, 1)
+    finally:
+        eng.close()
 
 
 def test_demand_efficiency_hand_worked():

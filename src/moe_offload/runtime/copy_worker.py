@@ -15,6 +15,7 @@ import torch
 
 from ..common.threads import io_thread_realtime, pin_io_thread
 from .cpu_account import io
+from .direct_io import StopFlag
 from .emulated_clock import sleep_until as _sleep_until
 
 _QUEUED, _RUNNING, _DONE = 0, 1, 2
@@ -35,7 +36,8 @@ class _Job:
         self.started_at = None
         self.deadline = 0.0          # emulated link: the copy is not complete before this perf_counter time
         self.landing = None          # the runtime.transfer.Landing once done
-        self.stop = False            # cancelled while running: a store that reads in chunks stops at the next one
+        self.stop = StopFlag()       # set when cancelled while running: a store that reads in chunks stops at the
+        # next one (a native read polls it too)
         self.on_demand = False       # a miss's copy (submitted as one), not a prefetch
 
 
@@ -148,7 +150,7 @@ class CopyWorker:
         with io(self.store, "on_demand_reads" if demand else "prefetch_reads"):
             if read is None:
                 self.store.copy_to(job.eid, dst, non_blocking=non_blocking)
-            elif not read(job.eid, dst, lambda: job.stop):
+            elif not read(job.eid, dst, job.stop):
                 raise CopyCancelled(job.eid)
         if not job.on_demand:
             with self._cond:

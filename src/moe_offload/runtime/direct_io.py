@@ -149,16 +149,40 @@ def native_plan(spans: list[_Span]) -> tuple[torch.Tensor, torch.Tensor]:
                          dtype=torch.int64).reshape(-1, 4))
 
 
+class StopFlag:
+    """A copy's cancellation, which Python asks by calling it (``flag()``: True once ``set``) and a native read polls
+    between its chunks (``array``: int32 ``[1]``, 1 once set) without the interpreter lock
+    (``runtime.transfer.TransferEngine.cancel`` sets it; ``runtime.disk_store.DiskStore.read_prefetch`` reads it)."""
+
+    __slots__ = ("array",)
+
+    def __init__(self) -> None:
+        self.array = np.zeros(1, dtype=np.int32)
+
+    def __call__(self) -> bool:
+        return bool(self.array[0])
+
+    def set(self) -> None:
+        self.array[0] = 1
+
+
 def read_native(kernel, files: list[_File], spans: list[_Span], plan: tuple[torch.Tensor, torch.Tensor],
-                staging: np.ndarray, out: np.ndarray) -> tuple[int, float, float]:
+                staging: np.ndarray, out: np.ndarray, demand: np.ndarray | None = None,
+                stop: StopFlag | None = None, chunk: int = 0) -> tuple[int, float, float, bool, int]:
     """One expert read by the native kernels' ``read_expert`` (``runtime.kernels``): its spans read into
     ``staging`` (page-aligned uint8) and its fields copied into ``out`` (uint8, host memory) without the interpreter
-    lock. Returns ``(requests, the copies' CPU s, their wall s)``.
+    lock. A prefetch passes ``demand`` (int32 ``[1]``: the store's count of outstanding on-demand reads), ``stop``
+    and ``chunk`` (bytes, a multiple of ``IO_ALIGN``): it is then read in chunks, waiting before each one while
+    ``demand[0] > 0`` and stopping once ``stop`` is set. Returns ``(requests, the copies' CPU s, their wall s,
+    whether it stopped, the chunks that waited for on-demand reads)``.
 
     Raises:
         MoeOffloadError: a read failed, or a file ended early (truncated or replaced while running)."""
+    flags = {}
+    if chunk:
+        flags = dict(demand=torch.from_numpy(demand), stop=torch.from_numpy(stop.array), chunk=chunk)
     res = kernel.read_expert([f.fd for f in files], [f.direct for f in files], plan[0], plan[1],
-                             torch.from_numpy(staging), torch.from_numpy(out))
+                             torch.from_numpy(staging), torch.from_numpy(out), **flags)
     error, where = res[5], res[7]
     if error:
         path = files[spans[res[6]].file].path
@@ -166,5 +190,4 @@ def read_native(kernel, files: list[_File], spans: list[_Span], plan: tuple[torc
             raise MoeOffloadError(f"reading {path} at byte {where} failed: {os.strerror(error)}")
         raise MoeOffloadError(f"{path} ended at byte {where} while an expert was read from it: the checkpoint file "
                               "was truncated or replaced while running")
-    return res[0], res[3], res[4]
-
+    return res[0], res[3], res[4], bool(res[8]), res[9]

@@ -48,8 +48,8 @@ from ..common.threads import pin_io_thread, short_switch_interval
 from ..errors import MoeOffloadError
 from .cpu_account import charge_within, io
 from .disk_stats import DiskReadStats  # noqa: F401 (re-exported)
-from .direct_io import (IO_ALIGN, _File, _Span, copy_concurrently, native_plan, open_direct,  # noqa: F401 (re-exported)
-                        plan_spans, read_native)
+from .direct_io import (IO_ALIGN, StopFlag, _File, _Span, copy_concurrently, native_plan,  # noqa: F401 (re-exported)
+                        open_direct, plan_spans, read_native)
 from . import huge_pages
 from .kernels import native
 from .store import ExpertLayout, gather_rows
@@ -105,6 +105,7 @@ class DiskStore:
         self._lock = threading.Lock()
         self._demand_done = threading.Condition(self._lock)   # notified when no on-demand read is outstanding
         self._demand = 0                                      # on-demand calls outstanding, all threads
+        self._demand_flag = np.zeros(1, dtype=np.int32)       # the same count, for native prefetch reads to poll
         self._demand_since = 0.0
         self._pool: ThreadPoolExecutor | None = None
         self._kernel = native()           # read_expert, when the native kernels are built
@@ -192,11 +193,12 @@ class DiskStore:
             os.posix_fadvise(f.fd, span.start + lo, stop - lo, os.POSIX_FADV_DONTNEED)
         return requests
 
-    def _read(self, eid: int, dst, gate=None, depth: int = 0) -> bool:
+    def _read(self, eid: int, dst, gate=None, depth: int = 0, stop: StopFlag | None = None) -> bool:
         """Expert ``eid`` into ``dst``; ``gate()`` (a prefetch) is asked before each chunk of ``prefetch_chunk``
         bytes and False abandons the read (returns False, ``dst`` partly written); ``depth`` > 0: an on-demand read
-        issued ``depth`` at once (recorded in ``stats.demand_reads``). A whole read into host memory is one call of
-        the native ``read_expert`` when the kernels are built (``_read_native``)."""
+        issued ``depth`` at once (recorded in ``stats.demand_reads``). A read into host memory is one call of the
+        native ``read_expert`` when the kernels are built (``_read_native``): a whole on-demand read, or a prefetch
+        given its ``stop`` flag, whose chunks then yield and stop in the native code as ``gate`` would have them."""
         spans = self.spans(eid)
         out = dst if isinstance(dst, np.ndarray) else dst.numpy() if dst.device.type == "cpu" else None
         in_place = self._in_place(spans, out)
@@ -206,8 +208,8 @@ class DiskStore:
         done = True
         role = "prefetch_reads" if gate is not None else "on_demand_reads"
         todo = spans
-        if gate is None and out is not None and self._kernel is not None:
-            requests, nread = self._read_native(eid, spans, arr, out, in_place)
+        if out is not None and self._kernel is not None and (gate is None or stop is not None):
+            requests, nread, done = self._read_native(eid, spans, arr, out, in_place, stop)
             todo = ()
         for span in todo:
             if gate is None:
@@ -258,10 +260,12 @@ class DiskStore:
         return s.pieces == ((0, 0, s.length),) and out.ctypes.data % IO_ALIGN == 0 and out.nbytes >= s.length
 
     def _read_native(self, eid: int, spans: list, arr: np.ndarray, out: np.ndarray,
-                     in_place: bool = False) -> tuple[int, int]:
-        """``_read`` of a whole expert into host memory ``out`` by one native call (``direct_io.read_native``)
-        through the staging buffer ``arr``; its copies are charged as staging copies. ``in_place``: ``arr`` is
-        ``out`` and nothing is copied. Returns ``(requests, bytes read)``.
+                     in_place: bool = False, stop: StopFlag | None = None) -> tuple[int, int, bool]:
+        """``_read`` of an expert into host memory ``out`` by one native call (``direct_io.read_native``) through
+        the staging buffer ``arr``; its copies are charged as staging copies. ``in_place``: ``arr`` is ``out`` and
+        nothing is copied. ``stop``: a prefetch, read in chunks of ``prefetch_chunk`` that wait while on-demand
+        reads are outstanding and end once ``stop`` is set (its waits counted in ``stats.prefetch_yields``).
+        Returns ``(requests, bytes read, whether the whole expert is in)``.
 
         Raises:
             MoeOffloadError: as ``_read_span``."""
@@ -271,10 +275,16 @@ class DiskStore:
             if in_place:  # the span is read where the row is: no piece to copy
                 plan = (plan[0], plan[1][:0])
             self._native_plans[(eid, in_place)] = plan
-        with io(self, "on_demand_reads", inherit=True):
-            requests, copy_cpu, copy_wall = read_native(self._kernel, self._files, spans, plan, arr, out)
+        role = "on_demand_reads" if stop is None else "prefetch_reads"
+        chunk = 0 if stop is None else self.prefetch_chunk
+        with io(self, role, inherit=True):
+            requests, copy_cpu, copy_wall, stopped, yields = read_native(
+                self._kernel, self._files, spans, plan, arr, out, self._demand_flag, stop, chunk)
             charge_within(self, "staging_copies", copy_cpu, copy_wall)
-        return requests, sum(s.length for s in spans)
+        if yields:
+            with self._lock:
+                self.stats.prefetch_yields += yields
+        return requests, 0 if stopped else sum(s.length for s in spans), not stopped  # a stopped read's bytes: uncounted
 
     @contextmanager
     def _on_demand(self):
@@ -284,11 +294,13 @@ class DiskStore:
             if not self._demand:
                 self._demand_since = time.perf_counter()
             self._demand += 1
+            self._demand_flag[0] = self._demand
         try:
             yield
         finally:
             with self._lock:
                 self._demand -= 1
+                self._demand_flag[0] = self._demand
                 if not self._demand:
                     self.stats.demand_s += time.perf_counter() - self._demand_since
                     self._demand_done.notify_all()
@@ -322,7 +334,10 @@ class DiskStore:
         """A prefetch of expert ``eid`` into ``dst`` (as ``copy_to``), read in chunks of ``prefetch_chunk`` bytes:
         before each chunk it waits while on-demand reads (``copy_to`` / ``copy_many``) are outstanding, and stops
         when ``stopped()`` (its copy was cancelled) is true. Never waits for itself: the engine waits for a prefetch
-        in flight (``TransferEngine.wait``) only while none of its own on-demand reads is outstanding.
+        in flight (``TransferEngine.wait``) only while none of its own on-demand reads is outstanding. Into host
+        memory with the native kernels built, and ``stopped`` None or a ``StopFlag`` (the transfer engine's), it is
+        one native call that polls the flags between its chunks without the interpreter lock (issue 47, session
+        47: the copy worker's CPU per prefetch fell by a third); another ``stopped`` callable is asked in Python.
 
         Returns:
             True when all of the expert is in ``dst``; False when stopped (``dst`` partly written: its slot must not
@@ -338,7 +353,8 @@ class DiskStore:
                     self._demand_done.wait(0.005)  # ``stopped`` flips without notifying this condition
             return not (stopped is not None and stopped())
 
-        return self._read(eid, dst, gate)
+        flag = StopFlag() if stopped is None else stopped if isinstance(stopped, StopFlag) else None
+        return self._read(eid, dst, gate, stop=flag)
 
     def reset_stats(self) -> None:
         """Zero ``stats``."""

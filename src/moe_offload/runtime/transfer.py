@@ -260,7 +260,7 @@ class TransferEngine(CopyWorker):
         with self._cond:
             job = self._active.get(int(eid))
             if job is not None and job.state == _RUNNING:
-                job.stop = True
+                job.stop.set()
             if job is None or job.state != _QUEUED:
                 return False
             self._queue.remove(job)

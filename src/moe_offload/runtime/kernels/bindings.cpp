@@ -11,9 +11,10 @@ torch::Tensor sum_pairs(torch::Tensor pair_out, at::ScalarType dtype);
 int64_t workspace_peak_bytes(bool reset);
 torch::Tensor linear_rows(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias, bool portable);
 std::string kernel_path();
-std::tuple<int64_t, double, double, double, double, int64_t, int64_t, int64_t> read_expert(
+std::tuple<int64_t, double, double, double, double, int64_t, int64_t, int64_t, int64_t, int64_t> read_expert(
     std::vector<int64_t> fds, std::vector<bool> direct, torch::Tensor spans, torch::Tensor pieces,
-    torch::Tensor staging, torch::Tensor dst);
+    torch::Tensor staging, torch::Tensor dst, c10::optional<torch::Tensor> demand, c10::optional<torch::Tensor> stop,
+    int64_t chunk);
 torch::Tensor router_forecast(torch::Tensor weight, torch::Tensor x, int64_t n, int64_t k, bool portable);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, bool portable);
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::optional<torch::Tensor> mask,
@@ -39,7 +40,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("portable") = false);
   m.def("rms_norm", &rms_norm, "transformers' standard RMSNorm of each row, deterministic",
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("eps"), pybind11::arg("portable") = false);
-  m.def("read_expert", &read_expert, "one expert's spans read from disk and its fields copied, without the GIL");
+  m.def("read_expert", &read_expert, "one expert's spans read from disk and its fields copied, without the GIL",
+        pybind11::arg("fds"), pybind11::arg("direct"), pybind11::arg("spans"), pybind11::arg("pieces"),
+        pybind11::arg("staging"), pybind11::arg("dst"), pybind11::arg("demand") = pybind11::none(),
+        pybind11::arg("stop") = pybind11::none(), pybind11::arg("chunk") = 0);
   m.def("kernel_path", &kernel_path, "which path the kernels run on this CPU");
   bind_belady_victim(m);
   m.def("register_ops", &register_ops, "the kernels as torch operators in namespace ns (once per process)");

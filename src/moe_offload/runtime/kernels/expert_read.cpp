@@ -1,7 +1,8 @@
 // One expert read from disk in one call (runtime/disk_store.py, issue 47 part 2): its aligned spans read into the
 // reading thread's staging buffer and its fields copied from there into the destination, with the interpreter lock
 // released for the whole expert. In Python each of an expert's requests needed the lock back between reads, and
-// waited for it while the main thread ran Python.
+// waited for it while the main thread ran Python. A prefetch is one call too (session 47): its yields to on-demand
+// reads and its cancellation are flags polled between its chunks, not Python between them.
 
 #include <torch/extension.h>
 
@@ -10,6 +11,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <algorithm>
 #include <cstring>
 #include <tuple>
 #include <vector>
@@ -29,12 +31,22 @@ double now_s(clockid_t clock) {
 // fds [F], direct [F] (opened with O_DIRECT: a short read not at the end is an error; else the span is dropped from
 // the page cache after its read), spans int64 [S, 4] (file index, aligned start, aligned length, bytes needed),
 // pieces int64 [P, 4] (span index, destination offset, offset in the span, bytes), staging uint8 (page-aligned, at
-// least the longest span), dst uint8 (contiguous, on the CPU). Returns (requests, read CPU s, read wall s, copy CPU
-// s, copy wall s, error, error span, error offset): error 0 when done, an errno when a read failed, -1 when a file
-// ended early (error offset: the file byte where it did).
-std::tuple<int64_t, double, double, double, double, int64_t, int64_t, int64_t> read_expert(
+// least the longest span), dst uint8 (contiguous, on the CPU).
+//
+// A prefetch (runtime/disk_store.py: read_prefetch) passes demand and stop, int32 [1] flags the store and the
+// transfer engine write from Python, and chunk > 0 (a multiple of 4096 bytes): each span is then read in requests of
+// at most chunk bytes, and before each one the read waits (polling every 50 us) while *demand, the store's count
+// of outstanding on-demand reads, is above zero, then stops if *stop is set: a miss never queues behind more than
+// one chunk of a prefetch. Without them the spans are read whole.
+//
+// Returns (requests, read CPU s, read wall s, copy CPU s, copy wall s, error, error span, error offset, stopped,
+// yields): error 0 when done, an errno when a read failed, -1 when a file ended early (error offset: the file byte
+// where it did); stopped 1 when *stop ended the read (dst partly written); yields, the chunks that waited for
+// on-demand reads.
+std::tuple<int64_t, double, double, double, double, int64_t, int64_t, int64_t, int64_t, int64_t> read_expert(
     std::vector<int64_t> fds, std::vector<bool> direct, torch::Tensor spans, torch::Tensor pieces,
-    torch::Tensor staging, torch::Tensor dst) {
+    torch::Tensor staging, torch::Tensor dst, c10::optional<torch::Tensor> demand, c10::optional<torch::Tensor> stop,
+    int64_t chunk) {
   TORCH_CHECK(spans.dim() == 2 && spans.size(1) == 4 && spans.scalar_type() == at::kLong && spans.is_contiguous(),
               "read_expert: spans int64 [S, 4]");
   TORCH_CHECK(pieces.dim() == 2 && pieces.size(1) == 4 && pieces.scalar_type() == at::kLong &&
@@ -43,6 +55,14 @@ std::tuple<int64_t, double, double, double, double, int64_t, int64_t, int64_t> r
               dst.is_contiguous() && staging.device().is_cpu() && dst.device().is_cpu(),
               "read_expert: staging and dst contiguous uint8 on the CPU");
   TORCH_CHECK(fds.size() == direct.size(), "read_expert: one direct flag per file");
+  const bool chunked = chunk > 0;
+  TORCH_CHECK(!chunked || (chunk % kAlign == 0 && demand.has_value() && stop.has_value()),
+              "read_expert: a chunked read needs chunk a multiple of 4096 bytes, demand and stop");
+  for (const auto* flag : {&demand, &stop})
+    TORCH_CHECK(!flag->has_value() || ((*flag)->scalar_type() == at::kInt && (*flag)->numel() >= 1 &&
+                                       (*flag)->device().is_cpu()), "read_expert: demand and stop int32 [1] flags");
+  const int32_t* demand_p = demand.has_value() ? demand->data_ptr<int32_t>() : nullptr;
+  const int32_t* stop_p = stop.has_value() ? stop->data_ptr<int32_t>() : nullptr;
   const int64_t* sp = spans.data_ptr<int64_t>();
   const int64_t* pc = pieces.data_ptr<int64_t>();
   const int64_t S = spans.size(0), P = pieces.size(0), cap = staging.numel(), dst_n = dst.numel();
@@ -57,17 +77,31 @@ std::tuple<int64_t, double, double, double, double, int64_t, int64_t, int64_t> r
   }
   uint8_t* buf = staging.data_ptr<uint8_t>();
   uint8_t* out = dst.data_ptr<uint8_t>();
-  int64_t requests = 0, error = 0, err_span = -1, err_offset = 0;
+  int64_t requests = 0, error = 0, err_span = -1, err_offset = 0, stopped = 0, yields = 0;
   double read_cpu = 0, read_wall = 0, copy_cpu = 0, copy_wall = 0;
   {
     pybind11::gil_scoped_release release;
-    for (int64_t s = 0; s < S && !error; ++s) {
+    for (int64_t s = 0; s < S && !error && !stopped; ++s) {
       const int64_t f = sp[4 * s], start = sp[4 * s + 1], length = sp[4 * s + 2], need = sp[4 * s + 3];
       const int fd = static_cast<int>(fds[f]);
       double c0 = now_s(CLOCK_THREAD_CPUTIME_ID), w0 = now_s(CLOCK_MONOTONIC);
       int64_t got = 0;
       while (got < need) {
-        ssize_t n = pread(fd, buf + got, static_cast<size_t>(length - got), start + got);
+        int64_t want = length - got;
+        if (chunked) {  // a prefetch: yield to on-demand reads, stop when cancelled, then one chunk
+          if (__atomic_load_n(demand_p, __ATOMIC_ACQUIRE) > 0) {
+            ++yields;
+            const timespec pause{0, 50000};
+            while (__atomic_load_n(demand_p, __ATOMIC_ACQUIRE) > 0 && !__atomic_load_n(stop_p, __ATOMIC_ACQUIRE))
+              nanosleep(&pause, nullptr);
+          }
+          if (__atomic_load_n(stop_p, __ATOMIC_ACQUIRE)) {
+            stopped = 1;
+            break;
+          }
+          want = std::min(want, chunk);
+        }
+        ssize_t n = pread(fd, buf + got, static_cast<size_t>(want), start + got);
         if (n < 0 && errno == EINTR) continue;
         ++requests;
         if (n < 0) {
@@ -82,12 +116,12 @@ std::tuple<int64_t, double, double, double, double, int64_t, int64_t, int64_t> r
       }
       if (!error && !direct[f]) posix_fadvise(fd, start, length, POSIX_FADV_DONTNEED);
       read_cpu += now_s(CLOCK_THREAD_CPUTIME_ID) - c0, read_wall += now_s(CLOCK_MONOTONIC) - w0;
-      if (error) break;
+      if (error || stopped) break;
       c0 = now_s(CLOCK_THREAD_CPUTIME_ID), w0 = now_s(CLOCK_MONOTONIC);
       for (int64_t p = 0; p < P; ++p)
         if (pc[4 * p] == s) std::memcpy(out + pc[4 * p + 1], buf + pc[4 * p + 2], static_cast<size_t>(pc[4 * p + 3]));
       copy_cpu += now_s(CLOCK_THREAD_CPUTIME_ID) - c0, copy_wall += now_s(CLOCK_MONOTONIC) - w0;
     }
   }
-  return {requests, read_cpu, read_wall, copy_cpu, copy_wall, error, err_span, err_offset};
+  return {requests, read_cpu, read_wall, copy_cpu, copy_wall, error, err_span, err_offset, stopped, yields};
 }
