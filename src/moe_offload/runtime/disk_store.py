@@ -106,6 +106,7 @@ class DiskStore:
         self._demand_done = threading.Condition(self._lock)   # notified when no on-demand read is outstanding
         self._demand = 0                                      # on-demand calls outstanding, all threads
         self._demand_flag = np.zeros(1, dtype=np.int32)       # the same count, for native prefetch reads to poll
+        self._demand_tensor = torch.from_numpy(self._demand_flag)
         self._demand_since = 0.0
         self._pool: ThreadPoolExecutor | None = None
         self._kernel = native()           # read_expert, when the native kernels are built
@@ -301,6 +302,8 @@ class DiskStore:
             with self._lock:
                 self._demand -= 1
                 self._demand_flag[0] = self._demand
+                if not self._demand and self._kernel is not None:  # native prefetch reads sleep on the flag
+                    self._kernel.futex_wake(self._demand_tensor)
                 if not self._demand:
                     self.stats.demand_s += time.perf_counter() - self._demand_since
                     self._demand_done.notify_all()

@@ -15,6 +15,7 @@ std::tuple<int64_t, double, double, double, double, int64_t, int64_t, int64_t, i
     std::vector<int64_t> fds, std::vector<bool> direct, torch::Tensor spans, torch::Tensor pieces,
     torch::Tensor staging, torch::Tensor dst, c10::optional<torch::Tensor> demand, c10::optional<torch::Tensor> stop,
     int64_t chunk);
+void futex_wake(torch::Tensor flag);
 torch::Tensor router_forecast(torch::Tensor weight, torch::Tensor x, int64_t n, int64_t k, bool portable);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, bool portable);
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::optional<torch::Tensor> mask,
@@ -44,6 +45,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("fds"), pybind11::arg("direct"), pybind11::arg("spans"), pybind11::arg("pieces"),
         pybind11::arg("staging"), pybind11::arg("dst"), pybind11::arg("demand") = pybind11::none(),
         pybind11::arg("stop") = pybind11::none(), pybind11::arg("chunk") = 0);
+  m.def("futex_wake", &futex_wake, "wake the native prefetch reads waiting for on-demand reads to end");
   m.def("kernel_path", &kernel_path, "which path the kernels run on this CPU");
   bind_belady_victim(m);
   m.def("register_ops", &register_ops, "the kernels as torch operators in namespace ns (once per process)");

@@ -9,6 +9,10 @@
 #include <fcntl.h>
 #include <time.h>
 #include <unistd.h>
+#ifdef __linux__
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#endif
 
 #include <cerrno>
 #include <algorithm>
@@ -26,7 +30,29 @@ double now_s(clockid_t clock) {
   return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
 }
 
+// Sleep while *flag == value (at most 5 ms: the caller checks its stop flag again), woken by futex_wake. Without
+// futexes (not Linux), a 200 us nap.
+void wait_while(const int32_t* flag, int32_t value) {
+#ifdef __linux__
+  const timespec most{0, 5000000};
+  syscall(SYS_futex, flag, FUTEX_WAIT_PRIVATE, value, &most, nullptr, 0);
+#else
+  const timespec nap{0, 200000};
+  nanosleep(&nap, nullptr);
+#endif
+}
+
 }  // namespace
+
+// Wake the native reads sleeping on flag (int32 [1]; read_expert's demand): the disk store calls it when its last
+// outstanding on-demand read ends.
+void futex_wake(torch::Tensor flag) {
+  TORCH_CHECK(flag.scalar_type() == at::kInt && flag.numel() >= 1 && flag.device().is_cpu(),
+              "futex_wake: an int32 flag on the CPU");
+#ifdef __linux__
+  syscall(SYS_futex, flag.data_ptr<int32_t>(), FUTEX_WAKE_PRIVATE, 1 << 30, nullptr, nullptr, 0);
+#endif
+}
 
 // fds [F], direct [F] (opened with O_DIRECT: a short read not at the end is an error; else the span is dropped from
 // the page cache after its read), spans int64 [S, 4] (file index, aligned start, aligned length, bytes needed),
@@ -35,8 +61,9 @@ double now_s(clockid_t clock) {
 //
 // A prefetch (runtime/disk_store.py: read_prefetch) passes demand and stop, int32 [1] flags the store and the
 // transfer engine write from Python, and chunk > 0 (a multiple of 4096 bytes): each span is then read in requests of
-// at most chunk bytes, and before each one the read waits (polling every 50 us) while *demand, the store's count
-// of outstanding on-demand reads, is above zero, then stops if *stop is set: a miss never queues behind more than
+// at most chunk bytes, and before each one the read sleeps while *demand, the store's count of outstanding on-demand
+// reads, is above zero (a futex the store wakes: futex_wake; a 5 ms timeout re-checks stop), then stops if *stop
+// is set: a miss never queues behind more than
 // one chunk of a prefetch. Without them the spans are read whole.
 //
 // Returns (requests, read CPU s, read wall s, copy CPU s, copy wall s, error, error span, error offset, stopped,
@@ -91,9 +118,9 @@ std::tuple<int64_t, double, double, double, double, int64_t, int64_t, int64_t, i
         if (chunked) {  // a prefetch: yield to on-demand reads, stop when cancelled, then one chunk
           if (__atomic_load_n(demand_p, __ATOMIC_ACQUIRE) > 0) {
             ++yields;
-            const timespec pause{0, 50000};
-            while (__atomic_load_n(demand_p, __ATOMIC_ACQUIRE) > 0 && !__atomic_load_n(stop_p, __ATOMIC_ACQUIRE))
-              nanosleep(&pause, nullptr);
+            for (int32_t v; (v = __atomic_load_n(demand_p, __ATOMIC_ACQUIRE)) > 0 &&
+                            !__atomic_load_n(stop_p, __ATOMIC_ACQUIRE);)
+              wait_while(demand_p, v);
           }
           if (__atomic_load_n(stop_p, __ATOMIC_ACQUIRE)) {
             stopped = 1;
