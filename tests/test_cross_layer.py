@@ -291,33 +291,6 @@ def test_cross_layer_tasks_replace_queued_tasks_of_their_deadlines():
     assert position(3, 3, L) not in {t.ddl for t in sched.pending()}
 
 
-def test_cross_layer_tasks_of_the_next_layer_with_lead_0():
-    """With the cross-layer policies' scheduler (``lead`` 0: ``PolicySpec.prefetch_lead``) a cross-layer forecast's
-    first layer gets its tasks too, and a task due at the next position can be selected (it expires only once
-    due); Algorithm 1's scheduler (``lead`` 1) gets none, as above."""
-    from moe_offload.core.policy_spec import parse_policy
-    from moe_offload.core.prefetch import make_scheduler, position, submit_forecast
-    from moe_offload.predictor.runtime import Forecast
-
-    assert [parse_policy(p).prefetch_lead for p in ("xl", "xl+gate", "seqmoe-xl", "seqmoe", "seqmoe-infinity")] \
-        == [0, 0, 0, 1, 1]
-    L, E, k = 4, 8, 1
-    xl = torch.zeros(1, 2, E)
-    xl[0, 0, 6] = 1.0                                                    # layer 1 of step 3: expert 6 first
-    xl[0, 1, 5] = 1.0                                                    # layer 2: expert 5
-    for lead, first in ((0, {6, 0, 1, 2}), (1, None)):
-        sched = make_scheduler("jsd", num_moe_layers=L, lead=lead)
-        submit_forecast(sched, Forecast(0, 2, (1, 3), xl, cross_layer=True), L, E, k)   # made at layer 0 of step 3
-        by_ddl = {}
-        for t in sched.pending():
-            by_ddl.setdefault(t.ddl, set()).add(t.expert)
-        assert by_ddl.get(position(3, 1, L)) == first and by_ddl[position(3, 2, L)] == {5, 0, 1, 2}
-        task = sched.select(position(3, 0, L))
-        assert (task.ddl, task.expert) == ((position(3, 1, L), 6) if lead == 0 else (position(3, 2, L), 5))
-    with pytest.raises(MoeOffloadError, match="lead must be 0 or 1"):
-        make_scheduler("jsd", num_moe_layers=L, lead=2)
-
-
 def test_blend_hand_worked():
     """``mix``: w_j * XL + (1 - w_j) * Seq per layer distance j; ``blend_forecast`` without a current SeqMoE
     forecast gives the cross-layer forecast alone, as a cross-layer Forecast of the next layers."""

@@ -77,8 +77,8 @@ class JSDScheduler(PrefetchScheduler):
 
     name = "jsd"
 
-    def __init__(self, b_avg: float = 1.0, alpha: float = 0.2, auto_ema: bool = True, lead: int = 1):
-        super().__init__(b_avg, alpha, auto_ema, lead)
+    def __init__(self, b_avg: float = 1.0, alpha: float = 0.2, auto_ema: bool = True):
+        super().__init__(b_avg, alpha, auto_ema)
         # after a selection: (queue version, pos, B_avg, B_cur, thresholds, kept [EDF order], best rejected [best
         # first], whether those are all rejected) describing the state that selection leaves; used by the next _choose
         self._carry: tuple | None = None
@@ -103,7 +103,7 @@ class JSDScheduler(PrefetchScheduler):
         rejected: list = []
         push, pushpop, reject = heapq.heappush, heapq.heappushpop, rejected.append
         for d in sorted(self._by_ddl):
-            cap = int(c0 + b * (d - pos - 1))   # >= 1: tasks due by pos + lead (lead <= 1) have expired
+            cap = int(c0 + b * (d - pos - 1))   # >= 1: tasks due by pos + 1 have expired
             for entry in self._by_ddl[d].values():
                 if len(heap) < cap:
                     push(heap, entry)

@@ -107,13 +107,6 @@ class PolicySpec:
         return PREFETCH.get(self.family)
 
     @property
-    def prefetch_lead(self) -> int:
-        """How many positions ahead a prefetch task expires (``core.prefetch_queue.PrefetchScheduler``'s ``lead``):
-        0 for the policies fed cross-layer forecasts (made inside the step they forecast, so the next layer's
-        experts can be read while this layer computes), else Algorithm 1's 1."""
-        return 0 if self.cross_layer else 1
-
-    @property
     def needs_predictor(self) -> bool:
         """A trained predictor drives it (``--predictor DIR``)."""
         return self.family in PREDICTOR

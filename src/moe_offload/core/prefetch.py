@@ -18,8 +18,7 @@ Units and conventions:
 The schedulers share one task queue (``PrefetchScheduler``): ``submit`` tasks, ``drop`` experts that became
 resident, and call ``select(pos)`` each time the prefetcher is free; it returns the next task to transfer (removed
 from the queue) or None. Tasks with ``ddl <= pos + 1`` are discarded (Algorithm 1 line 4: expired, or too late to
-finish before the layer that needs them); for cross-layer forecasts, made inside the step they forecast, only once
-due (``ddl <= pos``: ``PrefetchScheduler``'s ``lead`` 0, ``PolicySpec.prefetch_lead``). They differ only in which pending task ``select`` returns:
+finish before the layer that needs them). They differ only in which pending task ``select`` returns:
   * ``JSDScheduler`` (``core.jsd``) — SeqMoE's joint prefetch scheduling: maximum-confidence feasible set under the deadline
     capacities (matroid greedy with a min-heap), then earliest deadline first (Algorithm 1);
   * ``MoEInfinityScheduler`` — highest ``conf * (1 - (ddl - pos) / (L + 1))`` (SeqMoE §3.2);
@@ -53,11 +52,10 @@ class MoEInfinityScheduler(PrefetchScheduler):
 
     name = "moe-infinity"
 
-    def __init__(self, num_moe_layers: int, b_avg: float = 1.0, alpha: float = 0.2, auto_ema: bool = True,
-                 lead: int = 1):
+    def __init__(self, num_moe_layers: int, b_avg: float = 1.0, alpha: float = 0.2, auto_ema: bool = True):
         if num_moe_layers < 1:
             raise MoeOffloadError(f"num_moe_layers must be >= 1, got {num_moe_layers}")
-        super().__init__(b_avg, alpha, auto_ema, lead)
+        super().__init__(b_avg, alpha, auto_ema)
         self.num_moe_layers = num_moe_layers
 
     def score(self, task: PrefetchTask, pos: int) -> float:
@@ -84,18 +82,17 @@ SCHEDULERS = ("jsd", "moe-infinity", "promoe")
 
 
 def make_scheduler(name: str, *, num_moe_layers: int, b_avg: float = 1.0, alpha: float = 0.2,
-                   auto_ema: bool = True, lead: int = 1) -> PrefetchScheduler:
-    """Build a prefetch scheduler by name: ``jsd`` (SeqMoE), ``moe-infinity`` or ``promoe``; ``lead`` as
-    ``PrefetchScheduler``'s (the policy's ``PolicySpec.prefetch_lead``).
+                   auto_ema: bool = True) -> PrefetchScheduler:
+    """Build a prefetch scheduler by name: ``jsd`` (SeqMoE), ``moe-infinity`` or ``promoe``.
 
     Raises:
         MoeOffloadError: unknown name or bad arguments.
     """
     key = name.lower()
     if key == "jsd":
-        return JSDScheduler(b_avg, alpha, auto_ema, lead)
+        return JSDScheduler(b_avg, alpha, auto_ema)
     if key == "moe-infinity":
-        return MoEInfinityScheduler(num_moe_layers, b_avg, alpha, auto_ema, lead)
+        return MoEInfinityScheduler(num_moe_layers, b_avg, alpha, auto_ema)
     if key == "promoe":
-        return ProMoEScheduler(b_avg, alpha, auto_ema, lead)
+        return ProMoEScheduler(b_avg, alpha, auto_ema)
     raise MoeOffloadError(f"unknown prefetch scheduler {name!r}; choose one of: {', '.join(SCHEDULERS)}")

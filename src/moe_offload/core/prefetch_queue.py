@@ -30,13 +30,7 @@ class PrefetchScheduler(ABC):
             prefetcher's count says nothing about bandwidth). Turn off to feed ``observe_bandwidth`` with measured
             values instead.
     Raises:
-        lead: a task expires once its deadline is at most ``lead`` positions ahead (``ddl <= pos + lead``):
-            Algorithm 1's ``1`` (a transfer started at ``pos`` cannot finish before the layer after it on the paper's
-            link), or ``0`` for cross-layer forecasts (``PolicySpec.prefetch_lead``), which are made inside the step
-            they forecast: a task for the next layer, started while this layer computes, shortens that layer's wait
-            even when it lands late (the layer then waits for it instead of reading it anew).
-    Raises:
-        MoeOffloadError: negative or non-finite ``b_avg``, ``alpha`` outside ``(0, 1]``, or ``lead`` not 0 or 1.
+        MoeOffloadError: negative or non-finite ``b_avg``, or ``alpha`` outside ``(0, 1]``.
 
     Queue semantics: a task is identified by ``(eid, ddl)``; resubmitting it replaces its confidence (a newer
     forecast). Tasks of the same expert with different deadlines are distinct.
@@ -44,13 +38,10 @@ class PrefetchScheduler(ABC):
 
     name = "base"
 
-    def __init__(self, b_avg: float = 1.0, alpha: float = 0.2, auto_ema: bool = True, lead: int = 1):
+    def __init__(self, b_avg: float = 1.0, alpha: float = 0.2, auto_ema: bool = True):
         self._check_bandwidth(b_avg)
         if not 0.0 < alpha <= 1.0:
             raise MoeOffloadError(f"alpha must be in (0, 1], got {alpha}")
-        if lead not in (0, 1):
-            raise MoeOffloadError(f"a task's expiry lead must be 0 or 1 positions, got {lead}")
-        self.lead = int(lead)
         self.alpha = float(alpha)
         self.auto_ema = auto_ema
         self._b_avg = float(b_avg)
@@ -166,7 +157,7 @@ class PrefetchScheduler(ABC):
 
     def advance(self, pos: int) -> None:
         """Algorithm 1 lines 1-4: on a new position update ``B_avg`` (EMA) and reset ``B_cur <- B_avg``; then
-        discard tasks with ``ddl <= pos + lead`` (the paper's ``pos + 1`` at ``lead`` 1).
+        discard tasks with ``ddl <= pos + 1``.
 
         The paper writes line 2 as ``B_avg <- B_avg + alpha * B_cur``. Since ``B_cur`` is the budget left after the
         layer's selections, an EMA towards the observed rate (``B_avg - B_cur`` tasks in the layer) is
@@ -182,7 +173,7 @@ class PrefetchScheduler(ABC):
             self._b_cur = self._b_avg
             self._issued = 0
             self._idle = False
-        for d in [d for d in self._by_ddl if d <= pos + self.lead]:
+        for d in [d for d in self._by_ddl if d <= pos + 1]:
             for key in self._by_ddl.pop(d):
                 del self._queue[key]
             self._version += 1
@@ -253,10 +244,9 @@ def submit_forecast(scheduler: PrefetchScheduler, forecast, num_moe_layers: int,
     than the SeqMoE forecast or the earlier layer's cross-layer forecast that queued them, and its top-(k+3) replace
     theirs (deadlines ``position(step, p, L)``, so JSD schedules these near tasks and SeqMoE's far ones together).
 
-    Its first layer's tasks are made only for a scheduler whose tasks expire once due (``lead`` 0, the cross-layer
-    policies': ``PolicySpec.prefetch_lead``): that layer runs at the position right after the one the forecast was
-    made at, and a scheduler of Algorithm 1's ``lead`` 1 discards tasks due by ``pos + 1``, so they could never be
-    chosen.
+    Its first layer's tasks are not made: that layer runs at the position right after the one the forecast was made
+    at, and every selection from there on discards tasks due by ``pos + 1`` (``PrefetchScheduler.advance``), so they
+    could never be chosen.
 
     While the gate is closed (``PrefetchCost.closed``: no task could pass it) no task is made at all.
 
@@ -268,10 +258,9 @@ def submit_forecast(scheduler: PrefetchScheduler, forecast, num_moe_layers: int,
     row = forecast.probs[0]
     if getattr(forecast, "cross_layer", False):
         scheduler.drop_deadlines(position(forecast.step + 1, p, num_moe_layers) for p in range(lo, hi))
-        if scheduler.lead:
-            if hi - lo < 2:
-                return
-            lo, row = lo + 1, row[1:]
+        if hi - lo < 2:
+            return
+        lo, row = lo + 1, row[1:]
     if gate is not None and gate.closed:
         return
     keep = not_resident(table)

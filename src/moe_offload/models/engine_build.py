@@ -79,7 +79,7 @@ def make_engine(spec: PolicySpec, store, pool: SlotPool, mods: list, num_slots: 
 
         engine.prefetcher = Prefetcher(store, pool, table,
                                        make_scheduler(scheduler, num_moe_layers=L, b_avg=opts["link_epl"],
-                                                      auto_ema=False, lead=spec.prefetch_lead),
+                                                      auto_ema=False),
                                        make_transfer_engine(store, pool, link_gbps=opts["link_gbps"],
                                                             seconds_per_expert=opts["seconds_per_expert"]),
                                        L, num_experts, top_k, meter=_cost_meter(spec))

@@ -134,10 +134,8 @@ def replay_with_prefetch(trace: Trace, num_slots: int, policy: PolicySpec | str,
         raise MoeOffloadError("prefetching and forecast-driven eviction need a predictor's forecasts")
     L, E = trace.num_moe_layers, trace.num_experts
     table = SlotTable(num_slots, L * E, pol, experts_per_layer=E, reserve=reserve)
-    spec = parse_policy(policy)
-    sched = (make_scheduler(scheduler, num_moe_layers=L, b_avg=link_epl, auto_ema=False, lead=spec.prefetch_lead)
-             if scheduler else None)
-    meter = CostMeter(contention=1.0) if sched is not None and spec.gated else None
+    sched = make_scheduler(scheduler, num_moe_layers=L, b_avg=link_epl, auto_ema=False) if scheduler else None
+    meter = CostMeter(contention=1.0) if sched is not None and parse_policy(policy).gated else None
     name = policy if scheduler is None else f"{policy}+{scheduler}"
     prefill = None if prefill_popularity is None or sched is None else PrefillPrefetch(prefill_popularity, L, E)
     replay = _LinkReplay(trace, table, sched, prefill, PrefetchReplayResult(policy=name, num_slots=num_slots),
