@@ -341,8 +341,9 @@ class DiskStore:
         when ``stopped()`` (its copy was cancelled) is true. Never waits for itself: the engine waits for a prefetch
         in flight (``TransferEngine.wait``) only while none of its own on-demand reads is outstanding. Into host
         memory with the native kernels built, and ``stopped`` None or a ``StopFlag`` (the transfer engine's), it is
-        one native call that polls the flags between its chunks without the interpreter lock (issue 47, session
-        47: the copy worker's CPU per prefetch fell by a third); another ``stopped`` callable is asked in Python.
+        one native call that checks the flags between its chunks without the interpreter lock (issue 47, session
+        47: prefetches land sooner, 4-7 ms less stall per decode step); another ``stopped`` callable is asked in
+        Python.
 
         Returns:
             True when all of the expert is in ``dst``; False when stopped (``dst`` partly written: its slot must not

@@ -2,7 +2,7 @@
 // reading thread's staging buffer and its fields copied from there into the destination, with the interpreter lock
 // released for the whole expert. In Python each of an expert's requests needed the lock back between reads, and
 // waited for it while the main thread ran Python. A prefetch is one call too (session 47): its yields to on-demand
-// reads and its cancellation are flags polled between its chunks, not Python between them.
+// reads and its cancellation are flags checked between its chunks, not Python between them.
 
 #include <torch/extension.h>
 
@@ -63,8 +63,7 @@ void futex_wake(torch::Tensor flag) {
 // transfer engine write from Python, and chunk > 0 (a multiple of 4096 bytes): each span is then read in requests of
 // at most chunk bytes, and before each one the read sleeps while *demand, the store's count of outstanding on-demand
 // reads, is above zero (a futex the store wakes: futex_wake; a 5 ms timeout re-checks stop), then stops if *stop
-// is set: a miss never queues behind more than
-// one chunk of a prefetch. Without them the spans are read whole.
+// is set: a miss never queues behind more than one chunk of a prefetch. Without them the spans are read whole.
 //
 // Returns (requests, read CPU s, read wall s, copy CPU s, copy wall s, error, error span, error offset, stopped,
 // yields): error 0 when done, an errno when a read failed, -1 when a file ended early (error offset: the file byte
