@@ -1,5 +1,6 @@
 """The disk tier's prefetch reads (issue 35, item 3): they yield to on-demand reads at each chunk, a cancelled one
-stops at a chunk (in Python, and in one native call polling flags: issue 47), and the on-demand reads' speed is set against a measured disk (``demand_efficiency``)."""
+stops at a chunk (in Python, and in one native call checking flags: issue 47), and the on-demand reads' speed is
+set against a measured disk (``demand_efficiency``)."""
 
 from __future__ import annotations
 
