@@ -167,20 +167,20 @@ class StopFlag:
 
 
 def read_native(kernel, files: list[_File], spans: list[_Span], plan: tuple[torch.Tensor, torch.Tensor],
-                staging: np.ndarray, out: np.ndarray, demand: np.ndarray | None = None,
+                staging: np.ndarray, out: np.ndarray, demand: torch.Tensor | None = None,
                 stop: StopFlag | None = None, chunk: int = 0) -> tuple[int, float, float, bool, int]:
     """One expert read by the native kernels' ``read_expert`` (``runtime.kernels``): its spans read into
     ``staging`` (page-aligned uint8) and its fields copied into ``out`` (uint8, host memory) without the interpreter
-    lock. A prefetch passes ``demand`` (int32 ``[1]``: the store's count of outstanding on-demand reads), ``stop``
-    and ``chunk`` (bytes, a multiple of ``IO_ALIGN``): it is then read in chunks, waiting before each one while
-    ``demand[0] > 0`` and stopping once ``stop`` is set. Returns ``(requests, the copies' CPU s, their wall s,
+    lock. A prefetch passes ``demand`` (an int32 ``[1]`` tensor: the store's count of outstanding on-demand reads),
+    ``stop`` and ``chunk`` (bytes, a multiple of ``IO_ALIGN``): it is then read in chunks, waiting before each one
+    while ``demand[0] > 0`` and stopping once ``stop`` is set. Returns ``(requests, the copies' CPU s, their wall s,
     whether it stopped, the chunks that waited for on-demand reads)``.
 
     Raises:
         MoeOffloadError: a read failed, or a file ended early (truncated or replaced while running)."""
     flags = {}
     if chunk:
-        flags = dict(demand=torch.from_numpy(demand), stop=torch.from_numpy(stop.array), chunk=chunk)
+        flags = dict(demand=demand, stop=torch.from_numpy(stop.array), chunk=chunk)
     res = kernel.read_expert([f.fd for f in files], [f.direct for f in files], plan[0], plan[1],
                              torch.from_numpy(staging), torch.from_numpy(out), **flags)
     error, where = res[5], res[7]

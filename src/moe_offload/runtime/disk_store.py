@@ -282,7 +282,7 @@ class DiskStore:
         chunk = 0 if stop is None else self.prefetch_chunk
         with io(self, role, inherit=True):
             requests, copy_cpu, copy_wall, stopped, yields = read_native(
-                self._kernel, self._files, spans, plan, arr, out, self._demand_flag, stop, chunk)
+                self._kernel, self._files, spans, plan, arr, out, self._demand_tensor, stop, chunk)
             charge_within(self, "staging_copies", copy_cpu, copy_wall)
         if yields:
             with self._lock:
@@ -304,9 +304,9 @@ class DiskStore:
             with self._lock:
                 self._demand -= 1
                 self._demand_flag[0] = self._demand
-                if not self._demand and self._kernel is not None:  # native prefetch reads sleep on the flag
-                    self._kernel.futex_wake(self._demand_tensor)
                 if not self._demand:
+                    if self._kernel is not None:  # native prefetch reads sleep on the flag
+                        self._kernel.futex_wake(self._demand_tensor)
                     self.stats.demand_s += time.perf_counter() - self._demand_since
                     self._demand_done.notify_all()
 
