@@ -4,7 +4,6 @@ next to what the simulator predicts for the same requests under the same link mo
 from __future__ import annotations
 
 import gc
-from dataclasses import dataclass
 from pathlib import Path
 
 from ..common.threads import io_priority
@@ -14,43 +13,14 @@ from ..models.loader import load_full, load_offloaded
 from ..core.forecast import ROLLOUT_EVERY
 from ..runtime.cpu_account import account_table
 from ..runtime.emulated_clock import check_skip_device, now, skipping_waits, wait_until
-
-
-@dataclass
-class DecodeRow:
-    """One measured configuration of ``bench decode``: FullLoad, or a policy at a residency.
-
-    Attributes:
-        policy: the policy's name (``auto``: its choice, e.g. ``auto:lfu``); requested: the policy asked for (a
-            ``PolicySpec``; ``FullLoad`` for the reference row).
-        residency: fraction of the experts in the slot pool (None for FullLoad); slots: slot count (None: all).
-        tok_s: decode tokens per second; ratio: ``tok_s`` / FullLoad's in the same run.
-        hit_rate: expert hit rate (prefill included; None for FullLoad); bytes_loaded: host->device bytes.
-        ttft_s: mean time to first token (s); same: tokens equal FullLoad's; device_bytes: bytes of expert weights
-        on the device.
-        simulated: the simulator's decode fraction of FullLoad for the same requests under the same link model
-            (None where it does not apply: no emulated link, ``auto``, tokens that differ from FullLoad's).
-    """
-
-    policy: str
-    requested: PolicySpec | str
-    residency: float | None
-    slots: int | None
-    tok_s: float
-    ratio: float
-    hit_rate: float | None
-    bytes_loaded: int
-    ttft_s: float
-    same: bool
-    device_bytes: int
-    simulated: float | None = None
+from .decode_rows import DecodeRow, breakdown_table, median_rows, round_order, rounds_note, table
 
 
 def bench_decode(path: Path, prompts: list[str], residencies: list[float], *, max_new_tokens: int = 64,
                  device: str | None = None, dtype: str | None = None, policy: list | str = "lru",
                  progress: bool = True, predictor: str | None = None, link_epl: float | None = None,
                  rollout_every: int = ROLLOUT_EVERY, skip_waits: bool = False, predictor_lag: int | None = None,
-                 host_store: str = "pinned") -> str:
+                 host_store: str = "pinned", rounds: int = 1) -> str:
     """Run FullLoad and then the offloaded model at each residency and policy on the same prompts (greedy).
 
     Args:
@@ -74,15 +44,18 @@ def bench_decode(path: Path, prompts: list[str], residencies: list[float], *, ma
         predictor_lag: None: the predictor runs inside the decode step; else in a process of its own, each forecast
             used this many MoE layers after its trigger layer (``predictor.lagged``; the seqmoe policies but seqmoe-xl), and
             the simulator replays the same hand-over positions.
+        rounds: how many times each row is measured (``bench.decode_rows``: interleaved rounds, in the given order
+            then reversed, FullLoad first in each; a row shows the medians, its range of tok/s and, with several
+            policies, its median per-round ratio to the first one's at the same residency).
 
     Returns a markdown table: policy, residency, slots, decode tok/s, ratio to FullLoad (same run), the simulator's
     ratio, hit rate, bytes loaded, mean TTFT, whether the tokens equal FullLoad's, device expert bytes; then the
-    decode-step time breakdown per row. A warm-up request precedes each measurement.
+    decode-step time breakdown per row. A warm-up request precedes each measurement (each load).
 
     Raises:
         MoeOffloadError: as ``load_offloaded``; a forecast-driven policy without ``predictor``; ``skip_waits`` on
             a device that is not the CPU; ``predictor_lag`` with ``xl`` or ``seqmoe-xl``; ``host_store`` disk with
-            an emulated link or without a measured disk (``bench link --disk``).
+            an emulated link or without a measured disk (``bench link --disk``); ``rounds`` below 1.
     """
     from ..errors import MoeOffloadError
 
@@ -91,20 +64,15 @@ def bench_decode(path: Path, prompts: list[str], residencies: list[float], *, ma
     if predictor_lag is not None and (not predictor or any(p.cross_layer for p in policies)):
         raise MoeOffloadError("--predictor-lag needs --predictor and runs the SeqMoE predictor alone (seqmoe, "
                               "seqmoe-cacheonly), not with --policy xl or seqmoe-xl")
+    if rounds < 1:
+        raise MoeOffloadError(f"rounds must be >= 1, got {rounds}")
     disk = _disk_entry(host_store, link_epl)
-    full = load_full(path, device=device, dtype=dtype)
-    check_skip_device(skip_waits, full.device)
-    ref_out, ref = _measure(full, prompts, max_new_tokens, progress)
-    ref_tokens = [o.token_ids for o in ref_out]
-    full_row = DecodeRow("FullLoad", "FullLoad", None, None, ref.decode_tokens_per_s, 1.0, None, 0,
-                         sum(ref.ttft_s) / len(ref.ttft_s), True,
-                         full.num_moe_layers * full.num_experts * full.expert_bytes, 1.0)
-    L, expert_bytes = full.num_moe_layers, full.expert_bytes
-    t_layer = ref.decode_s / max(1, ref.decode_tokens) / L
+    full_row, ref_tokens, t_layer, L, expert_bytes = _measure_full(path, prompts, max_new_tokens, device, dtype,
+                                                                    progress, skip_waits)
     spe = t_layer / link_epl if link_epl else None
     regime = ""
     if disk is not None:  # the disk is the link: the scheduler's B_avg and the simulator's link from its speed
-        link_epl, regime = _disk_link_epl(disk, full.expert_bytes, t_layer)
+        link_epl, regime = _disk_link_epl(disk, expert_bytes, t_layer)
         from ..models.expert_pack import find_pack
 
         pack = find_pack(path, None)
@@ -112,17 +80,11 @@ def bench_decode(path: Path, prompts: list[str], residencies: list[float], *, ma
                    else "; from the checkpoint's safetensors files (through a staging buffer)")
         if io_priority() == "realtime":
             regime += "; the expert readers under the real-time scheduler (--io-priority realtime)"
-    del full
-    gc.collect()
-    rows, breakdowns = [full_row], []
-    for pol in policies:
-        for r in residencies:
-            with skipping_waits(skip_waits):
-                row, bd = _measure_policy(path, prompts, max_new_tokens, pol, r, device, dtype, progress, predictor,
-                                          link_epl, spe, rollout_every, ref_tokens, predictor_lag, host_store)
-            row.ratio = row.tok_s / full_row.tok_s
-            rows.append(row)
-            breakdowns.append((row.policy, r, bd))
+    baseline = policies[0] if len({p.name for p in policies}) > 1 else None
+    rows, breakdowns = _measure_rounds(rounds, [(pol, r) for pol in policies for r in residencies], baseline,
+                                       full_row, ref_tokens, path, prompts, max_new_tokens, device, dtype, progress,
+                                       skip_waits, predictor, link_epl, spe, rollout_every, predictor_lag,
+                                       host_store)
     if spe:
         regime = (f"; emulated link: {link_epl} experts per layer time = {1e6 * spe:.0f} us per expert copy "
                   f"(FullLoad layer time {1e6 * t_layer:.0f} us), its waits "
@@ -140,10 +102,60 @@ def bench_decode(path: Path, prompts: list[str], residencies: list[float], *, ma
         from ..predictor.xl_weights import describe_xl_weights
 
         pred += f"; seqmoe-xl's cross-layer blend weights {describe_xl_weights(load_predictor(predictor))}"
-    return "\n".join(_table(rows) + [f"\n{len(prompts)} prompts x {max_new_tokens} new tokens, model {path}" + pred
-                                     + regime, "", *breakdown_table(breakdowns), "",
-                                     "Decode step CPU by role (ms per step; copies: CPU (wall), every thread):", "",
-                                     *account_table([(f"{p} {r:.2f}", b["cpu_account"]) for p, r, b in breakdowns])])
+    if rounds > 1:
+        regime += "; " + rounds_note(rounds, baseline.name if baseline is not None else None)
+    return "\n".join(table(rows, baseline.name if baseline is not None else None)
+                     + [f"\n{len(prompts)} prompts x {max_new_tokens} new tokens, model {path}" + pred + regime, "",
+                        *breakdown_table(breakdowns), "",
+                        "Decode step CPU by role (ms per step; copies: CPU (wall), every thread):", "",
+                        *account_table([(f"{p} {r:.2f}", b["cpu_account"]) for p, r, b in breakdowns])])
+
+
+def _measure_full(path, prompts, max_new_tokens, device, dtype, progress, skip_waits):
+    """Load FullLoad, measure it and free it: ``(its row, its tokens per prompt, the FullLoad layer time in seconds
+    (decode seconds per token per MoE layer), MoE layers, bytes per expert)``.
+
+    Raises:
+        MoeOffloadError: ``skip_waits`` on a device that is not the CPU (``check_skip_device``)."""
+    full = load_full(path, device=device, dtype=dtype)
+    try:
+        check_skip_device(skip_waits, full.device)
+        out, ref = _measure(full, prompts, max_new_tokens, progress)
+        row = DecodeRow("FullLoad", "FullLoad", None, None, ref.decode_tokens_per_s, 1.0, None, 0,
+                        sum(ref.ttft_s) / len(ref.ttft_s), True,
+                        full.num_moe_layers * full.num_experts * full.expert_bytes, 1.0)
+        t_layer = ref.decode_s / max(1, ref.decode_tokens) / full.num_moe_layers
+        return row, [o.token_ids for o in out], t_layer, full.num_moe_layers, full.expert_bytes
+    finally:
+        del full
+        gc.collect()
+
+
+def _measure_rounds(rounds: int, cells: list, baseline, full_row: DecodeRow, ref_tokens, path, prompts,
+                    max_new_tokens, device, dtype, progress, skip_waits, predictor, link_epl, spe, rollout_every,
+                    predictor_lag, host_store) -> tuple[list[DecodeRow], list[tuple[str, float, dict]]]:
+    """Every ``(policy, residency)`` of ``cells`` measured in ``rounds`` rounds (``bench.decode_rows``: in the given
+    order in even rounds, reversed in odd ones; FullLoad, whose first round is ``full_row``, measured again first in
+    each later round) and merged into one row each (``median_rows``, ``vs_baseline`` against ``baseline``). Returns
+    ``(rows, breakdowns)``: FullLoad's row then the cells', and ``(policy, residency, breakdown)`` per cell."""
+    measured: list[list] = [[] for _ in cells]
+    full_rows = [full_row]
+    for k in range(rounds):
+        if k:  # each round's rows are set against its own FullLoad
+            again, tokens, *_ = _measure_full(path, prompts, max_new_tokens, device, dtype, progress, skip_waits)
+            again.same = tokens == ref_tokens
+            full_rows.append(again)
+        for c in round_order(range(len(cells)), k):
+            pol, r = cells[c]
+            with skipping_waits(skip_waits):
+                measured[c].append(_measure_policy(path, prompts, max_new_tokens, pol, r, device, dtype, progress,
+                                                   predictor, link_epl, spe, rollout_every, ref_tokens,
+                                                   predictor_lag, host_store))
+    full_tok_s = [f.tok_s for f in full_rows]
+    merged = median_rows(measured, full_tok_s, baseline)
+    (full, _), = median_rows([[(f, {}) for f in full_rows]], full_tok_s)
+    full.ratio = full.simulated = 1.0
+    return [full] + [row for row, _ in merged], [(row.policy, row.residency, bd) for row, bd in merged]
 
 
 def _disk_entry(host_store: str, link_epl: float | None) -> dict | None:
@@ -297,33 +309,6 @@ def _simulate_rows(rows: list[DecodeRow], trace, link_epl: float, predictor: str
         _, row.simulated = replay_policy(trace, row.requested, row.slots, link_epl,
                                          forecasts=streams.get(row.requested), prefill_popularity=popularity,
                                          needs=needs, costs=costs[i] if costs else None)
-
-
-def _table(rows: list[DecodeRow]) -> list[str]:
-    """The markdown lines of the main table."""
-    out = ["| policy | residency | slots | decode tok/s | vs FullLoad | simulated vs FullLoad | hit rate | MiB loaded | "
-           "mean TTFT s | same tokens | device expert MiB |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        out.append(f"| {r.policy} | {'-' if r.residency is None else f'{r.residency:.2f}'} | "
-                   f"{'all' if r.slots is None else r.slots} | {r.tok_s:.2f} | {r.ratio:.3f} | "
-                   f"{'-' if r.simulated is None else f'{r.simulated:.3f}'} | "
-                   f"{'-' if r.hit_rate is None else f'{r.hit_rate:.4f}'} | {r.bytes_loaded / 2**20:.1f} | "
-                   f"{r.ttft_s:.3f} | {'yes' if r.same else 'NO'} | {r.device_bytes / 2**20:.1f} |")
-    return out
-
-
-def breakdown_table(rows: list[tuple[str, float, dict]]) -> list[str]:
-    """Markdown lines: per (policy, residency) the decode step time split into the phases of
-    ``runtime.breakdown`` (ms per step, share in parentheses), measured by the engine's lap timers."""
-    from ..runtime.breakdown import PHASES
-
-    out = ["| policy | residency | ms per decode step | " + " | ".join(p.replace("_", " ") for p in PHASES) + " |",
-           "|---|---|---|" + "---|" * len(PHASES)]
-    for pol, r, b in rows:
-        ms = b["ms_per_step"]
-        out.append(f"| {pol} | {r:.2f} | {sum(ms.values()):.2f} | "
-                   + " | ".join(f"{ms[p]:.2f} ({b['shares'][p]:.0%})" for p in PHASES) + " |")
-    return out
 
 
 def _emulate_on_demand(lm, seconds_per_expert: float) -> None:

@@ -43,6 +43,10 @@ def add_parsers(sub):
                     help="emulate the papers' link regime on this machine: one layer's FullLoad compute overlaps the "
                     "transfer of 1.39 experts (SeqMoE §2.2, Qwen3-30B-A3B-FP8 on an RTX 4090; default: no emulation)")
     add_waits_arg(bd)
+    bd.add_argument("--rounds", type=int_in(1, 100), default=1,
+                    help="measure every row this many times, in interleaved rounds (the rows in the given order, then "
+                    "reversed; FullLoad first in each), and show the medians, each row's range of tok/s and its "
+                    "median per-round ratio to the first policy's (default 1)")
     bl = bsub.add_parser("link", help="measure host->device copy bandwidth; saves the this-machine profile")
     bl.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
     bl.add_argument("--size-mb", type=int_in(1, 16384), default=256, help="MiB per timed copy, in [1, 16384]")
@@ -188,7 +192,7 @@ def _decode(args) -> int:
                                      progress=not args.quiet, predictor=args.predictor,
                                      link_epl=LINK_REGIMES.get(args.link_regime), rollout_every=args.rollout_every,
                                      skip_waits=args.emulated_waits == "skip", predictor_lag=args.predictor_lag,
-                                     host_store=args.host_store))
+                                     host_store=args.host_store, rounds=args.rounds))
 
 
 def _graph(args) -> int:
