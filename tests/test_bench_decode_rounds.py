@@ -2,7 +2,7 @@
 
 import pytest
 
-from moe_offload.bench.decode_rows import DecodeRow, median_round, median_rows, round_order, table
+from moe_offload.bench.decode_rows import DecodeRow, baseline_policy, median_round, median_rows, round_order, table
 from moe_offload.cli import main
 from moe_offload.core.policy_spec import parse_policy
 
@@ -17,6 +17,12 @@ def test_rounds_alternate_the_order():
     assert round_order([0, 1, 2], 0) == [0, 1, 2]
     assert round_order([0, 1, 2], 1) == [2, 1, 0]
     assert round_order([0, 1, 2], 2) == [0, 1, 2]
+
+
+def test_the_baseline_is_lru_when_listed():
+    assert baseline_policy([XL, LRU]) == LRU
+    assert baseline_policy([XL, parse_policy("lfu")]) == XL
+    assert baseline_policy([XL]) is None and baseline_policy([LRU, LRU]) is None
 
 
 def test_the_median_round_is_the_lower_middle_one():
@@ -52,17 +58,18 @@ def test_median_rows_by_hand():
 
 
 def test_bench_decode_in_rounds(tiny_dirs, capsys):
-    """Two rounds of lru and lfu on a tiny model: FullLoad's tokens in every round of every row, each row's range
-    of tok/s, and the ratio to lru (1 for lru itself); a bad --rounds is a one-line error."""
+    """Two rounds of lfu and lru on a tiny model: FullLoad's tokens in every round of every row, each row's range
+    of tok/s, and the ratio to lru though it is listed second (1 for lru itself); a bad --rounds is a one-line
+    error."""
     d = str(tiny_dirs["mixtral"])
     assert main(["bench", "decode", "--model", d, "--prompt", "hi there", "--max-new-tokens", "3", "--quiet",
-                 "--residencies", "0.5", "--policy", "lru,lfu", "--rounds", "2"]) == 0
+                 "--residencies", "0.5", "--policy", "lfu,lru", "--rounds", "2"]) == 0
     out = capsys.readouterr().out
     lines = [ln.split(" | ") for ln in out.splitlines() if ln.startswith("| ")]
     head = lines[0]
     assert head[:7] == ["| policy", "residency", "slots", "decode tok/s", "tok/s min-max", "vs FullLoad", "vs lru"]
     body = {r[0][2:]: dict(zip(head, r)) for r in lines[1:4]}
-    assert list(body) == ["FullLoad", "lru", "lfu"]
+    assert list(body) == ["FullLoad", "lfu", "lru"]
     assert all(r["same tokens"] == "yes" for r in body.values())
     assert body["lru"]["vs lru"] == "1.000" and float(body["lfu"]["vs lru"]) > 0 and body["FullLoad"]["vs lru"] == "-"
     lo, hi = (float(x) for x in body["lfu"]["tok/s min-max"].split("-"))

@@ -13,7 +13,7 @@ from ..models.loader import load_full, load_offloaded
 from ..core.forecast import ROLLOUT_EVERY
 from ..runtime.cpu_account import account_table
 from ..runtime.emulated_clock import check_skip_device, now, skipping_waits, wait_until
-from .decode_rows import DecodeRow, breakdown_table, median_rows, round_order, rounds_note, table
+from .decode_rows import DecodeRow, baseline_policy, breakdown_table, median_rows, round_order, rounds_note, table
 
 
 def bench_decode(path: Path, prompts: list[str], residencies: list[float], *, max_new_tokens: int = 64,
@@ -46,7 +46,7 @@ def bench_decode(path: Path, prompts: list[str], residencies: list[float], *, ma
             the simulator replays the same hand-over positions.
         rounds: how many times each row is measured (``bench.decode_rows``: interleaved rounds, in the given order
             then reversed, FullLoad first in each; a row shows the medians, its range of tok/s and, with several
-            policies, its median per-round ratio to the first one's at the same residency).
+            policies, its median per-round ratio to the baseline's at the same residency: ``baseline_policy``).
 
     Returns a markdown table: policy, residency, slots, decode tok/s, ratio to FullLoad (same run), the simulator's
     ratio, hit rate, bytes loaded, mean TTFT, whether the tokens equal FullLoad's, device expert bytes; then the
@@ -80,7 +80,7 @@ def bench_decode(path: Path, prompts: list[str], residencies: list[float], *, ma
                    else "; from the checkpoint's safetensors files (through a staging buffer)")
         if io_priority() == "realtime":
             regime += "; the expert readers under the real-time scheduler (--io-priority realtime)"
-    baseline = policies[0] if len({p.name for p in policies}) > 1 else None
+    baseline = baseline_policy(policies)
     rows, breakdowns = _measure_rounds(rounds, [(pol, r) for pol in policies for r in residencies], baseline,
                                        full_row, ref_tokens, path, prompts, max_new_tokens, device, dtype, progress,
                                        skip_waits, predictor, link_epl, spe, rollout_every, predictor_lag,

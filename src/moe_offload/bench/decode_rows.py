@@ -6,9 +6,9 @@ of the same command (the disk's bandwidth, the host's other tenants), which is a
 policies that issue 47 measures. With ``rounds`` N > 1 every configuration is measured N times; the rows run in the
 given order in rounds 1, 3, ... and in the reverse order in rounds 2, 4, ... (so a drift over the run weighs on
 every row alike), FullLoad first in each. A row then shows the median of its rounds' decode tok/s with their range,
-the median of its per-round ratios to FullLoad, and beside the first policy listed (the baseline) the median over
-rounds of its tok/s over the baseline's at the same residency *in the same round*: the pair was measured minutes
-apart, not a whole run apart.
+the median of its per-round ratios to FullLoad, and beside the baseline policy (``lru`` when listed, else the first
+one) the median over rounds of its tok/s over the baseline's at the same residency *in the same round*: the pair
+was measured minutes apart, not a whole run apart.
 """
 
 from __future__ import annotations
@@ -53,6 +53,14 @@ class DecodeRow:
     simulated: float | None = None
     tok_s_range: tuple[float, float] | None = None
     vs_baseline: float | None = None
+
+
+def baseline_policy(policies: list[PolicySpec]) -> PolicySpec | None:
+    """The policy the others are set against: ``lru`` when listed (the field's baseline, whatever the order of the
+    rows), else the first one; None when only one policy is measured."""
+    if len({p.name for p in policies}) < 2:
+        return None
+    return next((p for p in policies if p.name == "lru"), policies[0])
 
 
 def round_order(cells: list, round_index: int) -> list:

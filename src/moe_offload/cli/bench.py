@@ -46,7 +46,7 @@ def add_parsers(sub):
     bd.add_argument("--rounds", type=int_in(1, 100), default=1,
                     help="measure every row this many times, in interleaved rounds (the rows in the given order, then "
                     "reversed; FullLoad first in each), and show the medians, each row's range of tok/s and its "
-                    "median per-round ratio to the first policy's (default 1)")
+                    "median per-round ratio to lru's (when listed, else the first policy's; default 1)")
     bl = bsub.add_parser("link", help="measure host->device copy bandwidth; saves the this-machine profile")
     bl.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
     bl.add_argument("--size-mb", type=int_in(1, 16384), default=256, help="MiB per timed copy, in [1, 16384]")
