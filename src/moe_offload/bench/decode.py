@@ -7,7 +7,7 @@ import gc
 from pathlib import Path
 
 from ..common.threads import io_priority
-from ..core.policy_spec import PolicySpec, parse_policies, parse_policy, require_predictor
+from ..core.policy_spec import parse_policies, parse_policy, require_predictor
 from ..generation.generate import run
 from ..models.loader import load_full, load_offloaded
 from ..core.forecast import ROLLOUT_EVERY

@@ -1,7 +1,7 @@
 """The rows of ``moe-offload bench decode``: one measured configuration each, the medians of several interleaved
 rounds (``--rounds``), and the markdown tables.
 
-Why rounds: on this project's 2-core machine one configuration's decode speed moves by up to 10% between two runs
+Why rounds: on this project's 2-core machine one configuration's decode speed moved by 10-30% between two runs
 of the same command (the disk's bandwidth, the host's other tenants), which is as much as the differences between
 policies that issue 47 measures. With ``rounds`` N > 1 every configuration is measured N times; the rows run in the
 given order in rounds 1, 3, ... and in the reverse order in rounds 2, 4, ... (so a drift over the run weighs on
