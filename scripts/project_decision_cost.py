@@ -9,18 +9,22 @@ cost and the prefetch reads' CPU scaled down.
 TRACE: a trace of testbed-sparse-wide collected with ``--xl-forecasts``; LAYER_US: the FullLoad layer time (us) and
 LINK_EPL: the disk link in experts per layer time, both from a `bench decode --host-store disk` footer; LRU_MS and
 XLGATE_MS: the rows' predictor + management (ms per decode step, its time breakdown); PREFETCH_MS: `xl+gate`'s
-prefetch reads' CPU per prefetched expert (ms: its CPU account's prefetch reads over the MB prefetched / 2.654).
+prefetch reads' CPU per prefetched expert (ms: its CPU account's prefetch reads over the MB prefetched / 2.654),
+charged times the share of the cores the compute uses (``common.threads.compute_share``, as `bench decode` does).
 Prints the projected decode fraction of FullLoad of each variant and its ratio to `lru`'s.
 """
 
 import sys
 
+from moe_offload.common.threads import compute_share
 from moe_offload.core.policy_spec import parse_policy
 from moe_offload.sim.forecasts import xl_stream
 from moe_offload.sim.prefetch_sim import CoreCosts, replay_policy
 from moe_offload.sim.simulator import layer_needs
 from moe_offload.trace.format import load_trace
 
+if len(sys.argv) != 8:
+    sys.exit("usage: project_decision_cost.py TRACE LAYER_US LINK_EPL RESIDENCY LRU_MS XLGATE_MS PREFETCH_MS")
 path, layer_us, link, residency, lru_ms, xg_ms, pf_ms = sys.argv[1], *map(float, sys.argv[2:8])
 trace = load_trace(path)
 needs, forecasts = layer_needs(trace), xl_stream(trace)
@@ -40,5 +44,6 @@ print("|---|---:|---:|---:|")
 for label, ms in (("as measured", xg_ms), ("at lru's cost", lru_ms)):
     for scale in ((1.0,) if label == "as measured" else (1.0, 0.5, 0.25, 0.1, 0.0)):
         _, f = replay_policy(trace, parse_policy("xl+gate"), slots, link, forecasts=forecasts, needs=needs,
-                             costs=CoreCosts(overhead=per_layer(ms), prefetch_cpu=scale * pf_ms * 1e-3 / t))
+                             costs=CoreCosts(overhead=per_layer(ms),
+                                             prefetch_cpu=scale * pf_ms * 1e-3 * compute_share() / t))
         print(f"| {label} | {scale * pf_ms:.3f} | {f:.3f} | {f / lru:.3f} |")

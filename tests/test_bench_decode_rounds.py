@@ -30,6 +30,8 @@ def test_the_median_round_is_the_lower_middle_one():
     assert median_round([5.0, 3.0, 4.0, 6.0]) == 2   # 3 < 4 < 5 < 6: the lower of the two middle ones
     assert median_round([7.0]) == 0
     assert median_round([2.0, 2.0, 2.0]) == 1         # ties: in round order
+    with pytest.raises(ValueError):
+        median_round([])
 
 
 def test_median_rows_by_hand():
@@ -55,6 +57,9 @@ def test_median_rows_by_hand():
     assert table([one], "lru")[0].startswith("| policy | residency | slots | decode tok/s | vs FullLoad | simulated")
     with pytest.raises(ValueError, match="2 rounds"):
         median_rows([lru], [10.0, 8.0])
+    # lru listed twice at one residency: each is set against the first
+    (a, _), (b, _) = median_rows([lru, [(row(LRU, 0.25, 2 * r.tok_s), {}) for r, _ in lru]], [10.0, 8.0, 10.0], LRU)
+    assert (a.vs_baseline, b.vs_baseline) == (1.0, 2.0)
 
 
 def test_bench_decode_in_rounds(tiny_dirs, capsys):

@@ -116,7 +116,7 @@ def _measure_full(path, prompts, max_new_tokens, device, dtype, progress, skip_w
     (decode seconds per token per MoE layer), MoE layers, bytes per expert)``.
 
     Raises:
-        MoeOffloadError: ``skip_waits`` on a device that is not the CPU (``check_skip_device``)."""
+        MoeOffloadError: as ``load_full``; ``skip_waits`` on a device that is not the CPU (``check_skip_device``)."""
     full = load_full(path, device=device, dtype=dtype)
     try:
         check_skip_device(skip_waits, full.device)
@@ -137,7 +137,11 @@ def _measure_rounds(rounds: int, cells: list, baseline, full_row: DecodeRow, ref
     """Every ``(policy, residency)`` of ``cells`` measured in ``rounds`` rounds (``bench.decode_rows``: in the given
     order in even rounds, reversed in odd ones; FullLoad, whose first round is ``full_row``, measured again first in
     each later round) and merged into one row each (``median_rows``, ``vs_baseline`` against ``baseline``). Returns
-    ``(rows, breakdowns)``: FullLoad's row then the cells', and ``(policy, residency, breakdown)`` per cell."""
+    ``(rows, breakdowns)``: FullLoad's row then the cells', and ``(policy, residency, breakdown)`` per cell. The
+    simulated column's link keeps the first round's FullLoad layer time (``spe``, ``link_epl``).
+
+    Raises:
+        MoeOffloadError: as ``load_full`` and ``_measure_policy`` (``load_offloaded``, ``attach_forecasts``)."""
     measured: list[list] = [[] for _ in cells]
     full_rows = [full_row]
     for k in range(rounds):

@@ -69,8 +69,13 @@ def round_order(cells: list, round_index: int) -> list:
 
 
 def median_round(tok_s: list[float]) -> int:
-    """The index of the round whose tok/s is the median (the lower middle one for an even count): the round whose
-    other measurements (hit rate, time breakdown, CPU account) a row shows."""
+    """The index of the round whose tok/s is the median (the lower middle one for an even count; ties in round
+    order): the round whose other measurements (hit rate, time breakdown, CPU account) a row shows.
+
+    Raises:
+        ValueError: no rounds."""
+    if not tok_s:
+        raise ValueError("no rounds")
     order = sorted(range(len(tok_s)), key=lambda k: (tok_s[k], k))
     return order[(len(tok_s) - 1) // 2]
 
@@ -95,9 +100,9 @@ def median_rows(cells: list[list[tuple[DecodeRow, dict]]], full_tok_s: list[floa
     if any(len(c) != n or not c for c in cells):
         raise ValueError(f"every configuration needs {n} rounds (one per FullLoad measurement)")
     base_of = {}  # residency -> the baseline's tok/s in each round
-    for c in cells:
+    for c in cells:  # a residency listed twice: its first cell
         if baseline is not None and c[0][0].requested == baseline:
-            base_of[c[0][0].residency] = [r.tok_s for r, _ in c]
+            base_of.setdefault(c[0][0].residency, [r.tok_s for r, _ in c])
     out = []
     for c in cells:
         speeds = [r.tok_s for r, _ in c]
@@ -120,13 +125,15 @@ def rounds_note(rounds: int, baseline: str | None) -> str:
     vs = (f"; vs {baseline}: the median over rounds of a row's tok/s over {baseline}'s at the same residency in "
           "the same round" if baseline else "")
     return (f"each row measured in {rounds} rounds (in the order above in rounds 1, 3, ..., reversed in rounds 2, "
-            f"4, ...; FullLoad first in each): decode tok/s and vs FullLoad are medians over the rounds{vs}; the "
-            "other columns and the tables below are the row's median round's")
+            f"4, ...; FullLoad first in each): decode tok/s and vs FullLoad are medians over the rounds (each taken "
+            f"on its own, so two rows may rank differently by them){vs}; same tokens: in every round; the other "
+            "columns and the tables below are the row's median round's")
 
 
 def table(rows: list[DecodeRow], baseline: str | None = None) -> list[str]:
-    """The markdown lines of the main table; with rounds (a row's ``tok_s_range`` set) also each row's range of
-    tok/s and, given the ``baseline`` policy's name, its median ratio to it."""
+    """The markdown lines of the main table (decode tok/s, MiB loaded and device expert MiB in MiB = 2^20 bytes,
+    mean TTFT in seconds); with rounds (a row's ``tok_s_range`` set) also each row's range of tok/s and, given the
+    ``baseline`` policy's name, its median ratio to it."""
     rounds = any(r.tok_s_range is not None for r in rows)
     extra = ["tok/s min-max"] if rounds else []
     vs = [f"vs {baseline}"] if rounds and baseline else []
