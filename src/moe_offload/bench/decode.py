@@ -81,10 +81,17 @@ def bench_decode(path: Path, prompts: list[str], residencies: list[float], *, ma
         if io_priority() == "realtime":
             regime += "; the expert readers under the real-time scheduler (--io-priority realtime)"
     baseline = baseline_policy(policies)
+
+    def measure_full() -> tuple[DecodeRow, list]:
+        return _measure_full(path, prompts, max_new_tokens, device, dtype, progress, skip_waits)[:2]
+
+    def measure_cell(pol, r) -> tuple[DecodeRow, dict]:
+        with skipping_waits(skip_waits):
+            return _measure_policy(path, prompts, max_new_tokens, pol, r, device, dtype, progress, predictor,
+                                   link_epl, spe, rollout_every, ref_tokens, predictor_lag, host_store)
+
     rows, breakdowns = _measure_rounds(rounds, [(pol, r) for pol in policies for r in residencies], baseline,
-                                       full_row, ref_tokens, path, prompts, max_new_tokens, device, dtype, progress,
-                                       skip_waits, predictor, link_epl, spe, rollout_every, predictor_lag,
-                                       host_store)
+                                       full_row, ref_tokens, measure_full, measure_cell)
     if spe:
         regime = (f"; emulated link: {link_epl} experts per layer time = {1e6 * spe:.0f} us per expert copy "
                   f"(FullLoad layer time {1e6 * t_layer:.0f} us), its waits "
@@ -102,9 +109,10 @@ def bench_decode(path: Path, prompts: list[str], residencies: list[float], *, ma
         from ..predictor.xl_weights import describe_xl_weights
 
         pred += f"; seqmoe-xl's cross-layer blend weights {describe_xl_weights(load_predictor(predictor))}"
+    base_name = baseline.name if baseline is not None else None
     if rounds > 1:
-        regime += "; " + rounds_note(rounds, baseline.name if baseline is not None else None)
-    return "\n".join(table(rows, baseline.name if baseline is not None else None)
+        regime += "; " + rounds_note(rounds, base_name)
+    return "\n".join(table(rows, base_name)
                      + [f"\n{len(prompts)} prompts x {max_new_tokens} new tokens, model {path}" + pred + regime, "",
                         *breakdown_table(breakdowns), "",
                         "Decode step CPU by role (ms per step; copies: CPU (wall), every thread):", "",
@@ -131,30 +139,27 @@ def _measure_full(path, prompts, max_new_tokens, device, dtype, progress, skip_w
         gc.collect()
 
 
-def _measure_rounds(rounds: int, cells: list, baseline, full_row: DecodeRow, ref_tokens, path, prompts,
-                    max_new_tokens, device, dtype, progress, skip_waits, predictor, link_epl, spe, rollout_every,
-                    predictor_lag, host_store) -> tuple[list[DecodeRow], list[tuple[str, float, dict]]]:
-    """Every ``(policy, residency)`` of ``cells`` measured in ``rounds`` rounds (``bench.decode_rows``: in the given
-    order in even rounds, reversed in odd ones; FullLoad, whose first round is ``full_row``, measured again first in
-    each later round) and merged into one row each (``median_rows``, ``vs_baseline`` against ``baseline``). Returns
+def _measure_rounds(rounds: int, cells: list, baseline, full_row: DecodeRow, ref_tokens, measure_full,
+                    measure_cell) -> tuple[list[DecodeRow], list[tuple[str, float, dict]]]:
+    """Every ``(policy, residency)`` of ``cells`` measured in ``rounds`` rounds by ``measure_cell(policy, residency)
+    -> (row, breakdown)`` (``bench.decode_rows``: in the given order in even rounds, reversed in odd ones; FullLoad,
+    whose first round is ``full_row``, measured again first in each later round by ``measure_full() -> (row,
+    tokens)``) and merged into one row each (``median_rows``, ``vs_baseline`` against ``baseline``). Returns
     ``(rows, breakdowns)``: FullLoad's row then the cells', and ``(policy, residency, breakdown)`` per cell. The
-    simulated column's link keeps the first round's FullLoad layer time (``spe``, ``link_epl``).
+    simulated column's link keeps the first round's FullLoad layer time.
 
     Raises:
-        MoeOffloadError: as ``load_full`` and ``_measure_policy`` (``load_offloaded``, ``attach_forecasts``)."""
+        MoeOffloadError: as ``measure_full`` and ``measure_cell`` (``load_full``, ``load_offloaded``,
+            ``attach_forecasts``)."""
     measured: list[list] = [[] for _ in cells]
     full_rows = [full_row]
     for k in range(rounds):
         if k:  # each round's rows are set against its own FullLoad
-            again, tokens, *_ = _measure_full(path, prompts, max_new_tokens, device, dtype, progress, skip_waits)
+            again, tokens = measure_full()
             again.same = tokens == ref_tokens
             full_rows.append(again)
         for c in round_order(range(len(cells)), k):
-            pol, r = cells[c]
-            with skipping_waits(skip_waits):
-                measured[c].append(_measure_policy(path, prompts, max_new_tokens, pol, r, device, dtype, progress,
-                                                   predictor, link_epl, spe, rollout_every, ref_tokens,
-                                                   predictor_lag, host_store))
+            measured[c].append(measure_cell(*cells[c]))
     full_tok_s = [f.tok_s for f in full_rows]
     merged = median_rows(measured, full_tok_s, baseline)
     (full, _), = median_rows([[(f, {}) for f in full_rows]], full_tok_s)

@@ -14,7 +14,7 @@ was measured minutes apart, not a whole run apart.
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..core.policy_spec import PolicySpec
 
@@ -107,7 +107,7 @@ def median_rows(cells: list[list[tuple[DecodeRow, dict]]], full_tok_s: list[floa
     for c in cells:
         speeds = [r.tok_s for r, _ in c]
         row, breakdown = c[median_round(speeds)]
-        row = DecodeRow(**{**row.__dict__})
+        row = replace(row)
         row.tok_s = statistics.median(speeds)
         row.ratio = statistics.median(s / f for s, f in zip(speeds, full_tok_s))
         row.same = all(r.same for r, _ in c)
