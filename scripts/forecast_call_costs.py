@@ -5,13 +5,16 @@
   ShareGPT prompt with the experts read from disk, per call and per step (the main thread's, except
   ``Prefetcher.fetch_waits`` / ``load_on_demand`` on a layer that reads while it computes: the overlap thread's,
   ``runtime.read_overlap``);
-- alone: the same calls repeated on one forecast (``timeit``), with the caches warm.
+- alone: the same calls repeated on one forecast (``timeit``), with the caches warm; and cold: the median wall
+  time of 30 calls, each right after FLUSH_MB were streamed through the caches (an in-place add over a buffer
+  larger than the last-level cache: what a decode step's expert weights do between two layers; session 48).
 
-    python scripts/forecast_call_costs.py [POLICY] [MODEL] [RESIDENCY]   # default xl+gate testbed-sparse-wide 0.25
+    python scripts/forecast_call_costs.py [POLICY] [MODEL] [RESIDENCY] [FLUSH_MB]
+    # default xl+gate testbed-sparse-wide 0.25 400
 
-The gap between the two is what the calls pay for running between the experts' kernels, which stream the
-experts' bytes through the caches: the interpreter's code and the decision core's arrays are fetched again at each
-layer.
+The gap between the warm and the in-step figures is what the calls pay for running between the experts' kernels,
+which stream the experts' bytes through the caches: the interpreter's code and the decision core's arrays are
+fetched again at each layer; the cold column bounds it.
 """
 
 import collections
@@ -32,6 +35,7 @@ from moe_offload.testbed.sharegpt import human_turns
 policy = parse_policy(sys.argv[1] if len(sys.argv) > 1 else "xl+gate")
 model = sys.argv[2] if len(sys.argv) > 2 else "testbed-sparse-wide"
 residency = float(sys.argv[3]) if len(sys.argv) > 3 else 0.25
+flush_mb = int(sys.argv[4]) if len(sys.argv) > 4 else 400
 if not policy.cross_layer:
     sys.exit("forecast_call_costs.py: a cross-layer policy (xl, xl+gate)")
 torch.set_num_threads(2)
@@ -79,8 +83,9 @@ calls.clear()
 _, stats = run(lm, prompts, 48)
 steps = stats.decode_tokens
 print(f"{policy.name}, {model} at residency {residency}: {stats.decode_tokens_per_s:.2f} decode tok/s, {steps} steps\n")
-print("| call | in the step: us per call | ms per step | calls per step | alone: us per call |")
-print("|---|---:|---:|---:|---:|")
+print("| call | in the step: us per call | ms per step | calls per step | alone, warm: us per call | alone, cold: "
+      "us per call |")
+print("|---|---:|---:|---:|---:|---:|")
 layer = 10
 xl = originals["forecast (router_forecast)"](layer)
 fc = blend_forecast(0, 5, layer, xl, None, feed.weights)
@@ -89,9 +94,24 @@ for c in feed.consumers:
     alone[f"{type(c).__name__}.observe"] = lambda c=c: originals[f"{type(c).__name__}.observe"](fc)
 measured, counted = dict(cpu), dict(calls)
 cpu, calls = collections.Counter(), collections.Counter()  # the "alone" timings below go through the same wrappers
+flush = torch.empty(flush_mb << 20, dtype=torch.uint8)
+
+
+def cold_us(fn) -> float:
+    """Median wall microseconds of ``fn()`` right after ``flush_mb`` streamed through the caches."""
+    times = []
+    for _ in range(30):
+        flush.add_(1)
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2] * 1e6
+
+
 for label, ns in sorted(measured.items(), key=lambda kv: -kv[1]):
-    warm = alone.get(label)
-    warm_us = f"{timeit.timeit(warm, number=2000) / 2000 * 1e6:.1f}" if warm else "-"
+    fn = alone.get(label)
+    warm_us = f"{timeit.timeit(fn, number=2000) / 2000 * 1e6:.1f}" if fn else "-"
+    cold = f"{cold_us(fn):.1f}" if fn else "-"
     print(f"| {label} | {ns / 1e3 / counted[label]:.1f} | {ns / 1e6 / steps:.2f} | {counted[label] / steps:.1f} | "
-          f"{warm_us} |")
+          f"{warm_us} | {cold} |")
 lm.close()
