@@ -69,16 +69,20 @@ def test_history_policies_tokens_equal_full_load(tiny_dirs, refs, arch, policy):
 
 @pytest.mark.parametrize("policy", ["seqmoe", "xl", "seqmoe-xl"])
 def test_forecast_policies_tokens_equal_full_load(tiny_dirs, refs, random_pset, policy):
-    """SeqMoE (JSD prefetching over the disk link, read on the transfer engine's worker thread), cross-layer and
-    blended forecasts: prefetches race real reads and tokens stay FullLoad's."""
+    """SeqMoE (JSD prefetching over the disk link, read on a worker thread: the native prefetch queue's when the
+    kernels are built, else the transfer engine's), cross-layer and blended forecasts: prefetches race real reads
+    and tokens stay FullLoad's."""
     from moe_offload.predictor.cross_layer import attach_cross_layer
     from moe_offload.predictor.attach import attach_predictor
+    from moe_offload.runtime.kernels import native
+    from moe_offload.runtime.native_prefetch import NativePrefetchQueue
     from moe_offload.runtime.transfer import TransferEngine
 
     lm = load_offloaded(tiny_dirs["qwen3_moe"], device="cpu", residency=0.4, policy=policy, progress=False,
                         host_store="disk")
     try:
-        assert isinstance(lm.engine.prefetcher.transfer, TransferEngine)  # a real link: a real worker thread
+        transfer = lm.engine.prefetcher.transfer  # a real link: a real worker thread
+        assert isinstance(transfer, NativePrefetchQueue if native() else TransferEngine) and transfer.worker_alive
         if policy == "seqmoe":
             attach_predictor(lm.engine, random_pset(lm, 1), rollout=7)
         else:

@@ -225,6 +225,12 @@ def io_thread_realtime() -> bool:
     return getattr(_io_thread, "realtime", False)
 
 
+def io_thread_settings() -> tuple[list[int], bool]:
+    """What ``pin_io_thread`` would give a reader started now, for a thread started by native code: ``(its cores,
+    sorted; empty when the cores are not partitioned, whether it runs under the real-time scheduler)``."""
+    return sorted(_IO_CPUS.get("io") or ()), _IO_CPUS.get("priority") == "realtime"
+
+
 def pin_io_thread(realtime: bool = True) -> None:
     """Run the calling thread (an expert reader or copier) on the I/O cores of ``set_compute_threads`` (nothing
     when the cores are not partitioned), under the real-time scheduler with ``set_io_priority("realtime")`` unless

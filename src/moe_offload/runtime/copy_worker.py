@@ -45,6 +45,18 @@ class CopyCancelled(Exception):
     """A running copy stopped at a chunk because it was cancelled (``TransferEngine.cancel``)."""
 
 
+def copy_misses_now(store, rows, eids: list[int], slots: list[int], non_blocking: bool) -> float:
+    """Read the misses ``eids`` from a disk store into ``rows[slots]`` at once (``store.copy_many``: the calling
+    thread and the store's readers, whole experts, a prefetch yields to them at its next chunk); returns the seconds
+    it took. The copy engines' ``copy_now`` (``CopyWorker``, ``runtime.native_prefetch.NativePrefetchQueue``).
+
+    Raises:
+        MoeOffloadError: a read fails."""
+    t0 = time.perf_counter()
+    store.copy_many(list(eids), [rows[s] for s in slots], non_blocking=non_blocking)
+    return time.perf_counter() - t0
+
+
 class CopyWorker:
     """The copy worker's loop (``_run`` on its own thread) for ``TransferEngine``; see its docstring."""
 
@@ -127,14 +139,12 @@ class CopyWorker:
             return False
         for eid, slot in zip(eids, slots):
             self._check(eid, slot)
-        rows = self._dst if self._cpu else self.pool.buf
-        t0 = time.perf_counter()
-        self.store.copy_many(list(eids), [rows[s] for s in slots], non_blocking=self._cuda)
+        busy = copy_misses_now(self.store, self._dst if self._cpu else self.pool.buf, eids, slots, self._cuda)
         with self._cond:
             st = self.stats
             st.copies += len(eids)
             st.bytes_copied += len(eids) * self.store.layout.expert_bytes
-            st.busy_s += time.perf_counter() - t0
+            st.busy_s += busy
         return True
 
     def _read(self, job: _Job, dst, non_blocking: bool = False) -> None:

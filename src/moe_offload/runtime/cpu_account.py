@@ -64,8 +64,9 @@ class CpuAccount:
         self._lock = threading.Lock()
         self._local = threading.local()
 
-    def charge(self, role: str, cpu_s: float, wall_s: float) -> None:
-        """Add ``cpu_s`` / ``wall_s`` to the calling thread's ``role`` (while ``active``).
+    def charge(self, role: str, cpu_s: float, wall_s: float, thread: str | None = None) -> None:
+        """Add ``cpu_s`` / ``wall_s`` to the calling thread's ``role`` (while ``active``); ``thread``: to that
+        thread's instead (a native thread's seconds, reported by the thread that collects them).
 
         Raises:
             ValueError: an unknown role."""
@@ -74,7 +75,7 @@ class CpuAccount:
         if not self.active:
             return
         with self._lock:
-            cell = self.seconds.setdefault((thread_label(), role), [0.0, 0.0])
+            cell = self.seconds.setdefault((thread or thread_label(), role), [0.0, 0.0])
             cell[0] += cpu_s
             cell[1] += wall_s
 

@@ -183,11 +183,16 @@ def read_native(kernel, files: list[_File], spans: list[_Span], plan: tuple[torc
         flags = dict(demand=demand, stop=torch.from_numpy(stop.array), chunk=chunk)
     res = kernel.read_expert([f.fd for f in files], [f.direct for f in files], plan[0], plan[1],
                              torch.from_numpy(staging), torch.from_numpy(out), **flags)
-    error, where = res[5], res[7]
-    if error:
-        path = files[spans[res[6]].file].path
-        if error > 0:
-            raise MoeOffloadError(f"reading {path} at byte {where} failed: {os.strerror(error)}")
-        raise MoeOffloadError(f"{path} ended at byte {where} while an expert was read from it: the checkpoint file "
-                              "was truncated or replaced while running")
+    if res[5]:
+        raise MoeOffloadError(read_error(files, spans, res[5], res[6], res[7]))
     return res[0], res[3], res[4], bool(res[8]), res[9]
+
+
+def read_error(files: list[_File], spans: list[_Span], error: int, span: int, where: int) -> str:
+    """The one-line message of a failed native read (``read_expert``'s or ``PrefetchQueue``'s outcome): ``error``
+    an errno, or -1 when the file ended at byte ``where`` of span ``span`` of the expert's ``spans``."""
+    path = files[spans[span].file].path
+    if error > 0:
+        return f"reading {path} at byte {where} failed: {os.strerror(error)}"
+    return (f"{path} ended at byte {where} while an expert was read from it: the checkpoint file was truncated or "
+            "replaced while running")

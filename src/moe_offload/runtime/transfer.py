@@ -52,6 +52,7 @@ from ..common.threads import short_switch_interval
 from ..errors import MoeOffloadError
 from .copy_worker import _DONE, _QUEUED, _RUNNING, CopyWorker, _Job, _sleep_until
 from .landing import Landing, TransferStats
+from .native_prefetch import NativePrefetchQueue, native_queue_possible
 from .pool import SlotPool
 from .store import HostStore
 from .virtual_link import VirtualLinkEngine, emulated_seconds_per_expert
@@ -62,9 +63,14 @@ def make_transfer_engine(store: HostStore, pool: SlotPool, link_gbps: float | No
     the calling thread, emulated link time on a virtual timeline: no worker thread to take the GIL from the
     computing thread), else a ``TransferEngine`` (worker thread, CUDA copy stream). A disk store is a real link
     even on the CPU (``runtime.disk_store``: reads release the GIL): its copies run on the ``TransferEngine``'s
-    worker. Same API, same arguments (see ``TransferEngine``); raises what their constructors raise."""
+    worker, or, for a ``DiskStore`` and a pool on the CPU without link emulation when the native kernels are built,
+    on ``runtime.native_prefetch.NativePrefetchQueue``'s native worker, which never takes the GIL (issue 47, session
+    49). Same API, same arguments (see ``TransferEngine``); raises what their constructors raise."""
     if pool.device.type == "cpu" and store.mode != "disk":
         return VirtualLinkEngine(store, pool, link_gbps=link_gbps, seconds_per_expert=seconds_per_expert)
+    spe = emulated_seconds_per_expert(store.layout.expert_bytes, link_gbps, seconds_per_expert)
+    if native_queue_possible(store, pool, spe):
+        return NativePrefetchQueue(store, pool)
     return TransferEngine(store, pool, link_gbps=link_gbps, seconds_per_expert=seconds_per_expert)
 
 

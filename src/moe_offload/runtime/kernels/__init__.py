@@ -13,7 +13,9 @@
 - ``rms_norm.cpp``: ``rms_norm(x, weight, eps, portable=False)``, transformers' standard RMSNorm of each row
   (``runtime.fast_norm``).
 - ``expert_read.cpp``: ``read_expert(fds, direct, spans, pieces, staging, dst)``, one expert read from disk and
-  copied into its destination without the interpreter lock (``runtime.disk_store``).
+  copied into its destination without the interpreter lock (``runtime.disk_store``); ``expert_read.h`` shares that
+  read with ``prefetch_queue.cpp``: ``PrefetchQueue``, the disk tier's prefetch queue read by a native worker thread
+  that never takes the interpreter lock (``runtime.native_prefetch``).
 - ``belady_victim.cpp``: ``belady_victim(score, last, resident, ran, used, pinned, cur, num_experts,
   layer_cycle)``, probabilistic Belady's victim in one pass over the policy's arrays (``core.prob_belady``).
 - ``vec.h``: the dot product, bfloat16 widening and axpy they share (an AVX2 + FMA path and a portable path, bit
@@ -40,9 +42,10 @@ from pathlib import Path
 from ...errors import MoeOffloadError
 
 SOURCES = ("bindings.cpp", "routed_experts.cpp", "linear_rows.cpp", "decode_attention.cpp", "router_forecast.cpp",
-           "expert_read.cpp", "rms_norm.cpp", "ops.cpp", "belady_victim.cpp")
+           "expert_read.cpp", "rms_norm.cpp", "ops.cpp", "belady_victim.cpp",
+           "prefetch_queue.cpp")
 #: included by the sources (part of the cache key, not compiled on their own)
-HEADERS = ("vec.h", "gil.h")
+HEADERS = ("vec.h", "gil.h", "expert_read.h")
 #: compiler flags: optimised, and no contraction of a * b + c into one fused multiply-add behind the source's back
 #: (the kernel's float operations, and so its results, are the ones the source writes)
 CFLAGS = ("-O3", "-ffp-contract=off", "-fno-fast-math", "-fopenmp")

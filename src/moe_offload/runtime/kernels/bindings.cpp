@@ -22,6 +22,7 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
                                double scale, bool portable);
 bool register_ops(const std::string& ns);
 void bind_belady_victim(pybind11::module_& m);
+void bind_prefetch_queue(pybind11::module_& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("routed_experts", &routed_experts, "the routed experts of one MoE layer from a slot pool",
@@ -48,5 +49,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("futex_wake", &futex_wake, "wake the native prefetch reads waiting for on-demand reads to end");
   m.def("kernel_path", &kernel_path, "which path the kernels run on this CPU");
   bind_belady_victim(m);
+  bind_prefetch_queue(m);
   m.def("register_ops", &register_ops, "the kernels as torch operators in namespace ns (once per process)");
 }

@@ -6,6 +6,8 @@
 
 #include <torch/extension.h>
 
+#include "expert_read.h"
+
 #include <fcntl.h>
 #include <time.h>
 #include <unistd.h>
@@ -24,12 +26,6 @@ namespace {
 
 constexpr int64_t kAlign = 4096;  // runtime/direct_io.py: IO_ALIGN
 
-double now_s(clockid_t clock) {
-  timespec ts;
-  clock_gettime(clock, &ts);
-  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
-}
-
 // Sleep while *flag == value (at most 5 ms: the caller checks its stop flag again), woken by futex_wake. Without
 // futexes (not Linux), a 200 us nap.
 void wait_while(const int32_t* flag, int32_t value) {
@@ -43,6 +39,65 @@ void wait_while(const int32_t* flag, int32_t value) {
 }
 
 }  // namespace
+
+namespace moe_offload {
+
+double now_s(clockid_t clock) {
+  timespec ts;
+  clock_gettime(clock, &ts);
+  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+}
+
+ReadOutcome read_spans(const int64_t* fds, const uint8_t* direct, const int64_t* sp, int64_t S, const int64_t* pc,
+                       int64_t P, uint8_t* buf, uint8_t* out, const int32_t* demand_p, const int32_t* stop_p,
+                       int64_t chunk) {
+  ReadOutcome r;
+  const bool chunked = chunk > 0;
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t f = sp[4 * s], start = sp[4 * s + 1], length = sp[4 * s + 2], need = sp[4 * s + 3];
+    const int fd = static_cast<int>(fds[f]);
+    double c0 = now_s(CLOCK_THREAD_CPUTIME_ID), w0 = now_s(CLOCK_MONOTONIC);
+    int64_t got = 0;
+    while (got < need) {
+      int64_t want = length - got;
+      if (chunked) {  // a prefetch: yield to on-demand reads, stop when cancelled, then one chunk
+        if (__atomic_load_n(demand_p, __ATOMIC_ACQUIRE) > 0) {
+          ++r.yields;
+          for (int32_t v; (v = __atomic_load_n(demand_p, __ATOMIC_ACQUIRE)) > 0 &&
+                          !__atomic_load_n(stop_p, __ATOMIC_ACQUIRE);)
+            wait_while(demand_p, v);
+        }
+        if (__atomic_load_n(stop_p, __ATOMIC_ACQUIRE)) {
+          r.stopped = 1;
+          break;
+        }
+        want = std::min(want, chunk);
+      }
+      ssize_t n = pread(fd, buf + got, static_cast<size_t>(want), start + got);
+      if (n < 0 && errno == EINTR) continue;
+      ++r.requests;
+      if (n < 0) {
+        r.error = errno, r.err_span = s, r.err_offset = start + got;
+        break;
+      }
+      if (n == 0 || (direct[f] && n % kAlign && got + n < need)) {
+        r.error = -1, r.err_span = s, r.err_offset = start + got + n;
+        break;
+      }
+      got += n;
+    }
+    if (!r.error && !direct[f]) posix_fadvise(fd, start, length, POSIX_FADV_DONTNEED);
+    r.read_cpu += now_s(CLOCK_THREAD_CPUTIME_ID) - c0, r.read_wall += now_s(CLOCK_MONOTONIC) - w0;
+    if (r.error || r.stopped) break;
+    c0 = now_s(CLOCK_THREAD_CPUTIME_ID), w0 = now_s(CLOCK_MONOTONIC);
+    for (int64_t p = 0; p < P; ++p)
+      if (pc[4 * p] == s) std::memcpy(out + pc[4 * p + 1], buf + pc[4 * p + 2], static_cast<size_t>(pc[4 * p + 3]));
+    r.copy_cpu += now_s(CLOCK_THREAD_CPUTIME_ID) - c0, r.copy_wall += now_s(CLOCK_MONOTONIC) - w0;
+  }
+  return r;
+}
+
+}  // namespace moe_offload
 
 // Wake the native reads sleeping on flag (int32 [1]; read_expert's demand): the disk store calls it when its last
 // outstanding on-demand read ends.
@@ -101,53 +156,14 @@ std::tuple<int64_t, double, double, double, double, int64_t, int64_t, int64_t, i
     TORCH_CHECK(s >= 0 && s < S && d >= 0 && o >= 0 && n >= 0 && d + n <= dst_n && o + n <= sp[4 * s + 2],
                 "read_expert: a piece outside its span or the destination");
   }
-  uint8_t* buf = staging.data_ptr<uint8_t>();
-  uint8_t* out = dst.data_ptr<uint8_t>();
-  int64_t requests = 0, error = 0, err_span = -1, err_offset = 0, stopped = 0, yields = 0;
-  double read_cpu = 0, read_wall = 0, copy_cpu = 0, copy_wall = 0;
+  moe_offload::ReadOutcome r;
   {
     pybind11::gil_scoped_release release;
-    for (int64_t s = 0; s < S && !error && !stopped; ++s) {
-      const int64_t f = sp[4 * s], start = sp[4 * s + 1], length = sp[4 * s + 2], need = sp[4 * s + 3];
-      const int fd = static_cast<int>(fds[f]);
-      double c0 = now_s(CLOCK_THREAD_CPUTIME_ID), w0 = now_s(CLOCK_MONOTONIC);
-      int64_t got = 0;
-      while (got < need) {
-        int64_t want = length - got;
-        if (chunked) {  // a prefetch: yield to on-demand reads, stop when cancelled, then one chunk
-          if (__atomic_load_n(demand_p, __ATOMIC_ACQUIRE) > 0) {
-            ++yields;
-            for (int32_t v; (v = __atomic_load_n(demand_p, __ATOMIC_ACQUIRE)) > 0 &&
-                            !__atomic_load_n(stop_p, __ATOMIC_ACQUIRE);)
-              wait_while(demand_p, v);
-          }
-          if (__atomic_load_n(stop_p, __ATOMIC_ACQUIRE)) {
-            stopped = 1;
-            break;
-          }
-          want = std::min(want, chunk);
-        }
-        ssize_t n = pread(fd, buf + got, static_cast<size_t>(want), start + got);
-        if (n < 0 && errno == EINTR) continue;
-        ++requests;
-        if (n < 0) {
-          error = errno, err_span = s, err_offset = start + got;
-          break;
-        }
-        if (n == 0 || (direct[f] && n % kAlign && got + n < need)) {
-          error = -1, err_span = s, err_offset = start + got + n;
-          break;
-        }
-        got += n;
-      }
-      if (!error && !direct[f]) posix_fadvise(fd, start, length, POSIX_FADV_DONTNEED);
-      read_cpu += now_s(CLOCK_THREAD_CPUTIME_ID) - c0, read_wall += now_s(CLOCK_MONOTONIC) - w0;
-      if (error || stopped) break;
-      c0 = now_s(CLOCK_THREAD_CPUTIME_ID), w0 = now_s(CLOCK_MONOTONIC);
-      for (int64_t p = 0; p < P; ++p)
-        if (pc[4 * p] == s) std::memcpy(out + pc[4 * p + 1], buf + pc[4 * p + 2], static_cast<size_t>(pc[4 * p + 3]));
-      copy_cpu += now_s(CLOCK_THREAD_CPUTIME_ID) - c0, copy_wall += now_s(CLOCK_MONOTONIC) - w0;
-    }
+    std::vector<uint8_t> direct_b(direct.begin(), direct.end());
+    r = moe_offload::read_spans(fds.data(), direct_b.data(), sp, S, pc, P,
+                                staging.data_ptr<uint8_t>(), dst.data_ptr<uint8_t>(), demand_p, stop_p,
+                                chunked ? chunk : 0);
   }
-  return {requests, read_cpu, read_wall, copy_cpu, copy_wall, error, err_span, err_offset, stopped, yields};
+  return {r.requests, r.read_cpu, r.read_wall, r.copy_cpu, r.copy_wall, r.error, r.err_span, r.err_offset, r.stopped,
+          r.yields};
 }
