@@ -60,6 +60,26 @@ def test_a_busy_link_and_unused_prefetches_raise_the_bar():
             PrefetchCost(miss_s=1.0, prefetch_cpu_s=0.0, **bad)
 
 
+def test_a_wasted_prefetch_delays_a_miss_by_one_chunk_where_a_miss_preempts_it():
+    """The busy link of the test above (2 ms miss, 0.5 ms of CPU, busy half of the step) on the disk tier, where a
+    miss waits at most a quarter of a read behind a prefetch (``preempt`` 0.25): the waste term is (1 - c) x 2 x
+    0.5 x 0.25 ms, and the threshold (0.25 + 0.125) / (0.5 + 0.125) = 0.6 (0.75 with a whole read). At 0.6 the
+    saving 0.6 x 2 x 0.5 = 0.6 ms equals the cost 0.5 + 0.4 x 0.25 = 0.6 ms."""
+    disk = PrefetchCost(miss_s=2e-3, prefetch_cpu_s=0.5e-3, link_busy=0.5, preempt=0.25)
+    assert disk.threshold == pytest.approx(0.6) and disk.worth(0.61) and not disk.worth(0.59)
+    whole = PrefetchCost(miss_s=2e-3, prefetch_cpu_s=0.5e-3, link_busy=0.5, preempt=1.0)
+    assert whole.threshold == pytest.approx(0.75)
+    # forecasts that promise more than is used (used_scale 0.7): the whole-read gate is shut, the chunk one is not
+    assert PrefetchCost(2e-3, 0.5e-3, link_busy=0.5, used_scale=0.7).closed
+    assert not PrefetchCost(2e-3, 0.5e-3, link_busy=0.5, used_scale=0.7, preempt=0.25).closed
+    # a task sure to be used wastes nothing: the link's share alone decides (cpu / miss + busy >= 1), any preempt
+    assert PrefetchCost(2e-3, 0.5e-3, link_busy=0.75, preempt=0.25).threshold == pytest.approx(1.0)
+    assert CostMeter(alpha=1.0, preempt=0.25).preempt == 0.25
+    for bad in (0.0, 1.5):
+        with pytest.raises(MoeOffloadError, match="preempt"):
+            PrefetchCost(miss_s=1.0, prefetch_cpu_s=0.0, preempt=bad)
+
+
 def test_the_meter_measures_the_link_and_the_forecasts_calibration():
     m = CostMeter(alpha=1.0)
     # a 20 ms step waited 8 ms for 4 misses; 1 of 4 decided prefetches was used; 2 tasks queued promised 0.9 each

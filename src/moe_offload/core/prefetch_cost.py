@@ -10,15 +10,22 @@ A prefetch task whose expert its layer uses with probability ``c`` is weighed in
   cores; 0 when the copy runs where nothing computes, a GPU's DMA engine).
 - It shares the link (the disk, the PCIe bus) with the misses, which keep it busy a share ``link_busy`` of the
   step. A used prefetch saves a miss's wait ``miss_s`` only where the link would otherwise idle: ``c x miss_s x
-  (1 - link_busy)``. A wasted one delays the misses queued behind it by one read: ``(1 - c) x miss_s x
-  link_busy``.
+  (1 - link_busy)``. A wasted one delays a miss that finds it reading until the link is free again: at most the
+  share ``preempt`` of one read, where a miss pre-empts a prefetch at its next chunk (the disk tier's chunks of
+  ``DiskStore.prefetch_chunk`` bytes, the emulated link's ``1 / LINK_CHUNKS``; 1 for a copy that cannot be
+  stopped): ``(1 - c) x miss_s x link_busy x preempt``. Until issue 47's session 49 the gate charged a whole read
+  (``preempt`` 1) on every link: on the disk, where a miss waits at most a chunk, it refused tasks worth their
+  copy, and shut altogether once the forecasts promised more than was used (``used_scale`` < 1).
 
 A task is queued only when the saving exceeds the cost:
 
-    c x miss_s x (1 - link_busy) > prefetch_cpu_s x contention + (1 - c) x miss_s x link_busy,
-    i.e.  c > min_confidence = prefetch_cpu_s x contention / miss_s + link_busy
+    c x miss_s x (1 - link_busy) > prefetch_cpu_s x contention + (1 - c) x miss_s x link_busy x preempt,
+    i.e.  c > threshold = (prefetch_cpu_s x contention / miss_s + link_busy x preempt)
+                          / (1 - link_busy + link_busy x preempt)
 
-With an idle link (``link_busy`` 0, as before issue 47's session 40) only the CPU counts.
+With an idle link (``link_busy`` 0, as before issue 47's session 40) only the CPU counts; with ``preempt`` 1 the
+threshold is ``prefetch_cpu_s x contention / miss_s + link_busy``. A task sure to be used (``c`` 1) wastes nothing,
+so whether even it passes (``threshold < 1``) does not depend on ``preempt``.
 
 ``submit_forecast`` (``core.prefetch_queue``) applies it for the runtime's prefetcher and the simulator alike. The
 runtime measures both costs as it runs (``CostMeter``: the on-demand copies' wall time and the prefetch copies' CPU
@@ -46,6 +53,8 @@ class PrefetchCost:
         link_busy: the share of a step the link carries the misses' reads (the step's wait on them), in [0, 1].
         used_scale: a forecast's chance of use times this is the chance a prefetch is used (> 0; measured: the
             share of prefetches used over the mean chance of the tasks queued).
+        preempt: the most a miss waits behind a prefetch already reading, as a share of one read, in (0, 1] (the
+            copy engine's ``preempt_share``).
     Raises:
         MoeOffloadError: a value out of its range or not finite.
     """
@@ -55,6 +64,7 @@ class PrefetchCost:
     contention: float = 1.0
     link_busy: float = 0.0
     used_scale: float = 1.0
+    preempt: float = 1.0
 
     def __post_init__(self):
         if not (math.isfinite(self.miss_s) and self.miss_s > 0):
@@ -67,12 +77,15 @@ class PrefetchCost:
             raise MoeOffloadError(f"link_busy must be in [0, 1], got {self.link_busy}")
         if not (math.isfinite(self.used_scale) and self.used_scale > 0):
             raise MoeOffloadError(f"used_scale must be a positive number, got {self.used_scale}")
+        if not 0.0 < self.preempt <= 1.0:
+            raise MoeOffloadError(f"preempt must be in (0, 1], got {self.preempt}")
 
     @property
     def threshold(self) -> float:
-        """The chance of use ``c`` above which a task saves more than it costs: ``prefetch_cpu_s x contention /
-        miss_s + link_busy`` (the module docstring's inequality solved for ``c``)."""
-        return self.prefetch_cpu_s * self.contention / self.miss_s + self.link_busy
+        """The chance of use ``c`` above which a task saves more than it costs (the module docstring's inequality
+        solved for ``c``)."""
+        delay = self.link_busy * self.preempt
+        return (self.prefetch_cpu_s * self.contention / self.miss_s + delay) / (1.0 - self.link_busy + delay)
 
     @property
     def min_confidence(self) -> float:
@@ -98,21 +111,23 @@ class CostMeter:
     (no gate before the first measurements); the last two start at 0 and 1.
 
     Args:
-        contention: as ``PrefetchCost``.
+        contention, preempt: as ``PrefetchCost``.
         alpha: the weight of a step's sample, in (0, 1].
     Raises:
-        MoeOffloadError: ``alpha`` outside (0, 1], or ``contention`` outside [0, 1].
+        MoeOffloadError: ``alpha`` outside (0, 1], ``contention`` outside [0, 1] or ``preempt`` outside (0, 1].
     """
 
     #: the least ``used_scale`` (a run of wasted prefetches must not make the gate divide by zero)
     MIN_USED_SCALE = 0.05
 
-    def __init__(self, contention: float = 1.0, alpha: float = 0.2):
+    def __init__(self, contention: float = 1.0, alpha: float = 0.2, preempt: float = 1.0):
         if not 0.0 < alpha <= 1.0:
             raise MoeOffloadError(f"alpha must be in (0, 1], got {alpha}")
         if not 0.0 <= contention <= 1.0:
             raise MoeOffloadError(f"contention must be in [0, 1], got {contention}")
-        self.contention, self.alpha = contention, alpha
+        if not 0.0 < preempt <= 1.0:
+            raise MoeOffloadError(f"preempt must be in (0, 1], got {preempt}")
+        self.contention, self.alpha, self.preempt = contention, alpha, preempt
         self.miss_s: float | None = None
         self.prefetch_cpu_s: float | None = None
         self.link_busy: float | None = None
@@ -148,4 +163,5 @@ class CostMeter:
         scale = 1.0
         if self.used_share is not None and self.promised:
             scale = max(self.MIN_USED_SCALE, self.used_share / self.promised)
-        return PrefetchCost(self.miss_s, self.prefetch_cpu_s, self.contention, self.link_busy or 0.0, scale)
+        return PrefetchCost(self.miss_s, self.prefetch_cpu_s, self.contention, self.link_busy or 0.0, scale,
+                            self.preempt)

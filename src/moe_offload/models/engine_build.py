@@ -77,18 +77,20 @@ def make_engine(spec: PolicySpec, store, pool: SlotPool, mods: list, num_slots: 
         from ..core.prefetch import make_scheduler
         from ..runtime.prefetcher import Prefetcher
 
+        transfer = make_transfer_engine(store, pool, link_gbps=opts["link_gbps"],
+                                        seconds_per_expert=opts["seconds_per_expert"])
         engine.prefetcher = Prefetcher(store, pool, table,
                                        make_scheduler(scheduler, num_moe_layers=L, b_avg=opts["link_epl"],
                                                       auto_ema=False),
-                                       make_transfer_engine(store, pool, link_gbps=opts["link_gbps"],
-                                                            seconds_per_expert=opts["seconds_per_expert"]),
-                                       L, num_experts, top_k, meter=_cost_meter(spec))
+                                       transfer, L, num_experts, top_k, meter=_cost_meter(spec, transfer))
     return engine
 
 
-def _cost_meter(spec):
+def _cost_meter(spec, transfer):
     """A ``+gate`` policy's ``core.prefetch_cost.CostMeter`` (None otherwise). Contention: the share of the cores
-    the compute's threads use (on two cores with two compute threads every CPU second a copy takes is lost)."""
+    the compute's threads use (on two cores with two compute threads every CPU second a copy takes is lost);
+    pre-emption: how much of one read a miss waits behind a prefetch on ``transfer``'s link (its
+    ``preempt_share``: one chunk on the disk tier)."""
     if not spec.gated:
         return None
-    return CostMeter(contention=compute_share())
+    return CostMeter(contention=compute_share(), preempt=transfer.preempt_share)

@@ -362,6 +362,14 @@ class DiskStore:
         flag = StopFlag() if stopped is None else stopped if isinstance(stopped, StopFlag) else None
         return self._read(eid, dst, gate, stop=flag)
 
+    def preempt_share(self) -> float:
+        """The most an on-demand read waits behind a prefetch already reading, as a share of one expert's read: one
+        chunk of ``prefetch_chunk`` bytes over the experts' mean read bytes, at most 1 (``core.prefetch_cost``'s
+        ``preempt``: a miss pre-empts a prefetch at its next chunk)."""
+        n = self.num_experts_total
+        mean = sum(s.length for e in range(n) for s in self.spans(e)) / max(1, n)
+        return min(1.0, self.prefetch_chunk / mean) if mean > 0 else 1.0
+
     def reset_stats(self) -> None:
         """Zero ``stats``."""
         with self._lock:

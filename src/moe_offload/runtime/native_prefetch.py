@@ -154,6 +154,12 @@ class NativePrefetchQueue:
         self._q.resume()
 
     @property
+    def preempt_share(self) -> float:
+        """The most an on-demand read waits behind a prefetch, as a share of one read (``DiskStore.preempt_share``:
+        one chunk)."""
+        return self.store.preempt_share()
+
+    @property
     def paused(self) -> bool:
         return self._q.paused()
 

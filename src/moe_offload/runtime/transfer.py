@@ -288,6 +288,14 @@ class TransferEngine(CopyWorker):
             self._cond.notify_all()
 
     @property
+    def preempt_share(self) -> float:
+        """The most an on-demand copy waits behind a prefetch copy, as a share of one copy (``core.prefetch_cost``'s
+        ``preempt``): the store's ``preempt_share`` where it reads in chunks that yield to on-demand reads (the disk
+        tier), else 1 (a whole copy: ``pause`` holds only the copies not yet started)."""
+        share = getattr(self.store, "preempt_share", None)
+        return share() if share is not None else 1.0
+
+    @property
     def paused(self) -> bool:
         """Whether ``pause`` is in effect."""
         return self._paused

@@ -328,6 +328,12 @@ class VirtualLinkEngine:
             self._start(self._queue.popleft(), now)
 
     @property
+    def preempt_share(self) -> float:
+        """The most an on-demand copy waits behind a prefetch on the link, as a share of one copy: ``1 /
+        LINK_CHUNKS`` (it takes the link at the prefetch's next chunk boundary; ``core.prefetch_cost``)."""
+        return 1.0 / LINK_CHUNKS
+
+    @property
     def paused(self) -> bool:
         """Whether ``pause`` is in effect."""
         return self._paused

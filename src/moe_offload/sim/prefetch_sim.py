@@ -135,7 +135,9 @@ def replay_with_prefetch(trace: Trace, num_slots: int, policy: PolicySpec | str,
     L, E = trace.num_moe_layers, trace.num_experts
     table = SlotTable(num_slots, L * E, pol, experts_per_layer=E, reserve=reserve)
     sched = make_scheduler(scheduler, num_moe_layers=L, b_avg=link_epl, auto_ema=False) if scheduler else None
-    meter = CostMeter(contention=1.0) if sched is not None and parse_policy(policy).gated else None
+    # a miss takes the link at a prefetch's next chunk boundary: it waits at most 1 / LINK_CHUNKS of a copy
+    meter = (CostMeter(contention=1.0, preempt=1.0 / LINK_CHUNKS) if sched is not None and parse_policy(policy).gated
+             else None)
     name = policy if scheduler is None else f"{policy}+{scheduler}"
     prefill = None if prefill_popularity is None or sched is None else PrefillPrefetch(prefill_popularity, L, E)
     replay = _LinkReplay(trace, table, sched, prefill, PrefetchReplayResult(policy=name, num_slots=num_slots),
