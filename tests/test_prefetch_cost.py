@@ -8,7 +8,7 @@ import pytest
 
 from moe_offload.core.policy_spec import parse_policy
 from moe_offload.core.prefetch import JSDScheduler, submit_forecast
-from moe_offload.core.prefetch_cost import CostMeter, PrefetchCost
+from moe_offload.core.prefetch_cost import CostMeter, PrefetchCost, UseLedger
 from moe_offload.errors import MoeOffloadError
 from moe_offload.generation.generate import encode_prompt, generate_ids
 from moe_offload.models.loader import load_full, load_offloaded
@@ -82,14 +82,32 @@ def test_a_wasted_prefetch_delays_a_miss_by_one_chunk_where_a_miss_preempts_it()
 
 def test_the_meter_measures_the_link_and_the_forecasts_calibration():
     m = CostMeter(alpha=1.0)
-    # a 20 ms step waited 8 ms for 4 misses; 1 of 4 decided prefetches was used; 2 tasks queued promised 0.9 each
-    m.observe(4, 8e-3, 2, 1e-3, step_wall_s=20e-3, used=1, wasted=3, promised=(1.8, 2))
+    # a 20 ms step waited 8 ms for 4 misses; of 4 candidates settled, given 0.9 each, 1 was used
+    m.observe(4, 8e-3, 2, 1e-3, step_wall_s=20e-3, settled=(1, 3.6, 4))
     c = m.cost
     assert (c.miss_s, c.prefetch_cpu_s) == pytest.approx((2e-3, 0.5e-3))
     assert c.link_busy == pytest.approx(0.4) and c.used_scale == pytest.approx(0.25 / 0.9)
     assert c.min_confidence == pytest.approx((0.25 + 0.4) * 0.9 / 0.25)
-    m.observe(4, 8e-3, 2, 1e-3, step_wall_s=20e-3, used=0, wasted=5, promised=(0.9, 1))
+    m.observe(4, 8e-3, 2, 1e-3, step_wall_s=20e-3, settled=(0, 0.9, 1))
     assert m.cost.used_scale == CostMeter.MIN_USED_SCALE
+
+
+def test_the_ledger_settles_each_layers_latest_forecast():
+    """Layer 2 is forecast twice; the newer candidates (experts 5 and 8, chances 0.8 and 0.4) replace the older;
+    the layer runs needing 5 and 9: 1 of 2 used against 1.2 promised. A layer settles once; ``take`` empties the
+    totals; ``clear`` forgets what is pending."""
+    ledger = UseLedger()
+    ledger.expect(2, [5, 6, 7], [0.9, 0.5, 0.2])
+    ledger.expect(2, [5, 8], [0.8, 0.4])
+    ledger.expect(3, [], [])
+    ledger.settle(2, [5, 9])
+    ledger.settle(2, [5, 8])   # nothing pending any more
+    ledger.settle(3, [1])      # an empty forecast counts nothing
+    assert ledger.take() == (1, pytest.approx(1.2), 2) and ledger.take() == (0, 0.0, 0)
+    ledger.expect(4, [1], [1.0])
+    ledger.clear()
+    ledger.settle(4, [1])
+    assert ledger.take() == (0, 0.0, 0)
 
 
 def test_gate_policies_parse_and_print():
@@ -114,15 +132,20 @@ def test_submit_forecast_queues_only_the_tasks_worth_their_cost():
     gate = PrefetchCost(miss_s=2e-3, prefetch_cpu_s=0.5e-3)
     for top_k, kept, left_out in ((1, [0.3, 0.4], 2), (2, [0.2, 0.3, 0.4], 1)):
         gated = JSDScheduler(b_avg=4.0, auto_ema=False)
-        gated.gate = gate
+        gated.gate, gated.ledger = gate, UseLedger()
         submit_forecast(gated, fc, num_moe_layers=2, num_experts=5, top_k=top_k)
         assert gated.gated == left_out
         assert sorted(round(e[0], 2) for e in gated._queue.values()) == kept  # queued with their own confidence
-        assert gated.promised == [pytest.approx(sum(kept) * top_k), len(kept)]  # in chances of use
+        # every candidate goes to the ledger, refused or not, in chances of use: layer 0 then needs experts 0 and 3
+        gated.ledger.settle(0, [0, 3])
+        assert gated.ledger.take() == (2, pytest.approx(1.0 * top_k), 4)
     shut = JSDScheduler(b_avg=4.0, auto_ema=False)
-    shut.gate = PrefetchCost(miss_s=2e-3, prefetch_cpu_s=0.5e-3, link_busy=0.8)   # closed: no task is even made
+    shut.gate = PrefetchCost(miss_s=2e-3, prefetch_cpu_s=0.5e-3, link_busy=0.8)   # closed: no task is made
+    shut.ledger = UseLedger()
     submit_forecast(shut, fc, num_moe_layers=2, num_experts=5, top_k=1)
-    assert len(shut) == 0 and shut.gated == 0
+    assert len(shut) == 0 and shut.gated == 4
+    shut.ledger.settle(0, [1])
+    assert shut.ledger.take() == (1, pytest.approx(1.0), 4)  # the closed gate still learns
 
 
 def test_gated_prefetching_from_disk_is_lossless_and_measures_its_costs(tiny_dirs):

@@ -3,8 +3,12 @@
 A prefetch task whose expert its layer uses with probability ``c`` is weighed in seconds:
 
 - ``c`` is the forecast's chance (``core.prefetch_queue.inclusion_probabilities``: the forecast row scaled to sum
-  to top-k, whichever scale the forecast came in) times ``used_scale``, the measured share of prefetches used over
-  the share the forecasts promised (1 until measured), capped at 1.
+  to top-k, whichever scale the forecast came in) times ``used_scale``, capped at 1: the share of the forecasts'
+  candidates their layer then used over the chance they were given (1 until measured; ``UseLedger``). Every
+  candidate the gate decides on counts, whether it was prefetched or not (issue 47, session 49). Before, the share
+  of *prefetches* used was measured; the gate then saw only what it let through, and fed its own closing: in the
+  simulator at 0.09 ms per read it fell to 0.09 of what was promised while ``xl``'s forecasts, ungated, had 43% of
+  their prefetches used, and ``xl+gate`` made 2649 prefetches to ``xl``'s 15863.
 - Its copy costs ``prefetch_cpu_s x contention`` whether or not it is used: the CPU seconds of its reads and
   staging copy, times the share of them the compute loses (1.0 when every core computes, as on this machine's two
   cores; 0 when the copy runs where nothing computes, a GPU's DMA engine).
@@ -131,18 +135,18 @@ class CostMeter:
         self.miss_s: float | None = None
         self.prefetch_cpu_s: float | None = None
         self.link_busy: float | None = None
-        self.used_share: float | None = None   # of the prefetches whose fate was decided, the share used
-        self.promised: float | None = None     # the mean chance of use of the tasks queued
+        self.used_share: float | None = None   # of the forecasts' candidates settled, the share their layer used
+        self.promised: float | None = None     # their mean chance of use
 
     def _ema(self, old: float | None, sample: float) -> float:
         return sample if old is None else (1.0 - self.alpha) * old + self.alpha * sample
 
     def observe(self, on_demand_experts: int, on_demand_wall_s: float, prefetched_experts: int,
-                prefetch_cpu_s: float, step_wall_s: float = 0.0, used: int = 0, wasted: int = 0,
-                promised: tuple[float, int] = (0.0, 0)) -> None:
+                prefetch_cpu_s: float, step_wall_s: float = 0.0,
+                settled: tuple[int, float, int] = (0, 0.0, 0)) -> None:
         """One step's totals: experts copied on demand and the wall seconds the step spent on them; experts
-        prefetched and the CPU seconds their copies took; the step's wall seconds; prefetched experts a layer used
-        and ones evicted unused; the summed chance of use of the tasks queued and their count. A count (or
+        prefetched and the CPU seconds their copies took; the step's wall seconds; the forecasts' candidates settled
+        in it (``UseLedger.take``: how many their layer used, their summed chance of use, how many). A count (or
         ``step_wall_s``) of 0 leaves its average as it was."""
         if on_demand_experts > 0 and on_demand_wall_s > 0:
             self.miss_s = self._ema(self.miss_s, on_demand_wall_s / on_demand_experts)
@@ -150,10 +154,10 @@ class CostMeter:
             self.prefetch_cpu_s = self._ema(self.prefetch_cpu_s, max(0.0, prefetch_cpu_s) / prefetched_experts)
         if step_wall_s > 0:
             self.link_busy = self._ema(self.link_busy, min(1.0, max(0.0, on_demand_wall_s) / step_wall_s))
-        if used + wasted > 0:
-            self.used_share = self._ema(self.used_share, used / (used + wasted))
-        if promised[1] > 0:
-            self.promised = self._ema(self.promised, promised[0] / promised[1])
+        used, promised, count = settled
+        if count > 0:
+            self.used_share = self._ema(self.used_share, used / count)
+            self.promised = self._ema(self.promised, promised / count)
 
     @property
     def cost(self) -> PrefetchCost | None:
@@ -165,3 +169,46 @@ class CostMeter:
             scale = max(self.MIN_USED_SCALE, self.used_share / self.promised)
         return PrefetchCost(self.miss_s, self.prefetch_cpu_s, self.contention, self.link_busy or 0.0, scale,
                             self.preempt)
+
+
+class UseLedger:
+    """What the forecasts promised against what the layers used (``CostMeter``'s ``used_scale``; issue 47, session
+    49): for each MoE layer, the candidates of its latest forecast that were not resident — those a gate decides on,
+    prefetched or refused — with their chance of use (``expect``, from ``core.prefetch_queue.submit_forecast``);
+    when the layer is next planned, how many of them it used (``settle``, from the runtime's prefetcher and the
+    simulator before ``SlotTable.plan_layer``). A newer forecast of a layer replaces the older one's candidates.
+
+    Attributes are private; ``take`` returns ``(used, summed chance, candidates)`` settled since its last call.
+    """
+
+    def __init__(self) -> None:
+        self._pending: dict[int, tuple[list[int], list[float]]] = {}
+        self._totals = [0, 0.0, 0]
+
+    def expect(self, layer: int, eids: list[int], chances: list[float]) -> None:
+        """Layer ``layer``'s latest forecast: candidates ``eids`` (global expert ids, not resident) with their chance
+        of use ``chances`` (same length); replaces what an older forecast said about the layer."""
+        self._pending[layer] = (eids, chances)
+
+    def settle(self, layer: int, needed) -> None:
+        """Layer ``layer`` runs needing experts ``needed`` (global ids): its pending candidates are counted, used or
+        not, and forgotten."""
+        entry = self._pending.pop(layer, None)
+        if entry is None or not entry[0]:
+            return
+        eids, chances = entry
+        need = set(needed)
+        t = self._totals
+        t[0] += sum(1 for e in eids if e in need)
+        t[1] += sum(chances)
+        t[2] += len(eids)
+
+    def take(self) -> tuple[int, float, int]:
+        """``(used, summed chance of use, candidates)`` settled since the last call."""
+        out = tuple(self._totals)
+        self._totals = [0, 0.0, 0]
+        return out
+
+    def clear(self) -> None:
+        """Forget the pending candidates (a new request: its layers will not run the forecasts' steps)."""
+        self._pending.clear()

@@ -62,9 +62,9 @@ class PrefetchScheduler(ABC):
         self.gate = None
         #: tasks ``submit_forecast`` left out because the gate found them not worth their cost
         self.gated = 0
-        #: the summed chance of use (``inclusion_probabilities``) of the tasks the gate queued, and their count,
-        #: since the cost meter last read them (``runtime.prefetcher``)
-        self.promised = [0.0, 0]
+        #: ``core.prefetch_cost.UseLedger`` the forecasts' candidates are recorded in for a cost meter to calibrate
+        #: the gate (None: not recorded; set by the runtime's prefetcher and the simulator for a ``+gate`` policy)
+        self.ledger = None
 
     @staticmethod
     def _check_bandwidth(b: float) -> None:
@@ -231,6 +231,8 @@ class PrefetchScheduler(ABC):
         self._b_cur = self._b_avg
         self._issued = 0
         self._idle = False
+        if self.ledger is not None:
+            self.ledger.clear()
 
 
 def submit_forecast(scheduler: PrefetchScheduler, forecast, num_moe_layers: int, num_experts: int, top_k: int,
@@ -248,7 +250,8 @@ def submit_forecast(scheduler: PrefetchScheduler, forecast, num_moe_layers: int,
     at, and every selection from there on discards tasks due by ``pos + 1`` (``PrefetchScheduler.advance``), so they
     could never be chosen.
 
-    While the gate is closed (``PrefetchCost.closed``: no task could pass it) no task is made at all.
+    While the gate is closed (``PrefetchCost.closed``: no task could pass it) no task is made; the candidates still
+    go to ``scheduler.ledger`` (when set), so that the gate keeps learning what the forecasts are worth.
 
     Raises:
         MoeOffloadError: as ``generate_tasks``.
@@ -261,10 +264,8 @@ def submit_forecast(scheduler: PrefetchScheduler, forecast, num_moe_layers: int,
         if hi - lo < 2:
             return
         lo, row = lo + 1, row[1:]
-    if gate is not None and gate.closed:
-        return
     keep = not_resident(table)
-    if gate is None:
+    if gate is None and scheduler.ledger is None:
         scheduler.submit(generate_tasks(row, (lo, hi), forecast.step + 1, num_moe_layers, num_experts, top_k,
                                         keep=keep))
         return
@@ -275,20 +276,30 @@ def submit_forecast(scheduler: PrefetchScheduler, forecast, num_moe_layers: int,
 def _gated_tasks(scheduler: PrefetchScheduler, gate, probs, layers: tuple[int, int], step_index: int,
                  num_moe_layers: int, num_experts: int, top_k: int, keep) -> list[PrefetchTask]:
     """``generate_tasks``' tasks (the same candidates, order and checks) of those ``gate.worth`` their cost by
-    their chance of use (``chance_of_use``), the chance and the gate's test computed for all candidates at once;
-    the candidates ``keep`` admits and the gate refuses are counted in ``scheduler.gated``, the chances of the
-    tasks made in ``scheduler.promised``."""
+    their chance of use (``chance_of_use``), the chance and the gate's test computed for all candidates at once
+    (``gate`` None: every one; closed: none); the candidates ``keep`` admits and the gate refuses are counted in
+    ``scheduler.gated``. Every candidate ``keep`` admits goes to ``scheduler.ledger`` (when set) with its chance,
+    one entry per layer (``UseLedger.expect``)."""
     lo, hi = check_task_args(layers, step_index, num_moe_layers, num_experts, top_k)
     a = _confidences(probs, hi - lo, num_experts)
     top, conf = top_candidates(a, prefetch_width(num_experts, top_k))
     chance = chance_of_use(conf, top_k, a.sum(axis=-1, keepdims=True))      # the candidates' only
-    worth = np.minimum(1.0, chance * gate.used_scale) > gate.threshold        # PrefetchCost.worth, vectorised
-    tasks, where, refused = candidate_tasks(top, conf, lo, step_index, num_moe_layers, num_experts, keep, worth)
+    worth = None
+    if gate is not None:                                                      # PrefetchCost.worth, vectorised
+        worth = (np.zeros(chance.shape, dtype=bool) if gate.closed
+                 else np.minimum(1.0, chance * gate.used_scale) > gate.threshold)
+    ledger = scheduler.ledger
+    kept: list[tuple[int, int]] | None = [] if ledger is not None else None
+    tasks, _, refused = candidate_tasks(top, conf, lo, step_index, num_moe_layers, num_experts, keep, worth, kept)
     scheduler.gated += refused
-    if tasks:
-        ch = chance.tolist()
-        scheduler.promised[0] += sum(ch[r][j] for r, j in where)
-        scheduler.promised[1] += len(tasks)
+    if ledger is not None:
+        ch, tp = chance.tolist(), top.tolist()
+        rows: list[tuple[list[int], list[float]]] = [([], []) for _ in range(hi - lo)]
+        for r, j in kept:
+            rows[r][0].append((lo + r) * num_experts + tp[r][j])
+            rows[r][1].append(ch[r][j])
+        for r, (eids, chances) in enumerate(rows):
+            ledger.expect(lo + r, eids, chances)
     return tasks
 
 

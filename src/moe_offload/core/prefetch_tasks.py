@@ -160,11 +160,13 @@ def generate_tasks(probs, layers: tuple[int, int], step_index: int, num_moe_laye
 
 
 def candidate_tasks(top: np.ndarray, conf: np.ndarray, lo: int, step_index: int, num_moe_layers: int,
-                    num_experts: int, keep=None, admit=None) -> tuple[list[PrefetchTask], list[tuple[int, int]], int]:
+                    num_experts: int, keep=None, admit=None,
+                    kept: list | None = None) -> tuple[list[PrefetchTask], list[tuple[int, int]], int]:
     """The task of each candidate (``top_candidates``' ``top`` / ``conf`` of layers ``lo ..``) that ``keep`` admits
     and ``admit`` (optional, bool ``[n, width]`` aligned with ``top``: e.g. a cost gate's verdict) does too, ordered
     by layer then rank (``generate_tasks``' order); each one's ``(row, rank)`` in ``top``; and how many candidates
-    ``keep`` admits and ``admit`` refuses (no task is made for them)."""
+    ``keep`` admits and ``admit`` refuses (no task is made for them). ``kept``: a list the ``(row, rank)`` of every
+    candidate ``keep`` admits is appended to, refused or not."""
     tasks, where = [], []
     add, task = tasks.append, PrefetchTask
     ok = admit.tolist() if admit is not None else None
@@ -175,6 +177,8 @@ def candidate_tasks(top: np.ndarray, conf: np.ndarray, lo: int, step_index: int,
         base = p * num_experts
         for j, (q, c) in enumerate(zip(qs, cs)):
             if keep is None or keep(base + q):
+                if kept is not None:
+                    kept.append((r, j))
                 if ok is not None and not ok[r][j]:
                     refused += 1
                     continue

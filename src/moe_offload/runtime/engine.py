@@ -198,6 +198,7 @@ class OffloadEngine:
         pf = self.prefetcher
         if pf is not None:
             pf.land_ready()
+            pf.settle(moe_layer, needed)
             plan = self.table.plan_layer(needed, counts, layer=moe_layer, hold=True)
         else:
             plan = self.table.plan_layer(needed, counts)

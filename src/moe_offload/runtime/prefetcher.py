@@ -30,7 +30,7 @@ import time
 import torch
 
 from ..core.prefetch import PrefetchScheduler, position, submit_forecast
-from ..core.prefetch_cost import CostMeter
+from ..core.prefetch_cost import CostMeter, UseLedger
 from ..core.prefill_prefetch import PrefillPrefetch
 from ..core.slots import Load, SlotTable
 from .cpu_account import io
@@ -66,7 +66,8 @@ class Prefetcher:
         self._demand = [0, 0.0]       # this step's on-demand experts and the wall seconds spent on them
         self._last_demand_s = 0.0     # the wall seconds of the last load_on_demand
         self._seen_prefetch = (0, 0.0)  # the transfer engine's prefetch copies and their CPU seconds at the last step
-        self._seen_fate = (0, 0)        # the slot table's prefetches used and wasted at the last step
+        if meter is not None:  # the forecasts' candidates against what the layers used: the gate's calibration
+            scheduler.ledger = UseLedger()
         self._step_t0 = 0.0             # when the current step began (perf_counter seconds)
         self.L, self.E, self.k = num_moe_layers, num_experts, top_k
         self.max_outstanding = max_outstanding or max(2, math.ceil(scheduler.b_avg) + 1)
@@ -94,23 +95,17 @@ class Prefetcher:
         """Feed the meter the ended step's on-demand copies (their count and wall time, measured here), its
         prefetch copies (their count and the CPU seconds of the thread that ran them: the transfer engine's
         ``prefetch_copies`` / ``prefetch_cpu_s``; on-demand copies run by the same worker are not in them), its wall
-        time (decode steps only), the prefetches the slot table saw used or wasted in it and the chance of use the
-        queued tasks were given (``core.prefetch_cost.CostMeter.observe``)."""
-        st, table, sched = self.transfer.stats, self.table, self.scheduler
+        time (decode steps only) and the forecasts' candidates settled in it (``core.prefetch_cost.UseLedger``;
+        ``CostMeter.observe``)."""
+        st, sched = self.transfer.stats, self.scheduler
         now = time.perf_counter()
         copies0, cpu0 = self._seen_prefetch
         if st.prefetch_copies < copies0:  # the transfer engine's stats were reset
             copies0, cpu0 = 0, 0.0
-        used0, wasted0 = self._seen_fate
-        if table.prefetches_used < used0 or table.prefetches_wasted < wasted0:  # the table's counts were reset
-            used0, wasted0 = 0, 0
         self.meter.observe(self._demand[0], self._demand[1], st.prefetch_copies - copies0, st.prefetch_cpu_s - cpu0,
                            step_wall_s=now - self._step_t0 if self.step >= 1 and self._step_t0 else 0.0,
-                           used=table.prefetches_used - used0, wasted=table.prefetches_wasted - wasted0,
-                           promised=tuple(sched.promised))
+                           settled=sched.ledger.take())
         self._seen_prefetch, self._demand = (st.prefetch_copies, st.prefetch_cpu_s), [0, 0.0]
-        self._seen_fate = (table.prefetches_used, table.prefetches_wasted)
-        sched.promised = [0.0, 0]
         sched.gate = self.meter.cost
 
     def observe(self, forecast) -> None:
@@ -127,6 +122,13 @@ class Prefetcher:
         if w:
             self.pool.set_lookup(list(w), list(w.values()))
             w.clear()
+
+    def settle(self, layer: int, needed: list[int]) -> None:
+        """Layer ``layer`` is about to be planned needing ``needed`` (global expert ids): the forecasts' candidates
+        for it are checked against them (``core.prefetch_cost.UseLedger.settle``; only with a cost meter)."""
+        ledger = self.scheduler.ledger
+        if ledger is not None:
+            ledger.settle(layer, needed)
 
     def land_ready(self) -> None:
         """Apply every finished prefetch copy (stale tags are ignored by the table)."""

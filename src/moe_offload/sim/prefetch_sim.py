@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 from ..core.prefetch import LINK_CHUNKS, link_time_after_chunk, make_scheduler, position, submit_forecast
 from ..core.forecast import triggered
-from ..core.prefetch_cost import CostMeter
+from ..core.prefetch_cost import CostMeter, UseLedger
 from ..core.prefill_prefetch import PrefillPrefetch
 from ..core.slots import SlotTable
 from ..errors import MoeOffloadError
@@ -138,6 +138,8 @@ def replay_with_prefetch(trace: Trace, num_slots: int, policy: PolicySpec | str,
     # a miss takes the link at a prefetch's next chunk boundary: it waits at most 1 / LINK_CHUNKS of a copy
     meter = (CostMeter(contention=1.0, preempt=1.0 / LINK_CHUNKS) if sched is not None and parse_policy(policy).gated
              else None)
+    if meter is not None:
+        sched.ledger = UseLedger()
     name = policy if scheduler is None else f"{policy}+{scheduler}"
     prefill = None if prefill_popularity is None or sched is None else PrefillPrefetch(prefill_popularity, L, E)
     replay = _LinkReplay(trace, table, sched, prefill, PrefetchReplayResult(policy=name, num_slots=num_slots),
@@ -165,10 +167,9 @@ class _LinkReplay:
                  costs: CoreCosts):
         self.L, self.E, self.k = trace.num_moe_layers, trace.num_experts, trace.top_k
         self.costs = costs
-        # this step so far: on-demand loads, stall, prefetches started, its start; the table's used / wasted counts
-        # when it began (``meter_step``)
+        # this step so far: on-demand loads, stall, prefetches started, its start (``meter_step``)
         self.step_loads, self.step_stall, self.step_prefetches, self.step_t0 = 0, 0.0, 0, 0.0
-        self.step_decode, self.fate0 = False, (0, 0)
+        self.step_decode = False
         self.table, self.sched, self.prefill, self.res = table, sched, prefill, res
         self.observe = getattr(table.policy, "observe", None)
         self.d = 1.0 / link_epl + costs.copy  # one expert copy: its read, then its staging copy
@@ -182,16 +183,15 @@ class _LinkReplay:
     def meter_step(self, meter: CostMeter) -> None:
         """A step begins: feed ``meter`` what the step that ended measured (a decode step's; ``CostMeter.observe``,
         in layer times) and make its cost the scheduler's gate, as the runtime's prefetcher does."""
-        table, sched = self.table, self.sched
+        sched = self.sched
         if self.step_decode:
             meter.observe(self.step_loads, self.step_stall, self.step_prefetches,
                           self.step_prefetches * self.costs.prefetch_cpu, step_wall_s=self.now - self.step_t0,
-                          used=table.prefetches_used - self.fate0[0], wasted=table.prefetches_wasted - self.fate0[1],
-                          promised=tuple(sched.promised))
+                          settled=sched.ledger.take())
             sched.gate = meter.cost
-        sched.promised = [0.0, 0]
+        else:
+            sched.ledger.take()  # a prefill's settlements are not a decode step's
         self.step_loads, self.step_stall, self.step_prefetches, self.step_t0 = 0, 0.0, 0, self.now
-        self.fate0 = (table.prefetches_used, table.prefetches_wasted)
 
     def start(self, ld, t0: float) -> float:
         """Queue prefetch ``ld`` on the link from ``t0`` (after what it carries); returns when it lands."""
@@ -219,6 +219,8 @@ class _LinkReplay:
             res.prefetches_used += sum(1 for e in needed
                                        if e in self.prefetched and (table.is_resident(e) or table.in_flight(e)))
             self.prefetched.difference_update(needed)
+        if self.sched is not None and self.sched.ledger is not None:
+            self.sched.ledger.settle(p, needed)
         plan = table.plan_layer(needed, tokens, layer=p, hold=True)
         self.hand_over(triggered(events, p, planned=True))
         ready = self.on_demand(plan)
