@@ -56,7 +56,7 @@ class PrefetchCost:
         contention: the share of ``prefetch_cpu_s`` the compute loses, in [0, 1].
         link_busy: the share of a step the link carries the misses' reads (the step's wait on them), in [0, 1].
         used_scale: a forecast's chance of use times this is the chance a prefetch is used (> 0; measured: the
-            share of prefetches used over the mean chance of the tasks queued).
+            share of the forecasts' candidates their layer used over their mean chance of use, ``UseLedger``).
         preempt: the most a miss waits behind a prefetch already reading, as a share of one read, in (0, 1] (the
             copy engine's ``preempt_share``).
     Raises:
@@ -110,8 +110,8 @@ class PrefetchCost:
 class CostMeter:
     """A ``PrefetchCost`` measured as the runtime runs, from exponential moving averages of per-decode-step samples
     (``observe``): the on-demand copies' wall seconds per expert (``miss_s``), the prefetch copies' CPU seconds per
-    expert, the share of the step spent waiting on the misses (``link_busy``) and the share of prefetches used over
-    the chance the forecasts promised them (``used_scale``). ``cost`` is None until the first two have been seen
+    expert, the share of the step spent waiting on the misses (``link_busy``) and the share of the forecasts'
+    candidates their layer used over the chance the forecasts gave them (``used_scale``, from a ``UseLedger``). ``cost`` is None until the first two have been seen
     (no gate before the first measurements); the last two start at 0 and 1.
 
     Args:
