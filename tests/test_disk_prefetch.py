@@ -11,31 +11,11 @@ import numpy as np
 import pytest
 
 from moe_offload.errors import MoeOffloadError
-from moe_offload.models.loader import load_offloaded
-from moe_offload.runtime.disk_store import IO_ALIGN, DiskReadStats, DiskStore, StopFlag, copy_concurrently
+from moe_offload.runtime.disk_store import IO_ALIGN, DiskReadStats, StopFlag, copy_concurrently
 from moe_offload.runtime.kernels import native
 from moe_offload.runtime.transfer import TransferEngine
 
-
-@pytest.fixture(scope="module")
-def stores(tiny_dirs):
-    """The tiny gpt_oss checkpoint's experts: a private (pinned) store to compare with, and a disk store reading in
-    4 KiB prefetch chunks."""
-    pinned = load_offloaded(tiny_dirs["gpt_oss"], device="cpu", residency=0.3, progress=False)
-    disk = load_offloaded(tiny_dirs["gpt_oss"], device="cpu", residency=0.3, progress=False, host_store="disk")
-    disk.engine.store.prefetch_chunk = IO_ALIGN
-    yield pinned.engine.store, disk.engine.store, disk.engine.pool
-    pinned.close()
-    disk.close()
-
-
-def _fields_equal(store, got: np.ndarray, want: np.ndarray) -> bool:
-    return all(np.array_equal(got[f.offset:f.offset + f.nbytes], want[f.offset:f.offset + f.nbytes])
-               for f in store.layout.fields)  # padding between fields is not read
-
-
-def _largest_expert(store: DiskStore) -> int:
-    return max(range(store.num_experts_total), key=lambda e: sum(s.need for s in store.spans(e)))
+from disk_fixtures import fields_equal, largest_expert, stores  # noqa: F401 (stores: a fixture)
 
 
 def _needs_native(path: str) -> None:
@@ -50,7 +30,7 @@ def test_prefetch_yields_to_on_demand_reads(stores, path):
     ``StopFlag``), or Python asking a ``stopped()`` callable at each chunk."""
     _needs_native(path)
     pinned, disk, _ = stores
-    eid = _largest_expert(disk)
+    eid = largest_expert(disk)
     assert sum(s.need for s in disk.spans(eid)) > IO_ALIGN  # several chunks
     got = np.zeros(disk.layout.expert_bytes, dtype=np.uint8)
     disk.reset_stats()
@@ -62,7 +42,7 @@ def test_prefetch_yields_to_on_demand_reads(stores, path):
         time.sleep(0.2)
         assert t.is_alive() and disk.stats.requests == 0 and not got.any()  # nothing read yet
     t.join(10)
-    assert result == [True] and _fields_equal(disk, got, pinned.buf.numpy()[eid])
+    assert result == [True] and fields_equal(disk, got, pinned.buf.numpy()[eid])
     assert disk.stats.requests == sum(-(-s.need // IO_ALIGN) for s in disk.spans(eid))  # one request per chunk
     assert disk.stats.prefetch_yields == 1
     assert disk.stats.prefetch_cancelled == 0 and disk.stats.experts == 1
@@ -71,7 +51,7 @@ def test_prefetch_yields_to_on_demand_reads(stores, path):
 def test_stopped_prefetch_stops_at_a_chunk(stores):
     """``stopped()`` turning true after the first chunk: one request, False returned, counted as cancelled."""
     _, disk, _ = stores
-    eid = _largest_expert(disk)
+    eid = largest_expert(disk)
     got = np.zeros(disk.layout.expert_bytes, dtype=np.uint8)
     disk.reset_stats()
     asked = []
@@ -90,7 +70,7 @@ def test_native_prefetch_stopped_while_it_yields(stores):
     (False, counted as cancelled, its bytes not counted); one set before the call reads nothing either."""
     _needs_native("native")
     _, disk, _ = stores
-    eid = _largest_expert(disk)
+    eid = largest_expert(disk)
     got = np.zeros(disk.layout.expert_bytes, dtype=np.uint8)
     disk.reset_stats()
     flag, result = StopFlag(), []
@@ -115,7 +95,7 @@ def test_transfer_cancel_stops_a_running_disk_copy(stores, monkeypatch):
     ``failed``)."""
     _, disk, pool = stores
     monkeypatch.setattr(disk, "_kernel", None)  # chunks read in Python, so that the test can hold one
-    eid = _largest_expert(disk)
+    eid = largest_expert(disk)
     entered, release = threading.Event(), threading.Event()
     real = disk._read_span
 
@@ -145,7 +125,7 @@ def test_transfer_cancel_stops_a_native_disk_copy(stores):
     made."""
     _needs_native("native")
     _, disk, pool = stores
-    eid = _largest_expert(disk)
+    eid = largest_expert(disk)
     disk.reset_stats()
     eng = TransferEngine(disk, pool)
     try:
@@ -229,7 +209,7 @@ def test_transfer_copy_now_reads_misses_at_once_from_disk(stores):
     try:
         assert eng.copy_now([4, 5, 6], [0, 1, 2]) is True
         rows = pool.buf.numpy()
-        assert all(_fields_equal(disk, rows[s], pinned.buf.numpy()[e]) for e, s in ((4, 0), (5, 1), (6, 2)))
+        assert all(fields_equal(disk, rows[s], pinned.buf.numpy()[e]) for e, s in ((4, 0), (5, 1), (6, 2)))
         assert {d for _, d in disk.stats.demand_reads} == {3} and eng.stats.submitted == 0
         assert (eng.stats.copies, eng.stats.bytes_copied) == (3, 3 * disk.layout.expert_bytes)
         with pytest.raises(MoeOffloadError, match="slot -1 out of range"):

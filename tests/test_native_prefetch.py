@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from moe_offload.errors import MoeOffloadError
-from moe_offload.models.loader import load_offloaded
 from moe_offload.runtime.cpu_account import CpuAccount, attach
 from moe_offload.runtime.disk_store import IO_ALIGN, DiskStore
 from moe_offload.runtime.kernels import native
@@ -23,19 +22,9 @@ from moe_offload.runtime.pool import SlotPool
 from moe_offload.runtime.store import ExpertLayout
 from moe_offload.runtime.transfer import TransferEngine, make_transfer_engine
 
+from disk_fixtures import fields_equal, largest_expert, stores  # noqa: F401 (stores: a fixture)
+
 pytestmark = pytest.mark.skipif(native() is None, reason="the native kernels are not built here")
-
-
-@pytest.fixture(scope="module")
-def stores(tiny_dirs):
-    """The tiny gpt_oss checkpoint's experts: a private (pinned) store to compare with, and a disk store reading in
-    4 KiB prefetch chunks, with its pool."""
-    pinned = load_offloaded(tiny_dirs["gpt_oss"], device="cpu", residency=0.3, progress=False)
-    disk = load_offloaded(tiny_dirs["gpt_oss"], device="cpu", residency=0.3, progress=False, host_store="disk")
-    disk.engine.store.prefetch_chunk = IO_ALIGN
-    yield pinned.engine.store, disk.engine.store, disk.engine.pool
-    pinned.close()
-    disk.close()
 
 
 @pytest.fixture
@@ -45,15 +34,6 @@ def queue(stores):
     q = NativePrefetchQueue(disk, pool)
     yield q
     q.close()
-
-
-def _fields_equal(store, got: np.ndarray, want: np.ndarray) -> bool:
-    return all(np.array_equal(got[f.offset:f.offset + f.nbytes], want[f.offset:f.offset + f.nbytes])
-               for f in store.layout.fields)  # padding between fields is not read
-
-
-def _largest_expert(store: DiskStore) -> int:
-    return max(range(store.num_experts_total), key=lambda e: sum(s.need for s in store.spans(e)))
 
 
 def _collect(q, n: int, timeout: float = 10.0) -> list:
@@ -89,7 +69,7 @@ def test_copies_land_right_bytes_in_right_slots_in_order(stores, queue):
                                                                                for e, s, t in plan]
     assert all(ld.started_at <= ld.finished_at for ld in landings)
     rows = pool.buf.numpy()
-    assert all(_fields_equal(disk, rows[s], pinned.buf.numpy()[e]) for e, s, _ in plan)
+    assert all(fields_equal(disk, rows[s], pinned.buf.numpy()[e]) for e, s, _ in plan)
     st = queue.stats
     assert (st.submitted, st.copies, st.prefetch_copies, st.cancelled, st.failed) == (4, 4, 4, 0, 0)
     assert st.bytes_copied == 4 * disk.layout.expert_bytes and st.prefetch_cpu_s > 0
@@ -120,7 +100,7 @@ def test_cancel_drops_a_queued_copy_and_stops_a_running_one(stores, queue):
     returns False and it lands cancelled with no request made; the queued one behind it is dropped (True) and lands
     cancelled without having started. Counted as cancelled, not failed; the store counts one stopped prefetch."""
     _, disk, _ = stores
-    big = _largest_expert(disk)
+    big = largest_expert(disk)
     with disk._on_demand():
         queue.submit(big, 0, 1)
         queue.submit(3, 1, 2)
@@ -171,7 +151,7 @@ def test_copy_now_and_the_cpu_account(stores, queue):
     try:
         assert queue.copy_now([4, 5], [0, 1]) is True
         rows = pool.buf.numpy()
-        assert _fields_equal(disk, rows[1], pinned.buf.numpy()[5])
+        assert fields_equal(disk, rows[1], pinned.buf.numpy()[5])
         queue.submit(6, 2)
         assert _collect(queue, 1)[0].ok  # not waited for: a prefetch (a copy waited for is read as on demand)
         st = queue.stats
