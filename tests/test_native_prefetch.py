@@ -186,3 +186,23 @@ def test_a_failed_read_lands_failed_with_the_stores_message(tmp_path):
     finally:
         q.close()
         store.close()
+
+
+def test_a_queue_dropped_without_close_stops_its_running_read(stores):
+    """A queue never closed, dropped while its running prefetch yields to an on-demand read this thread holds: the
+    destructor stops the read at its chunk (it does not wait for the on-demand read to end) and joins the worker."""
+    import gc
+
+    _, disk, pool = stores
+    q = NativePrefetchQueue(disk, pool)
+    big = largest_expert(disk)
+    with disk._on_demand():
+        q.submit(big, 0)
+        deadline = time.perf_counter() + 10
+        while q.in_flight() != [big]:
+            assert time.perf_counter() < deadline
+            time.sleep(0.001)
+        t0 = time.perf_counter()
+        del q
+        gc.collect()
+        assert time.perf_counter() - t0 < 5.0

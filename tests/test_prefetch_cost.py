@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from moe_offload.core.policy_spec import parse_policy
-from moe_offload.core.prefetch import JSDScheduler, submit_forecast
+from moe_offload.core.prefetch import JSDScheduler, position, submit_forecast
 from moe_offload.core.prefetch_cost import CostMeter, PrefetchCost, UseLedger
 from moe_offload.errors import MoeOffloadError
 from moe_offload.generation.generate import encode_prompt, generate_ids
@@ -136,7 +136,8 @@ def test_submit_forecast_queues_only_the_tasks_worth_their_cost():
         submit_forecast(gated, fc, num_moe_layers=2, num_experts=5, top_k=top_k)
         assert gated.gated == left_out
         assert sorted(round(e[0], 2) for e in gated._queue.values()) == kept  # queued with their own confidence
-        # every candidate goes to the ledger, refused or not, in chances of use: layer 0 then needs experts 0 and 3
+        # every candidate goes to the ledger, refused or not, in chances of use: layer 0 of step 1 (position 0)
+        # then needs experts 0 and 3
         gated.ledger.settle(0, [0, 3])
         assert gated.ledger.take() == (2, pytest.approx(1.0 * top_k), 4)
     shut = JSDScheduler(b_avg=4.0, auto_ema=False)
@@ -146,6 +147,13 @@ def test_submit_forecast_queues_only_the_tasks_worth_their_cost():
     assert len(shut) == 0 and shut.gated == 4
     shut.ledger.settle(0, [1])
     assert shut.ledger.take() == (1, pytest.approx(1.0), 4)  # the closed gate still learns
+    # a forecast made in step 1 for step 2 (SeqMoE's predictor) waits for step 2: layer 0 of step 1 settles nothing
+    ahead = SimpleNamespace(probs=probs, layers=(0, 1), step=1, cross_layer=False)
+    submit_forecast(shut, ahead, num_moe_layers=2, num_experts=5, top_k=1)
+    shut.ledger.settle(position(1, 0, 2), [0])
+    assert shut.ledger.take() == (0, 0.0, 0)
+    shut.ledger.settle(position(2, 0, 2), [0])
+    assert shut.ledger.take() == (1, pytest.approx(1.0), 4)
 
 
 def test_gated_prefetching_from_disk_is_lossless_and_measures_its_costs(tiny_dirs):

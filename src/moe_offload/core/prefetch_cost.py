@@ -111,8 +111,9 @@ class CostMeter:
     """A ``PrefetchCost`` measured as the runtime runs, from exponential moving averages of per-decode-step samples
     (``observe``): the on-demand copies' wall seconds per expert (``miss_s``), the prefetch copies' CPU seconds per
     expert, the share of the step spent waiting on the misses (``link_busy``) and the share of the forecasts'
-    candidates their layer used over the chance the forecasts gave them (``used_scale``, from a ``UseLedger``). ``cost`` is None until the first two have been seen
-    (no gate before the first measurements); the last two start at 0 and 1.
+    candidates their layer used over the chance the forecasts gave them (``used_scale``, from a ``UseLedger``).
+    ``cost`` is None until the first two have been seen (no gate before the first measurements); the last two start
+    at 0 and 1.
 
     Args:
         contention, preempt: as ``PrefetchCost``.
@@ -173,10 +174,12 @@ class CostMeter:
 
 class UseLedger:
     """What the forecasts promised against what the layers used (``CostMeter``'s ``used_scale``; issue 47, session
-    49): for each MoE layer, the candidates of its latest forecast that were not resident — those a gate decides on,
-    prefetched or refused — with their chance of use (``expect``, from ``core.prefetch_queue.submit_forecast``);
-    when the layer is next planned, how many of them it used (``settle``, from the runtime's prefetcher and the
-    simulator before ``SlotTable.plan_layer``). A newer forecast of a layer replaces the older one's candidates.
+    49): for each position a layer runs at (``core.prefetch_tasks.position(step, layer, L)``: a forecast's task
+    deadline), the candidates of its latest forecast that were not resident — those a gate decides on, prefetched
+    or refused — with their chance of use (``expect``, from ``core.prefetch_queue.submit_forecast``); when the layer
+    runs at that position, how many of them it used (``settle``, from the runtime's prefetcher and the simulator
+    before ``SlotTable.plan_layer``). A newer forecast of the same position replaces the older one's candidates; a
+    forecast for the next step (SeqMoE's predictor) waits for that step.
 
     Attributes are private; ``take`` returns ``(used, summed chance, candidates)`` settled since its last call.
     """
@@ -185,15 +188,15 @@ class UseLedger:
         self._pending: dict[int, tuple[list[int], list[float]]] = {}
         self._totals = [0, 0.0, 0]
 
-    def expect(self, layer: int, eids: list[int], chances: list[float]) -> None:
-        """Layer ``layer``'s latest forecast: candidates ``eids`` (global expert ids, not resident) with their chance
-        of use ``chances`` (same length); replaces what an older forecast said about the layer."""
-        self._pending[layer] = (eids, chances)
+    def expect(self, pos: int, eids: list[int], chances: list[float]) -> None:
+        """The latest forecast for position ``pos``: candidates ``eids`` (global expert ids, ``layer * E + expert``,
+        not resident) with their chance of use ``chances`` (same length); replaces an older forecast's."""
+        self._pending[pos] = (eids, chances)
 
-    def settle(self, layer: int, needed) -> None:
-        """Layer ``layer`` runs needing experts ``needed`` (global ids): its pending candidates are counted, used or
-        not, and forgotten."""
-        entry = self._pending.pop(layer, None)
+    def settle(self, pos: int, needed) -> None:
+        """A layer runs at position ``pos`` needing experts ``needed`` (global ids, ``layer * E + expert``): the
+        candidates pending for it are counted, used or not, and forgotten."""
+        entry = self._pending.pop(pos, None)
         if entry is None or not entry[0]:
             return
         eids, chances = entry

@@ -299,7 +299,7 @@ def _gated_tasks(scheduler: PrefetchScheduler, gate, probs, layers: tuple[int, i
             rows[r][0].append((lo + r) * num_experts + tp[r][j])
             rows[r][1].append(ch[r][j])
         for r, (eids, chances) in enumerate(rows):
-            ledger.expect(lo + r, eids, chances)
+            ledger.expect(position(step_index, lo + r, num_moe_layers), eids, chances)
     return tasks
 
 

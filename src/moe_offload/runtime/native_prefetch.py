@@ -60,6 +60,10 @@ class NativePrefetchQueue:
         seconds_per_expert, link_gbps: None (no link emulation; ``TransferEngine`` emulates links).
         fatal: None (the native worker reports a failed read as a failed landing and goes on).
 
+    The store's ``prefetch_chunk`` is taken at construction (``TransferEngine`` reads it at each copy). The worker's
+    seconds and the prefetched bytes reach the CPU account when collected (``poll`` with landings, ``wait``,
+    ``close``), not when read: a read between two decode steps is charged to the next.
+
     Raises:
         MoeOffloadError: the layouts differ, or the store cannot be served (``native_queue_possible``).
     """
@@ -161,22 +165,28 @@ class NativePrefetchQueue:
 
     @property
     def paused(self) -> bool:
+        """Whether ``pause`` is in effect."""
         return self._q.paused()
 
     def outstanding(self) -> int:
+        """Copies queued or in flight."""
         return self._q.outstanding()
 
     def in_flight(self) -> list[int]:
+        """The expert whose copy is running (at most one)."""
         running = self._q.jobs()[1]
         return [running] if running >= 0 else []
 
     def queued(self) -> list[int]:
+        """Experts whose copy is queued, in the order they will start."""
         return list(self._q.jobs()[0])
 
     def pending(self, eid: int) -> bool:
+        """Whether a copy of ``eid`` is queued or in flight."""
         return self._q.pending(int(eid))
 
     def idle(self) -> bool:
+        """Whether no copy is queued or in flight (landings may still be unreported)."""
         return self._q.outstanding() == 0
 
     def copy_now(self, eids: list[int], slots: list[int]) -> bool:
@@ -209,6 +219,8 @@ class NativePrefetchQueue:
                              prefetch_copies=counts[_PREFETCH_COPIES], prefetch_cpu_s=secs[_PREFETCH_CPU])
 
     def reset_stats(self) -> None:
+        """Zero ``stats`` (what the worker counted so far is first folded into the store's statistics and the CPU
+        account; a read ending between the two calls is not counted there)."""
         self._collect()
         self._q.reset_stats()
         self._seen = ([0] * 12, [0.0] * 8)
@@ -216,10 +228,12 @@ class NativePrefetchQueue:
 
     @property
     def closed(self) -> bool:
+        """Whether ``close`` was called (submissions are refused)."""
         return self._q.closed()
 
     @property
     def worker_alive(self) -> bool:
+        """Whether the native worker thread runs (False after ``close``)."""
         return self._q.alive()
 
     def close(self, drain: bool = False, timeout: float | None = None) -> None:

@@ -102,9 +102,12 @@ class Prefetcher:
         copies0, cpu0 = self._seen_prefetch
         if st.prefetch_copies < copies0:  # the transfer engine's stats were reset
             copies0, cpu0 = 0, 0.0
+        settled = sched.ledger.take()
+        if self.step == 0:  # a prefill's settlements (many tokens' experts) are not a decode step's, as in the simulator
+            settled = (0, 0.0, 0)
         self.meter.observe(self._demand[0], self._demand[1], st.prefetch_copies - copies0, st.prefetch_cpu_s - cpu0,
                            step_wall_s=now - self._step_t0 if self.step >= 1 and self._step_t0 else 0.0,
-                           settled=sched.ledger.take())
+                           settled=settled)
         self._seen_prefetch, self._demand = (st.prefetch_copies, st.prefetch_cpu_s), [0, 0.0]
         sched.gate = self.meter.cost
 
@@ -128,7 +131,7 @@ class Prefetcher:
         for it are checked against them (``core.prefetch_cost.UseLedger.settle``; only with a cost meter)."""
         ledger = self.scheduler.ledger
         if ledger is not None:
-            ledger.settle(layer, needed)
+            ledger.settle(position(self.step, layer, self.L), needed)
 
     def land_ready(self) -> None:
         """Apply every finished prefetch copy (stale tags are ignored by the table)."""

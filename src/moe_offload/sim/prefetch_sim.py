@@ -220,7 +220,7 @@ class _LinkReplay:
                                        if e in self.prefetched and (table.is_resident(e) or table.in_flight(e)))
             self.prefetched.difference_update(needed)
         if self.sched is not None and self.sched.ledger is not None:
-            self.sched.ledger.settle(p, needed)
+            self.sched.ledger.settle(position(step, p, self.L), needed)
         plan = table.plan_layer(needed, tokens, layer=p, hold=True)
         self.hand_over(triggered(events, p, planned=True))
         ready = self.on_demand(plan)

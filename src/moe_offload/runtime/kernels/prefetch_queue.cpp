@@ -104,7 +104,20 @@ class PrefetchQueue {
     worker_ = std::thread([this, cpus, realtime] { run(cpus, realtime); });
   }
 
-  ~PrefetchQueue() { shut(false, -1.0); }
+  // Never closed from Python (or its close timed out): the running read is stopped at its next chunk, and the
+  // interpreter lock released while the worker ends, since a read yielding to a miss waits for Python to end it.
+  ~PrefetchQueue() {
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      if (current_) __atomic_store_n(&current_->stop, 1, __ATOMIC_RELEASE);
+    }
+    if (Py_IsInitialized() && PyGILState_Check()) {
+      py::gil_scoped_release release;
+      shut(false, -1.0);
+    } else {
+      shut(false, -1.0);
+    }
+  }
 
   int64_t num_experts() const { return num_experts_; }
 
@@ -385,20 +398,22 @@ void bind_prefetch_queue(py::module_& m) {
            py::arg("fds"), py::arg("direct"), py::arg("span_index"), py::arg("spans"), py::arg("piece_index"),
            py::arg("pieces"), py::arg("slots"), py::arg("staging"), py::arg("demand"), py::arg("chunk"),
            py::arg("cpus"), py::arg("realtime"))
-      .def("num_experts", &PrefetchQueue::num_experts)
-      .def("submit", &PrefetchQueue::submit)
-      .def("poll", &PrefetchQueue::poll)
-      .def("wait", &PrefetchQueue::wait)
-      .def("cancel", &PrefetchQueue::cancel)
-      .def("pause", &PrefetchQueue::pause)
-      .def("resume", &PrefetchQueue::resume)
-      .def("paused", &PrefetchQueue::paused)
-      .def("jobs", &PrefetchQueue::jobs)
-      .def("outstanding", &PrefetchQueue::outstanding)
-      .def("pending", &PrefetchQueue::pending)
-      .def("stats", &PrefetchQueue::stats)
-      .def("reset_stats", &PrefetchQueue::reset_stats)
-      .def("close", &PrefetchQueue::close)
-      .def("closed", &PrefetchQueue::closed)
-      .def("alive", &PrefetchQueue::alive);
+      .def("num_experts", &PrefetchQueue::num_experts, "N, the experts it can read")
+      .def("submit", &PrefetchQueue::submit, "enqueue (eid, slot, tag, on_demand): 0 queued, 1 closed, 2 a duplicate")
+      .def("poll", &PrefetchQueue::poll, "the landings not yet reported: (seq, eid, slot, tag, status 0 ok / 1 "
+           "cancelled / 2 failed, on_demand, errno or -1, error span, error offset, started, finished)")
+      .def("wait", &PrefetchQueue::wait, "(eid, timeout_s < 0: none) -> (0 landing, 1 none, 2 timeout; landing), "
+           "without the GIL")
+      .def("cancel", &PrefetchQueue::cancel, "drop a queued copy (True) or stop a running one at its next chunk")
+      .def("pause", &PrefetchQueue::pause, "start no new copy until resume (a waited copy still starts)")
+      .def("resume", &PrefetchQueue::resume, "let queued copies start again")
+      .def("paused", &PrefetchQueue::paused, "whether paused")
+      .def("jobs", &PrefetchQueue::jobs, "(queued experts in start order, the running one or -1)")
+      .def("outstanding", &PrefetchQueue::outstanding, "copies queued or running")
+      .def("pending", &PrefetchQueue::pending, "whether a copy of eid is queued or running")
+      .def("stats", &PrefetchQueue::stats, "(counts, seconds) since the last reset: prefetch_queue.cpp's stats()")
+      .def("reset_stats", &PrefetchQueue::reset_stats, "zero the counters")
+      .def("close", &PrefetchQueue::close, "(drain, timeout_s): stop and join the worker; False on timeout")
+      .def("closed", &PrefetchQueue::closed, "whether closed")
+      .def("alive", &PrefetchQueue::alive, "whether the worker thread runs");
 }
