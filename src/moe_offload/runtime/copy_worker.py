@@ -14,6 +14,7 @@ import time
 import torch
 
 from ..common.threads import io_thread_realtime, pin_io_thread
+from ..errors import MoeOffloadError
 from .cpu_account import io
 from .direct_io import StopFlag
 from .emulated_clock import sleep_until as _sleep_until
@@ -43,6 +44,17 @@ class _Job:
 
 class CopyCancelled(Exception):
     """A running copy stopped at a chunk because it was cancelled (``TransferEngine.cancel``)."""
+
+
+def check_copy(store, pool, eid: int, slot: int) -> None:
+    """A copy engine's check of one copy (``TransferEngine``, ``runtime.native_prefetch.NativePrefetchQueue``).
+
+    Raises:
+        MoeOffloadError: ``eid`` not in ``[0, store.num_experts_total)`` or ``slot`` not in ``[0, pool.num_slots)``."""
+    if not 0 <= eid < store.num_experts_total:
+        raise MoeOffloadError(f"expert id {eid} out of range [0, {store.num_experts_total})")
+    if not 0 <= slot < pool.num_slots:
+        raise MoeOffloadError(f"slot {slot} out of range [0, {pool.num_slots})")
 
 
 def copy_misses_now(store, rows, eids: list[int], slots: list[int], non_blocking: bool) -> float:

@@ -25,7 +25,7 @@ import torch
 from ..common.threads import io_thread_settings
 from ..errors import MoeOffloadError
 from . import huge_pages
-from .copy_worker import copy_misses_now
+from .copy_worker import check_copy, copy_misses_now
 from .direct_io import IO_ALIGN, native_plan, read_error
 from .landing import Landing, TransferStats
 from .pool import SlotPool
@@ -113,10 +113,7 @@ class NativePrefetchQueue:
             MoeOffloadError: ``eid`` or ``slot`` out of range, a copy of ``eid`` already queued or running, or the
                 queue is closed."""
         eid, slot = int(eid), int(slot)
-        if not 0 <= eid < self.store.num_experts_total:
-            raise MoeOffloadError(f"expert id {eid} out of range [0, {self.store.num_experts_total})")
-        if not 0 <= slot < self.pool.num_slots:
-            raise MoeOffloadError(f"slot {slot} out of range [0, {self.pool.num_slots})")
+        check_copy(self.store, self.pool, eid, slot)
         code = self._q.submit(eid, slot, int(tag), bool(on_demand))
         if code == 1:
             raise MoeOffloadError("the transfer engine is closed")
@@ -199,8 +196,7 @@ class NativePrefetchQueue:
         if self._q.closed():
             return False
         for eid, slot in zip(eids, slots):
-            if not (0 <= eid < self.store.num_experts_total and 0 <= slot < self.pool.num_slots):
-                raise MoeOffloadError(f"expert {eid} or slot {slot} out of range")
+            check_copy(self.store, self.pool, eid, slot)
         busy = copy_misses_now(self.store, self._rows, eids, slots, False)
         self._extra.copies += len(eids)
         self._extra.bytes_copied += len(eids) * self.expert_bytes

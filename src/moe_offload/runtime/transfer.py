@@ -50,7 +50,7 @@ import torch
 
 from ..common.threads import short_switch_interval
 from ..errors import MoeOffloadError
-from .copy_worker import _DONE, _QUEUED, _RUNNING, CopyWorker, _Job, _sleep_until
+from .copy_worker import _DONE, _QUEUED, _RUNNING, CopyWorker, _Job, _sleep_until, check_copy
 from .landing import Landing, TransferStats
 from .native_prefetch import NativePrefetchQueue, native_queue_possible
 from .pool import SlotPool
@@ -173,12 +173,8 @@ class TransferEngine(CopyWorker):
             self._cond.notify_all()
 
     def _check(self, eid: int, slot: int) -> None:
-        """Raises MoeOffloadError unless ``eid`` is in ``[0, store.num_experts_total)`` and ``slot`` in
-        ``[0, pool.num_slots)``."""
-        if not 0 <= eid < self.store.num_experts_total:
-            raise MoeOffloadError(f"expert id {eid} out of range [0, {self.store.num_experts_total})")
-        if not 0 <= slot < self.pool.num_slots:
-            raise MoeOffloadError(f"slot {slot} out of range [0, {self.pool.num_slots})")
+        """``copy_worker.check_copy`` for this engine's store and pool."""
+        check_copy(self.store, self.pool, eid, slot)
 
     def poll(self) -> list[Landing]:
         """The copies that completed (or were cancelled / failed) since the last ``poll``, in completion order.
