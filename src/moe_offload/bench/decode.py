@@ -257,7 +257,7 @@ def _record_routing(path, prompts, max_new_tokens, device, dtype, xl: bool = Fal
     """The routing of every measured run — the warm-up request, then the prompts — recorded once on an unmeasured
     offloaded run at residency 1.0 (a lossless run routes identically at any residency and policy); with ``xl`` also
     the cross-layer forecasts (``trace collect --xl-forecasts``)."""
-    from ..runtime.cross_layer import XL_DEPTH
+    from ..core.forecast import XL_DEPTH
     from ..trace.collect import TraceRecorder
 
     lm = load_offloaded(path, device=device, dtype=dtype, residency=1.0, policy="lru", progress=False)

@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+from ..core.forecast import XL_DEPTH
 from ..core.policy_spec import parse_policy, require_predictor
 from ..errors import MoeOffloadError
 from ..testbed.prompts import load_prompts
@@ -45,9 +46,9 @@ def add_parser(sub) -> None:
                    help="with --predictor: recursive forecast steps per decode step (default 0; the seqmoe* policies "
                    "use at least 7: SeqMoE's c = 8 CacheScore rows)")
     add_predictor_lag_arg(g)
-    g.add_argument("--xl-depth", type=positive_int, default=3, metavar="D",
+    g.add_argument("--xl-depth", type=positive_int, default=XL_DEPTH, metavar="D",
                    help="with --policy xl / seqmoe-xl: later MoE layers each layer's cross-layer forecast covers "
-                   "(default 3)")
+                   f"(default {XL_DEPTH})")
     g.add_argument("--link-gbps", type=float_, help="with --policy seqmoe*: emulate a host->device link of X GB/s "
                    "(every expert copy takes at least expert bytes / X; default: no emulation)")
     g.add_argument("--graph", action="store_true", help="graph mode: the decode step compiled whole (cache decisions "

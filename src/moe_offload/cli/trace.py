@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..core.forecast import XL_DEPTH
 from ..core.policy_spec import parse_policy
 from ..errors import MoeOffloadError
 from ..testbed.prompts import load_prompts
@@ -30,7 +31,7 @@ def add_parser(sub) -> None:
                     help="also record the cross-layer forecasts of every decode step (the next --xl-depth layers' "
                     "routers on each MoE layer's router input), for simulate --policy xl,seqmoe-xl and predictor eval")
     tc.add_argument("--xl-depth", type=positive_int, default=None, metavar="D",
-                    help="with --xl-forecasts: later MoE layers forecast by each layer (default 3)")
+                    help=f"with --xl-forecasts: later MoE layers forecast by each layer (default {XL_DEPTH})")
     tc.add_argument("--max-prompt-chars", type=positive_int, default=2000,
                     help="skip prompts longer than this (ShareGPT has very long turns)")
     add_diffusion_args(tc)
@@ -104,7 +105,6 @@ def _info(args) -> int:
 def _collect(args) -> int:
     from ..generation.diffusion import loop_params
     from ..models.loader import load_full, load_offloaded, read_config
-    from ..runtime.cross_layer import XL_DEPTH
     from ..trace.collect import collect_diffusion_trace, collect_trace
     from ..trace.stats import step_counts
 

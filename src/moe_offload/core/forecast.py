@@ -15,6 +15,12 @@ ROLLOUT = 7
 #: docs/notes/benchmark-history.md, "Runtime decode under the emulated link"): the simulator's hit rate against the
 #: rollout's cost per step
 ROLLOUT_EVERY = 4
+#: d, the number of later MoE layers each MoE layer forecasts (``runtime.cross_layer``; default of ``--xl-depth``).
+#: 2: the next layer's row serves eviction only (its tasks could not land in time: ``core.prefetch_queue``'s
+#: ``submit_forecast``) and the one after it is prefetched. A third row, forecast again one layer later from a nearer
+#: hidden state, moved the simulated speed by -0.3% to +4% of lru's and cost ~1.4 ms of a ~130 ms decode step
+#: (testbed-sparse-wide; issue 47, session 50, docs/benchmarks.md)
+XL_DEPTH = 2
 
 
 @dataclass

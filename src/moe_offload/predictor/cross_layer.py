@@ -21,7 +21,8 @@ import torch
 
 from ..core.policy_spec import PolicySpec, parse_policy
 from ..errors import MoeOffloadError
-from ..runtime.cross_layer import XL_DEPTH, CrossLayerForecaster
+from ..core.forecast import XL_DEPTH
+from ..runtime.cross_layer import CrossLayerForecaster
 from .runtime import ForecastFeed
 
 

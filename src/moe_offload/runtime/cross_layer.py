@@ -17,13 +17,12 @@ import inspect
 import numpy as np
 import torch
 
+from ..core.forecast import XL_DEPTH
 from ..errors import MoeOffloadError
 from .kernels import native
 from .route_rows import router_of
 
 
-#: d, the number of later MoE layers each MoE layer forecasts (default of ``--xl-depth``)
-XL_DEPTH = 3
 #: router weight dtypes the one-token decode path of ``CrossLayerForecaster.probs`` runs in numpy (as float32)
 HOST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

@@ -1,0 +1,64 @@
+#!/usr/bin/env python3
+"""How far above `lru` forecasts could take one trace, at best (issue 47, session 50): the simulator's projection
+(``sim.prefetch_sim.replay_policy`` with ``CoreCosts``) of each policy against `lru`, every policy charged `lru`'s
+decision core (so only the forecasts and the reads differ), each prefetch charged PREFETCH_MS of CPU (a bare direct
+read of one expert here is 0.09 ms, ``scripts/read_cpu_cost.py``) and 0:
+
+- `belady`: eviction by the true future, no prefetching (the simulator's oracle);
+- `xl`, `xl+gate`: the cross-layer forecasts the trace recorded (``trace collect --xl-forecasts``);
+- `xl-oracle`, `xl-oracle+gate`: the same forecasts with their probabilities replaced by the true experts
+  (``sim.forecasts.oracle_stream(weighted=False)``): perfect cross-layer forecasts;
+- with PREDICTOR (a trained SeqMoE predictor of the trace's model): `seqmoe-cacheonly` (its forecasts evict, no
+  prefetching), `seqmoe`, `seqmoe-xl` and `seqmoe-xl+gate` (its forecasts blended with the cross-layer ones).
+
+    python scripts/forecast_ceiling.py TRACE LAYER_US LINK_EPL LRU_MS PREFETCH_MS [PREDICTOR]
+
+LAYER_US: the FullLoad layer time (us) and LINK_EPL: the disk link in experts per layer time, both from a
+`bench decode --host-store disk` footer; LRU_MS: `lru`'s predictor + management (ms per decode step). Prints, per
+residency (0.25, 0.45), each policy's projected decode fraction of FullLoad, its ratio to `lru`'s, its decode
+misses and prefetches. The projection and the runtime agree within 15% on this machine (docs/benchmarks.md, session
+49), so a policy whose ceiling here is below a target cannot reach it at runtime with these forecasts.
+"""
+
+import sys
+
+from moe_offload.common.threads import compute_share
+from moe_offload.core.forecast import ROLLOUT_EVERY
+from moe_offload.core.policy_spec import parse_policy
+from moe_offload.sim.forecasts import forecast_stream, oracle_stream, xl_stream
+from moe_offload.sim.prefetch_sim import CoreCosts, replay_policy
+from moe_offload.sim.simulator import layer_needs
+from moe_offload.trace.format import load_trace
+
+if len(sys.argv) not in (6, 7):
+    sys.exit("usage: forecast_ceiling.py TRACE LAYER_US LINK_EPL LRU_MS PREFETCH_MS [PREDICTOR]")
+path, layer_us, link, lru_ms, pf_ms = sys.argv[1], *map(float, sys.argv[2:6])
+trace = load_trace(path)
+needs = layer_needs(trace)
+t = layer_us * 1e-6
+overhead = lru_ms * 1e-3 / trace.num_moe_layers / t   # ms per decode step -> layer times per MoE layer
+streams = {"xl": xl_stream(trace)}
+streams["xl-oracle"] = oracle_stream(streams["xl"], trace, weighted=False)
+if len(sys.argv) == 7:
+    from moe_offload.predictor.model import load_predictor
+
+    pset = load_predictor(sys.argv[6], model_id=trace.header.get("model_id"))
+    streams["seqmoe"] = streams["seqmoe-cacheonly"] = forecast_stream(pset, trace, rollout_every=ROLLOUT_EVERY)
+    streams["seqmoe-xl"] = xl_stream(trace, pset)
+policies = ["belady"] + [p + g for p in streams for g in ("", "+gate") if parse_policy(p).prefetch or not g]
+
+for residency in (0.25, 0.45):
+    slots = round(residency * trace.num_moe_layers * trace.num_experts)
+    res, lru = replay_policy(trace, parse_policy("lru"), slots, link, needs=needs, costs=CoreCosts(overhead=overhead))
+    print(f"\nresidency {residency}, link {link} experts per layer time: lru {lru:.3f} of FullLoad, "
+          f"{res.decode_misses} decode misses\n")
+    print("| policy | prefetch CPU per expert, ms | projected vs FullLoad | vs lru | decode misses | prefetches |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name in policies:
+        spec = parse_policy(name)
+        for cpu in ((pf_ms, 0.0) if spec.prefetch else (0.0,)):
+            costs = CoreCosts(overhead=overhead, prefetch_cpu=cpu * 1e-3 * compute_share() / t)
+            r, f = replay_policy(trace, spec, slots, link, forecasts=streams.get(spec.family), needs=needs,
+                                 costs=costs)
+            print(f"| {name} | {cpu:.2f} | {f:.3f} | {f / lru:.3f} | {r.decode_misses} | "
+                  f"{getattr(r, 'prefetches', 0)} |", flush=True)
