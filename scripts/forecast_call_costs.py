@@ -9,8 +9,8 @@
   time of 30 calls, each right after FLUSH_MB were streamed through the caches (an in-place add over a buffer
   larger than the last-level cache: what a decode step's expert weights do between two layers; session 48).
 
-    python scripts/forecast_call_costs.py [POLICY] [MODEL] [RESIDENCY] [FLUSH_MB]
-    # default xl+gate testbed-sparse-wide 0.25 400
+    python scripts/forecast_call_costs.py [POLICY] [MODEL] [RESIDENCY] [FLUSH_MB] [XL_DEPTH]
+    # default xl+gate testbed-sparse-wide 0.25 400 and core.forecast.XL_DEPTH
 
 The gap between the warm and the in-step figures is what the calls pay for running between the experts' kernels,
 which stream the experts' bytes through the caches: the interpreter's code and the decision core's arrays are
@@ -24,6 +24,7 @@ import timeit
 
 import torch
 
+from moe_offload.core.forecast import XL_DEPTH
 from moe_offload.core.policy_spec import parse_policy
 from moe_offload.generation.generate import run
 from moe_offload.models.loader import load_offloaded
@@ -36,12 +37,13 @@ policy = parse_policy(sys.argv[1] if len(sys.argv) > 1 else "xl+gate")
 model = sys.argv[2] if len(sys.argv) > 2 else "testbed-sparse-wide"
 residency = float(sys.argv[3]) if len(sys.argv) > 3 else 0.25
 flush_mb = int(sys.argv[4]) if len(sys.argv) > 4 else 400
+depth = int(sys.argv[5]) if len(sys.argv) > 5 else XL_DEPTH
 if not policy.cross_layer:
     sys.exit("forecast_call_costs.py: a cross-layer policy (xl, xl+gate)")
 torch.set_num_threads(2)
 lm = load_offloaded(resolve_model(model, progress=False), residency=residency, policy=policy, host_store="disk",
                     progress=False)
-attach_forecasts(lm, policy, None)
+attach_forecasts(lm, policy, None, xl_depth=depth)
 eng = lm.engine
 feed = next(o for o in eng.observers if isinstance(o, CrossLayerFeed))
 pf, pol, table = eng.prefetcher, eng.table.policy, eng.table
@@ -70,6 +72,10 @@ for name in ("land_ready", "issue", "fetch_waits", "load_on_demand"):
     timed(pf, name, f"Prefetcher.{name}")
 timed(table, "plan_layer", "SlotTable.plan_layer")
 timed(table, "release", "SlotTable.release")
+timed(feed, "deliver", "CrossLayerFeed.deliver")    # the forecast and its consumers below, and the blend
+timed(pf, "settle", "Prefetcher.settle")
+timed(eng, "_needed", "OffloadEngine._needed")
+timed(eng.clock, "lap", "StepClock.lap")
 # inside the calls above (their rows include these): the policy's events, the scheduler's choice, the reservations
 for name in ("victim", "on_layer_access", "on_insert", "on_evict"):
     timed(pol, name, f"  {type(pol).__name__}.{name}")
@@ -82,7 +88,8 @@ cpu.clear()
 calls.clear()
 _, stats = run(lm, prompts, 48)
 steps = stats.decode_tokens
-print(f"{policy.name}, {model} at residency {residency}: {stats.decode_tokens_per_s:.2f} decode tok/s, {steps} steps\n")
+print(f"{policy.name} (cross-layer forecasts {depth} deep), {model} at residency {residency}: "
+      f"{stats.decode_tokens_per_s:.2f} decode tok/s, {steps} steps\n")
 print("| call | in the step: us per call | ms per step | calls per step | alone, warm: us per call | alone, cold: "
       "us per call |")
 print("|---|---:|---:|---:|---:|---:|")

@@ -141,6 +141,52 @@ def test_errors_and_close(stores):
     q.close()  # idempotent
 
 
+def test_close_drains_or_times_out(stores):
+    """``close(drain=True)`` runs the queued copies, paused ones too, before the worker exits: each lands with its
+    bytes. A close whose running prefetch yields to an on-demand read beyond ``timeout`` raises a one-line error and
+    leaves the queue closed; once the read ends, a second close joins the worker and the prefetch lands."""
+    pinned, disk, pool = stores
+    q = NativePrefetchQueue(disk, pool)
+    q.pause()
+    q.submit(2, 0)
+    q.submit(3, 1)
+    q.close(drain=True)
+    assert [(ld.eid, ld.ok) for ld in q.poll()] == [(2, True), (3, True)] and not q.worker_alive
+    rows, host = pool.buf.numpy(), pinned.buf.numpy()
+    assert fields_equal(disk, rows[0], host[2]) and fields_equal(disk, rows[1], host[3])
+    q = NativePrefetchQueue(disk, pool)
+    big = largest_expert(disk)
+    try:
+        with disk._on_demand():
+            q.submit(big, 0)
+            deadline = time.perf_counter() + 10
+            while q.in_flight() != [big]:
+                assert time.perf_counter() < deadline
+                time.sleep(0.001)
+            with pytest.raises(MoeOffloadError, match=r"did not stop within 0.05 s"):
+                q.close(timeout=0.05)
+            assert q.closed and q.worker_alive
+    finally:
+        q.close()
+    assert not q.worker_alive and [(ld.eid, ld.ok) for ld in q.poll()] == [(big, True)]
+    assert fields_equal(disk, pool.buf.numpy()[0], host[big])
+
+
+def test_reset_stats_folds_what_was_counted(stores, queue):
+    """``reset_stats`` zeroes the queue's statistics after folding the worker's counts into the store's: a landed
+    prefetch never collected by ``poll`` is counted in the store once, and not again after the reset."""
+    _, disk, _ = stores
+    queue.submit(2, 0)
+    deadline = time.perf_counter() + 10
+    while not queue.idle():
+        assert time.perf_counter() < deadline
+        time.sleep(0.001)
+    queue.reset_stats()
+    assert (queue.stats.copies, disk.stats.experts) == (0, 1)
+    assert [ld.eid for ld in _collect(queue, 1)] == [2]
+    assert disk.stats.experts == 1
+
+
 def test_copy_now_and_the_cpu_account(stores, queue):
     """``copy_now`` reads misses at once on the calling thread (counted as copies, nothing submitted); a prefetch's
     seconds are charged to the account's ``copy worker`` thread, its bytes counted as prefetched."""

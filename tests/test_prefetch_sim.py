@@ -216,3 +216,23 @@ def test_bench_decode_charges_each_row_the_costs_it_measured(monkeypatch):
     c = core_costs(bd, 2e-3, 30, expert_bytes=100)
     assert (c.overhead, c.prefetch_cpu, c.copy) == pytest.approx((0.1, 0.5, 1.25))
     assert core_costs({}, 2e-3, 30, expert_bytes=100).copy == 0.0
+
+
+def test_bench_decode_models_the_disk_as_the_baseline_read_it():
+    """``bench.decode.loaded_disk_links`` by hand: a 2 ms layer time, 2 MB experts; lru's misses read at 1.3 GB/s at
+    25% and 1.5 at 45% -> 1.3 and 1.5 experts per layer time for every row at those residencies, whatever the row's
+    own reads (xl+gate's share the disk with its prefetches); a residency where lru read nothing keeps the idle
+    disk's 2.0. A prefetching baseline, or none, leaves every row on the idle disk."""
+    import pytest
+
+    from moe_offload.bench.decode import loaded_disk_links
+    from moe_offload.core.policy_spec import parse_policy
+
+    bds = [("lru", 0.25, {"demand_gbps": 1.3}), ("lru", 0.45, {"demand_gbps": 1.5}),
+           ("xl+gate", 0.25, {"demand_gbps": 0.9}), ("xl+gate", 0.45, {}), ("lru", 1.0, {"demand_gbps": 0.0})]
+    links, words = loaded_disk_links(bds, parse_policy("lru"), 2.0, 2e-3, 2_000_000)
+    assert links == pytest.approx([1.3, 1.5, 1.3, 1.5, 2.0])
+    assert "lru's on-demand reads" in words and "1.30 GB/s at 0.25, 1.50 GB/s at 0.45" in words
+    for base in (parse_policy("xl"), None):
+        assert loaded_disk_links(bds, base, 2.0, 2e-3, 2_000_000) == ([2.0] * 5,
+                                                                       "; the simulated column models the same link")

@@ -100,7 +100,11 @@ def bench_decode(path: Path, prompts: list[str], residencies: list[float], *, ma
         trace = _record_routing(path, prompts, max_new_tokens, device, dtype,
                                 xl=any(p.cross_layer for p in policies))
         costs = [core_costs(bd, t_layer, L, expert_bytes) for _, _, bd in breakdowns]
-        _simulate_rows(rows[1:], trace, link_epl, predictor, rollout_every, predictor_lag, costs)
+        links = link_epl
+        if disk is not None:  # the disk as the baseline read it beside the compute, not as `bench link` found it idle
+            links, words = loaded_disk_links(breakdowns, baseline, link_epl, t_layer, expert_bytes)
+            regime += words
+        _simulate_rows(rows[1:], trace, links, predictor, rollout_every, predictor_lag, costs)
     lag = ("" if predictor_lag is None else
            f"; in a process of its own, forecasts used {predictor_lag} MoE layers after their trigger layer")
     pred = f", predictor {predictor} (rollout every {rollout_every} steps{lag})" if predictor else ""
@@ -197,7 +201,7 @@ def _disk_link_epl(disk: dict, expert_bytes: int, t_layer: float) -> tuple[float
 
     gbps = disk_gbps(disk, expert_bytes, 1)
     epl = t_layer * gbps * 1e9 / expert_bytes
-    return epl, (f"; experts read from disk (direct I/O, real reads): the scheduler and the simulated column model a "
+    return epl, (f"; experts read from disk (direct I/O, real reads): the scheduler models a "
                  f"{gbps:.2f} GB/s link (the measured disk at {expert_bytes / 1024:.0f} KiB requests, queue depth 1) "
                  f"= {epl:.2f} experts per FullLoad layer time ({1e6 * t_layer:.0f} us)")
 
@@ -231,8 +235,9 @@ def _measure_policy(path, prompts, max_new_tokens, pol, r, device, dtype, progre
                         sum(s.ttft_s) / len(s.ttft_s), [o.token_ids for o in outs] == ref_tokens, eng.pool.nbytes)
         st = eng.prefetcher.transfer.stats if getattr(eng, "prefetcher", None) is not None else None
         per_copy = st.prefetch_cpu_s / st.prefetch_copies if st is not None and st.prefetch_copies else 0.0
+        demand_gbps = getattr(getattr(eng.store, "stats", None), "demand_gbps", 0.0)  # a disk store's misses
         return row, eng.breakdown.as_dict() | {"cpu_account": eng.account.as_dict(eng.breakdown.steps),
-                                               "prefetch_cpu_s_per_copy": per_copy}
+                                               "prefetch_cpu_s_per_copy": per_copy, "demand_gbps": demand_gbps}
     finally:
         lm.close()
         del lm
@@ -291,11 +296,32 @@ def core_costs(breakdown: dict, t_layer: float, num_moe_layers: int, expert_byte
                      copy=staging_ms * 1e-3 / copies / t_layer if copies > 0 else 0.0)
 
 
-def _simulate_rows(rows: list[DecodeRow], trace, link_epl: float, predictor: str | None, rollout_every: int,
+def loaded_disk_links(breakdowns: list, baseline, link_epl: float, t_layer: float,
+                      expert_bytes: int) -> tuple[list[float], str]:
+    """Each measured row's link for the simulated column when the disk is the link: in experts per FullLoad layer time
+    ``t_layer`` (seconds), the GB/s the ``baseline`` policy's on-demand reads reached at the row's residency in this
+    run (``DiskReadStats.demand_gbps``: misses read beside the compute, with no prefetch sharing the disk), else
+    ``link_epl`` (the disk ``bench link --disk`` measured idle). The runtime read the pack at 1.3 GB/s where the idle
+    measurement gave 2.15 (issue 47, session 50), so a projection at the idle speed missed the stall of the rows that
+    wait most. Returns the links (aligned with ``breakdowns``, ``(policy, residency, breakdown)``) and the footer's
+    words."""
+    loaded = {r: bd.get("demand_gbps", 0.0) for p, r, bd in breakdowns
+              if baseline is not None and p == baseline.name and not baseline.prefetch}
+    links = [t_layer * loaded[r] * 1e9 / expert_bytes if loaded.get(r, 0.0) > 0 else link_epl
+             for _, r, _ in breakdowns]
+    if not any(g > 0 for g in loaded.values()):
+        return links, "; the simulated column models the same link"
+    said = ", ".join(f"{g:.2f} GB/s at {r:.2f}" for r, g in sorted(loaded.items()) if g > 0)
+    return links, (f"; the simulated column models the disk as {baseline.name}'s on-demand reads found it beside the "
+                   f"compute ({said}; at another residency as the scheduler)")
+
+
+def _simulate_rows(rows: list[DecodeRow], trace, link_epl, predictor: str | None, rollout_every: int,
                    lag: int | None = None, costs: list | None = None) -> None:
     """Fill each row's ``simulated``: the replay of ``trace`` with the row's policy and slot count under the link
-    model of ``sim.prefetch_sim`` at ``link_epl``, the predictor's forecasts replayed with the runtime's settings,
-    charging each row the ``CoreCosts`` it measured (``costs``, one per row; None: none)."""
+    model of ``sim.prefetch_sim`` at ``link_epl`` (experts per layer time; a list: one per row), the predictor's
+    forecasts replayed with the runtime's settings, charging each row the ``CoreCosts`` it measured (``costs``, one
+    per row; None: none)."""
     from ..sim.forecasts import forecast_stream, xl_stream
     from ..sim.prefetch_sim import replay_policy
     from ..sim.simulator import layer_needs
@@ -315,7 +341,8 @@ def _simulate_rows(rows: list[DecodeRow], trace, link_epl: float, predictor: str
         if row.requested.family == "auto" or not row.same:  # auto starts from its own simulation's state
             continue
         popularity = pset.header.prefill_popularity if pset is not None and row.requested.needs_predictor else None
-        _, row.simulated = replay_policy(trace, row.requested, row.slots, link_epl,
+        link = link_epl[i] if isinstance(link_epl, list) else link_epl
+        _, row.simulated = replay_policy(trace, row.requested, row.slots, link,
                                          forecasts=streams.get(row.requested), prefill_popularity=popularity,
                                          needs=needs, costs=costs[i] if costs else None)
 

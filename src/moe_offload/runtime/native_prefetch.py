@@ -215,10 +215,9 @@ class NativePrefetchQueue:
                              prefetch_copies=counts[_PREFETCH_COPIES], prefetch_cpu_s=secs[_PREFETCH_CPU])
 
     def reset_stats(self) -> None:
-        """Zero ``stats`` (what the worker counted so far is first folded into the store's statistics and the CPU
-        account; a read ending between the two calls is not counted there)."""
-        self._collect()
-        self._q.reset_stats()
+        """Zero ``stats``; what the worker counted until then is first folded into the store's statistics and the CPU
+        account (taken and zeroed under the queue's lock: a read ending meanwhile is counted in one or the other)."""
+        self._fold(*self._q.reset_stats())
         self._seen = ([0] * 12, [0.0] * 8)
         self._extra = TransferStats()
 
@@ -266,7 +265,10 @@ class NativePrefetchQueue:
     def _collect(self) -> None:
         """Fold the native counters' growth since the last call into the store's ``DiskReadStats`` and its CPU
         account (the worker's seconds by role, as thread ``copy worker``)."""
-        counts, secs = self._q.stats()
+        self._fold(*self._q.stats())
+
+    def _fold(self, counts: list, secs: list) -> None:
+        """``_collect`` of the native counters ``counts`` / ``secs`` (``prefetch_queue.cpp``'s ``stats()``)."""
         seen_c, seen_s = self._seen
         self._seen = (counts, secs)
         st = self.store.stats

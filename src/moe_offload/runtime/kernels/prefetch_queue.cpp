@@ -240,10 +240,13 @@ class PrefetchQueue {
     return {counts_, seconds_};
   }
 
-  void reset_stats() {
+  // stats() as they were, and zeroed under the same lock (no read ending in between is lost).
+  std::tuple<std::vector<int64_t>, std::vector<double>> reset_stats() {
     std::lock_guard<std::mutex> lk(mu_);
+    std::tuple<std::vector<int64_t>, std::vector<double>> taken{counts_, seconds_};
     std::fill(counts_.begin(), counts_.end(), 0);
     std::fill(seconds_.begin(), seconds_.end(), 0.0);
+    return taken;
   }
 
   // Stop accepting copies and join the worker: drain runs the queued copies first (a pause no longer holds them),
@@ -412,7 +415,7 @@ void bind_prefetch_queue(py::module_& m) {
       .def("outstanding", &PrefetchQueue::outstanding, "copies queued or running")
       .def("pending", &PrefetchQueue::pending, "whether a copy of eid is queued or running")
       .def("stats", &PrefetchQueue::stats, "(counts, seconds) since the last reset: prefetch_queue.cpp's stats()")
-      .def("reset_stats", &PrefetchQueue::reset_stats, "zero the counters")
+      .def("reset_stats", &PrefetchQueue::reset_stats, "stats() as they were, zeroed under one lock")
       .def("close", &PrefetchQueue::close, "(drain, timeout_s): stop and join the worker; False on timeout")
       .def("closed", &PrefetchQueue::closed, "whether closed")
       .def("alive", &PrefetchQueue::alive, "whether the worker thread runs");
