@@ -14,12 +14,13 @@ read of one expert here is 0.09 ms, ``scripts/read_cpu_cost.py``) and 0:
     python scripts/forecast_ceiling.py TRACE LAYER_US LINK_EPL LRU_MS PREFETCH_MS [PREDICTOR]
 
 LAYER_US: the FullLoad layer time (us) and LINK_EPL: the disk link in experts per layer time, both from a
-`bench decode --host-store disk` footer; LRU_MS: `lru`'s predictor + management (ms per decode step). Prints, per
+`bench decode --host-store disk` footer (one value, or two comma-separated: at 25% and at 45%); LRU_MS: `lru`'s predictor + management (ms per decode step). Prints, per
 residency (0.25, 0.45), each policy's projected decode fraction of FullLoad, its ratio to `lru`'s, its decode
 misses and prefetches. The projection and the runtime agree within 15% on this machine (docs/benchmarks.md, session
 49), so a policy whose ceiling here is below a target cannot reach it at runtime with these forecasts.
 """
 
+import math
 import sys
 
 from moe_offload.common.threads import compute_share
@@ -32,23 +33,26 @@ from moe_offload.trace.format import load_trace
 
 if len(sys.argv) not in (6, 7):
     sys.exit("usage: forecast_ceiling.py TRACE LAYER_US LINK_EPL LRU_MS PREFETCH_MS [PREDICTOR]")
-path, layer_us, link, lru_ms, pf_ms = sys.argv[1], *map(float, sys.argv[2:6])
+path, layer_us, lru_ms, pf_ms = sys.argv[1], float(sys.argv[2]), float(sys.argv[4]), float(sys.argv[5])
+links = [float(x) for x in sys.argv[3].split(",")]
 trace = load_trace(path)
 needs = layer_needs(trace)
 t = layer_us * 1e-6
 overhead = lru_ms * 1e-3 / trace.num_moe_layers / t   # ms per decode step -> layer times per MoE layer
 streams = {"xl": xl_stream(trace)}
 streams["xl-oracle"] = oracle_stream(streams["xl"], trace, weighted=False)
+popularity = None
 if len(sys.argv) == 7:
     from moe_offload.predictor.model import load_predictor
 
     pset = load_predictor(sys.argv[6], model_id=trace.header.get("model_id"))
     streams["seqmoe"] = streams["seqmoe-cacheonly"] = forecast_stream(pset, trace, rollout_every=ROLLOUT_EVERY)
     streams["seqmoe-xl"] = xl_stream(trace, pset)
+    popularity = pset.header.prefill_popularity  # SeqMoE §8.4's prefill prefetching, as simulate and the runtime
 policies = ["belady"] + [p + g for p in streams for g in ("", "+gate") if parse_policy(p).prefetch or not g]
 
-for residency in (0.25, 0.45):
-    slots = round(residency * trace.num_moe_layers * trace.num_experts)
+for residency, link in zip((0.25, 0.45), links * 2 if len(links) == 1 else links):
+    slots = max(1, math.ceil(residency * trace.num_moe_layers * trace.num_experts - 1e-9))  # as simulate
     res, lru = replay_policy(trace, parse_policy("lru"), slots, link, needs=needs, costs=CoreCosts(overhead=overhead))
     print(f"\nresidency {residency}, link {link} experts per layer time: lru {lru:.3f} of FullLoad, "
           f"{res.decode_misses} decode misses\n")
@@ -59,6 +63,6 @@ for residency in (0.25, 0.45):
         for cpu in ((pf_ms, 0.0) if spec.prefetch else (0.0,)):
             costs = CoreCosts(overhead=overhead, prefetch_cpu=cpu * 1e-3 * compute_share() / t)
             r, f = replay_policy(trace, spec, slots, link, forecasts=streams.get(spec.family), needs=needs,
-                                 costs=costs)
+                                 costs=costs, prefill_popularity=popularity if spec.needs_predictor else None)
             print(f"| {name} | {cpu:.2f} | {f:.3f} | {f / lru:.3f} | {r.decode_misses} | "
                   f"{getattr(r, 'prefetches', 0)} |", flush=True)

@@ -45,6 +45,14 @@ def _collect(q, n: int, timeout: float = 10.0) -> list:
     return out
 
 
+def _until_running(q, eid: int, timeout: float = 10.0) -> None:
+    """Wait until the copy of ``eid`` is the one running."""
+    deadline = time.perf_counter() + timeout
+    while q.in_flight() != [eid]:
+        assert time.perf_counter() < deadline, f"the copy of {eid} never started"
+        time.sleep(0.001)
+
+
 def test_make_transfer_engine_picks_the_native_queue_for_a_disk_store(stores):
     """A disk store and a CPU pool: the native queue; with an emulated link: the Python worker, which paces."""
     _, disk, pool = stores
@@ -104,10 +112,7 @@ def test_cancel_drops_a_queued_copy_and_stops_a_running_one(stores, queue):
     with disk._on_demand():
         queue.submit(big, 0, 1)
         queue.submit(3, 1, 2)
-        deadline = time.perf_counter() + 10
-        while queue.in_flight() != [big]:
-            assert time.perf_counter() < deadline
-            time.sleep(0.001)
+        _until_running(queue, big)
         with pytest.raises(TimeoutError):
             queue.wait(big, timeout=0.05)  # it yields to the on-demand read
         assert queue.cancel(big) is False and queue.cancel(3) is True
@@ -159,10 +164,7 @@ def test_close_drains_or_times_out(stores):
     try:
         with disk._on_demand():
             q.submit(big, 0)
-            deadline = time.perf_counter() + 10
-            while q.in_flight() != [big]:
-                assert time.perf_counter() < deadline
-                time.sleep(0.001)
+            _until_running(q, big)
             with pytest.raises(MoeOffloadError, match=r"did not stop within 0.05 s"):
                 q.close(timeout=0.05)
             assert q.closed and q.worker_alive
@@ -244,10 +246,7 @@ def test_a_queue_dropped_without_close_stops_its_running_read(stores):
     big = largest_expert(disk)
     with disk._on_demand():
         q.submit(big, 0)
-        deadline = time.perf_counter() + 10
-        while q.in_flight() != [big]:
-            assert time.perf_counter() < deadline
-            time.sleep(0.001)
+        _until_running(q, big)
         t0 = time.perf_counter()
         del q
         gc.collect()

@@ -219,20 +219,23 @@ def test_bench_decode_charges_each_row_the_costs_it_measured(monkeypatch):
 
 
 def test_bench_decode_models_the_disk_as_the_baseline_read_it():
-    """``bench.decode.loaded_disk_links`` by hand: a 2 ms layer time, 2 MB experts; lru's misses read at 1.3 GB/s at
-    25% and 1.5 at 45% -> 1.3 and 1.5 experts per layer time for every row at those residencies, whatever the row's
-    own reads (xl+gate's share the disk with its prefetches); a residency where lru read nothing keeps the idle
-    disk's 2.0. A prefetching baseline, or none, leaves every row on the idle disk."""
+    """``bench.decode.loaded_disk_links`` by hand, a 2 ms layer time: lru's misses took 1.6 ms per expert read at 25%
+    (no staging copy) -> 1 / 0.8 = 1.25 experts per layer time, and 1.0 ms at 45% with a staging copy of 0.1 layer
+    times, which the simulator charges apart -> 1 / (0.5 - 0.1) = 2.5; every row at those residencies gets them,
+    whatever its own reads (xl+gate's share the disk with its prefetches); a residency where lru read nothing keeps
+    the idle disk's 2.0. A prefetching baseline, or none, leaves every row on the idle disk."""
     import pytest
 
     from moe_offload.bench.decode import loaded_disk_links
     from moe_offload.core.policy_spec import parse_policy
+    from moe_offload.sim.prefetch_sim import CoreCosts
 
-    bds = [("lru", 0.25, {"demand_gbps": 1.3}), ("lru", 0.45, {"demand_gbps": 1.5}),
-           ("xl+gate", 0.25, {"demand_gbps": 0.9}), ("xl+gate", 0.45, {}), ("lru", 1.0, {"demand_gbps": 0.0})]
-    links, words = loaded_disk_links(bds, parse_policy("lru"), 2.0, 2e-3, 2_000_000)
-    assert links == pytest.approx([1.3, 1.5, 1.3, 1.5, 2.0])
-    assert "lru's on-demand reads" in words and "1.30 GB/s at 0.25, 1.50 GB/s at 0.45" in words
+    bds = [("lru", 0.25, {"demand_read_s": 1.6e-3, "demand_gbps": 1.6}), ("lru", 0.45, {"demand_read_s": 1e-3}),
+           ("xl+gate", 0.25, {"demand_read_s": 3e-3}), ("xl+gate", 0.45, {}), ("lru", 1.0, {})]
+    costs = [CoreCosts(), CoreCosts(copy=0.1), CoreCosts(), CoreCosts(copy=0.1), CoreCosts()]
+    links, words = loaded_disk_links(bds, parse_policy("lru"), 2.0, 2e-3, costs)
+    assert links == pytest.approx([1.25, 2.5, 1.25, 2.5, 2.0])
+    assert "lru's on-demand reads" in words and "1.60 ms per expert read (1.60 GB/s) at 0.25" in words
     for base in (parse_policy("xl"), None):
-        assert loaded_disk_links(bds, base, 2.0, 2e-3, 2_000_000) == ([2.0] * 5,
-                                                                       "; the simulated column models the same link")
+        assert loaded_disk_links(bds, base, 2.0, 2e-3, costs) == ([2.0] * 5,
+                                                                  "; the simulated column models the same link")

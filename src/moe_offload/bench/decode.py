@@ -39,8 +39,9 @@ def bench_decode(path: Path, prompts: list[str], residencies: list[float], *, ma
         skip_waits: the emulated copies' waits skipped on a virtual clock instead of slept
             (``runtime.emulated_clock``; CPU only): every timer, tok/s included, reads that clock.
         host_store: "pinned" or "disk" (``runtime.disk_store``: every miss and prefetch a real direct read of the
-            checkpoint; the simulated column then models the disk as the link, at the bandwidth the this-machine
-            profile's disk entry gives for one expert's read at queue depth 1, ``core.disk_link.disk_gbps``).
+            checkpoint; the scheduler models the disk as the link, at the bandwidth the this-machine profile's disk
+            entry gives for one expert's read at queue depth 1, ``core.disk_link.disk_gbps``; the simulated column
+            at the speed the baseline policy's misses were read in this run, ``loaded_disk_links``).
         predictor_lag: None: the predictor runs inside the decode step; else in a process of its own, each forecast
             used this many MoE layers after its trigger layer (``predictor.lagged``; the seqmoe policies but seqmoe-xl), and
             the simulator replays the same hand-over positions.
@@ -102,7 +103,7 @@ def bench_decode(path: Path, prompts: list[str], residencies: list[float], *, ma
         costs = [core_costs(bd, t_layer, L, expert_bytes) for _, _, bd in breakdowns]
         links = link_epl
         if disk is not None:  # the disk as the baseline read it beside the compute, not as `bench link` found it idle
-            links, words = loaded_disk_links(breakdowns, baseline, link_epl, t_layer, expert_bytes)
+            links, words = loaded_disk_links(breakdowns, baseline, link_epl, t_layer, costs)
             regime += words
         _simulate_rows(rows[1:], trace, links, predictor, rollout_every, predictor_lag, costs)
     lag = ("" if predictor_lag is None else
@@ -235,9 +236,11 @@ def _measure_policy(path, prompts, max_new_tokens, pol, r, device, dtype, progre
                         sum(s.ttft_s) / len(s.ttft_s), [o.token_ids for o in outs] == ref_tokens, eng.pool.nbytes)
         st = eng.prefetcher.transfer.stats if getattr(eng, "prefetcher", None) is not None else None
         per_copy = st.prefetch_cpu_s / st.prefetch_copies if st is not None and st.prefetch_copies else 0.0
-        demand_gbps = getattr(getattr(eng.store, "stats", None), "demand_gbps", 0.0)  # a disk store's misses
+        disk = getattr(eng.store, "stats", None)  # a disk store's DiskReadStats: its misses' reads, prefills too
+        reads = sum(getattr(disk, "demand_reads", {}).values())
+        demand = {"demand_gbps": disk.demand_gbps, "demand_read_s": disk.demand_s / reads} if reads else {}
         return row, eng.breakdown.as_dict() | {"cpu_account": eng.account.as_dict(eng.breakdown.steps),
-                                               "prefetch_cpu_s_per_copy": per_copy, "demand_gbps": demand_gbps}
+                                               "prefetch_cpu_s_per_copy": per_copy} | demand
     finally:
         lm.close()
         del lm
@@ -297,21 +300,25 @@ def core_costs(breakdown: dict, t_layer: float, num_moe_layers: int, expert_byte
 
 
 def loaded_disk_links(breakdowns: list, baseline, link_epl: float, t_layer: float,
-                      expert_bytes: int) -> tuple[list[float], str]:
-    """Each measured row's link for the simulated column when the disk is the link: in experts per FullLoad layer time
-    ``t_layer`` (seconds), the GB/s the ``baseline`` policy's on-demand reads reached at the row's residency in this
-    run (``DiskReadStats.demand_gbps``: misses read beside the compute, with no prefetch sharing the disk), else
-    ``link_epl`` (the disk ``bench link --disk`` measured idle). The runtime read the pack at 1.3 GB/s where the idle
-    measurement gave 2.15 (issue 47, session 50), so a projection at the idle speed missed the stall of the rows that
-    wait most. Returns the links (aligned with ``breakdowns``, ``(policy, residency, breakdown)``) and the footer's
-    words."""
-    loaded = {r: bd.get("demand_gbps", 0.0) for p, r, bd in breakdowns
-              if baseline is not None and p == baseline.name and not baseline.prefetch}
-    links = [t_layer * loaded[r] * 1e9 / expert_bytes if loaded.get(r, 0.0) > 0 else link_epl
-             for _, r, _ in breakdowns]
-    if not any(g > 0 for g in loaded.values()):
+                      costs: list) -> tuple[list[float], str]:
+    """Each measured row's link for the simulated column when the disk is the link, in experts per FullLoad layer time
+    ``t_layer`` (seconds): at the row's residency, the wall time per on-demand expert read of the ``baseline``
+    policy's row in this run (``demand_read_s``: its misses, read beside the compute with no prefetch sharing the
+    disk; prefills included) less its staging copy, which the simulator charges apart (``CoreCosts.copy``, ``costs``
+    aligned with ``breakdowns``); else ``link_epl`` (the disk ``bench link --disk`` measured idle). The runtime read
+    the pack at 1.3 GB/s where the idle measurement gave 2.15 (issue 47, session 50): a projection at the idle speed
+    missed the stall of the rows that wait most. Returns the links (aligned with ``breakdowns``, ``(policy,
+    residency, breakdown)``) and the footer's words."""
+    loaded = {}
+    for (p, r, bd), c in zip(breakdowns, costs):
+        read_s = bd.get("demand_read_s", 0.0)
+        if baseline is not None and p == baseline.name and not baseline.prefetch and read_s > 0:
+            loaded[r] = (1.0 / max(read_s / t_layer - c.copy, 1e-9), read_s, bd.get("demand_gbps", 0.0))
+    links = [loaded[r][0] if r in loaded else link_epl for _, r, _ in breakdowns]
+    if not loaded:
         return links, "; the simulated column models the same link"
-    said = ", ".join(f"{g:.2f} GB/s at {r:.2f}" for r, g in sorted(loaded.items()) if g > 0)
+    said = ", ".join(f"{1e3 * s:.2f} ms per expert read ({g:.2f} GB/s) at {r:.2f}"
+                     for r, (_, s, g) in sorted(loaded.items()))
     return links, (f"; the simulated column models the disk as {baseline.name}'s on-demand reads found it beside the "
                    f"compute ({said}; at another residency as the scheduler)")
 
