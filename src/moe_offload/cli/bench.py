@@ -38,8 +38,8 @@ def add_parsers(sub):
     bd.add_argument("--host-store", choices=["pinned", "disk"], default="pinned",
                     help="where the offloaded rows' experts live: pinned (host RAM; default) or disk (direct reads "
                     "of the checkpoint: the disk is the link, which the scheduler models from the disk entry of the "
-                    "this-machine profile, `bench link --disk DIR`, and the simulated column at the speed lru's misses "
-                    "were read in the run)")
+                    "this-machine profile, `bench link --disk DIR`, and the simulated column at the speed the baseline "
+                    "policy's (lru's) misses were read in the run)")
     bd.add_argument("--link-regime", choices=["rtx4090"],
                     help="emulate the papers' link regime on this machine: one layer's FullLoad compute overlaps the "
                     "transfer of 1.39 experts (SeqMoE §2.2, Qwen3-30B-A3B-FP8 on an RTX 4090; default: no emulation)")

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import torch
 
+from ..core.forecast import XL_DEPTH
 from ..core.policy_spec import PolicySpec, parse_policy
 from ..errors import MoeOffloadError
-from ..core.forecast import XL_DEPTH
 from ..runtime.cross_layer import CrossLayerForecaster
 from .runtime import ForecastFeed
 
