@@ -369,6 +369,32 @@ def test_cli_xl_policies_and_errors(tiny_dirs, tmp_path, capsys):
     assert main(["simulate", "--trace", str(tmp_path / "xl.trace"), "--policy", "lru,xl", "--residency", "0.5",
                  "--link-epl", "2", "--out", str(tmp_path / "o2")]) == 0
     assert "| xl |" in capsys.readouterr().out
+    assert main(["simulate", "--trace", str(tmp_path / "xl.trace"), "--policy", "xl", "--residency", "0.5",
+                 "--link-epl", "2", "--xl-depth", "3", "--out", str(tmp_path / "o3")]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(err) == 1 and "recorded cross-layer forecasts 2 deep" in err[0], err
+    assert not (tmp_path / "o3").exists()
+
+
+def test_trace_xl_replays_a_shallower_depth_than_recorded():
+    """``sim.forecasts.TraceXL`` of a trace recorded 3 deep, at depth 2: each forecast is the recorded one's first
+    two rows (a row does not depend on the depth), fewer near the last layer, none at it; at its recorded depth by
+    default; deeper than recorded: a one-line error."""
+    from types import SimpleNamespace
+
+    from moe_offload.sim.forecasts import TraceXL
+
+    xl = np.arange(2 * 5 * 3 * 4, dtype=np.float32).reshape(2, 5, 3, 4)   # [decode rows, L, depth, E]
+    tr = SimpleNamespace(xl_probs=xl, num_moe_layers=5, decode_rows=lambda: np.array([-1, 0, 1]))
+    src = TraceXL(tr, depth=2)
+    src.row = 1
+    assert np.array_equal(src.probs(0), xl[1, 0, :2]) and np.array_equal(src.probs(3), xl[1, 3, :1])
+    assert src.probs(4) is None
+    full = TraceXL(tr)
+    full.row = 1
+    assert np.array_equal(full.probs(1), xl[1, 1])
+    with pytest.raises(MoeOffloadError, match="recorded cross-layer forecasts 3 deep; --xl-depth 4"):
+        TraceXL(tr, depth=4)
 
 
 def test_xl_oracle_forecasts_are_the_truth_and_every_prefetch_is_used(tmp_path, capsys):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from ..core.policy_spec import parse_policies
 from ..errors import MoeOffloadError
-from .args import add_predictor_lag_arg, add_rollout_every_arg, float_, split_floats
+from .args import add_predictor_lag_arg, add_rollout_every_arg, float_, positive_int, split_floats
 
 
 def add_parser(sub) -> None:
@@ -36,6 +36,9 @@ def add_parser(sub) -> None:
                     "none). The policies xl, seqmoe-xl and xl-oracle (xl's forecasts replaced by the true future, "
                     "no predictor) need traces collected with --xl-forecasts")
     add_rollout_every_arg(sm, ", as the runtime runs it")
+    sm.add_argument("--xl-depth", type=positive_int, default=None, metavar="D",
+                    help="with --policy xl / seqmoe-xl / xl-oracle: later MoE layers each cross-layer forecast covers, "
+                    "as generate --xl-depth (default: the runtime's, or what a trace recorded when that is less)")
     add_predictor_lag_arg(sm)
     sm.add_argument("--link", choices=["host", "disk"], default="host",
                     help="the link a miss crosses: host (default: the hardware profile's host->device link, experts "
@@ -73,7 +76,7 @@ def run(args) -> int:
     req = SimulateRequest(traces, policies, residencies, model_profile=args.model_profile, hardware=args.hardware,
                           full_load_tok_s=args.full_load_tok_s, predictor=args.predictor,
                           rollout_every=args.rollout_every, predictor_lag=args.predictor_lag, link=args.link,
-                          host_cache_frac=args.host_cache_frac, link_epl=args.link_epl)
+                          host_cache_frac=args.host_cache_frac, link_epl=args.link_epl, xl_depth=args.xl_depth)
     rows, title, no_speed = simulate(req)
     files = write_report(rows, out, title)
     print((out / "results.md").read_text())

@@ -87,16 +87,23 @@ class TraceXL:
     ``predictor.cross_layer.CrossLayerFeed`` reads: ``probs(layer)`` of the current decode row (set by
     ``_replay_feed``) is float32 ``[n, E]`` (numpy), exactly what the runtime's ``CrossLayerForecaster`` gave.
 
+    ``depth``: the later layers each forecast covers, at most the trace's recorded depth (None: all it recorded); a
+    forecast's rows do not depend on the depth, so a deeper trace replays a shallower runtime exactly.
+
     Raises:
-        MoeOffloadError: the trace has no cross-layer forecasts.
+        MoeOffloadError: the trace has no cross-layer forecasts, or fewer than ``depth`` rows of them.
     """
 
-    def __init__(self, trace: Trace):
+    def __init__(self, trace: Trace, depth: int | None = None):
         if trace.xl_probs is None:
             raise MoeOffloadError("the xl and seqmoe-xl policies need a trace collected with --xl-forecasts")
+        recorded = trace.xl_probs.shape[2]
+        if depth is not None and not 1 <= depth <= recorded:
+            raise MoeOffloadError(f"the trace recorded cross-layer forecasts {recorded} deep; --xl-depth {depth} "
+                                  f"needs one collected with --xl-depth {depth} or more")
         self.xl = trace.xl_probs
         self.rows = trace.decode_rows()
-        self.L, self.depth = trace.num_moe_layers, trace.xl_probs.shape[2]
+        self.L, self.depth = trace.num_moe_layers, recorded if depth is None else depth
         self.row = -1
 
     def probs(self, layer: int) -> np.ndarray | None:
@@ -106,19 +113,19 @@ class TraceXL:
 
 @torch.no_grad()
 def xl_stream(trace: Trace, pset: PredictorSet | None = None, rollout_every: int = ROLLOUT_EVERY,
-              weights=None, progress: bool = False) -> list[list[tuple[int, Forecast]]]:
+              weights=None, progress: bool = False, depth: int | None = None) -> list[list[tuple[int, Forecast]]]:
     """The forecasts of the policies ``xl`` (``pset`` None: cross-layer forecasts alone) and ``seqmoe-xl`` (blended
     with ``pset``'s, ``predictor.blend``) over ``trace``, as ``forecast_stream`` lays them out: the runtime's
     ``CrossLayerFeed`` run on the trace's recorded cross-layer forecasts, blended with ``weights`` (default: the
     predictor's calibrated ones, ``PredictorSet.xl_weights``, else ``predictor.xl_weights.XL_WEIGHTS``), as the runtime
-    blends them.
+    blends them; ``depth``: as ``TraceXL``'s.
 
     Raises:
-        MoeOffloadError: a trace without cross-layer forecasts (``TraceXL``).
+        MoeOffloadError: a trace without cross-layer forecasts, or not ``depth`` deep (``TraceXL``).
     """
     from ..predictor.cross_layer import CrossLayerFeed
 
-    src = TraceXL(trace)
+    src = TraceXL(trace, depth)
     runner = PredictorRunner(pset, rollout=ROLLOUT, rollout_every=rollout_every) if pset is not None else None
     return _replay_feed(CrossLayerFeed(src, [_Sink()], runner, weights), trace, progress, xl=src)
 

@@ -33,6 +33,8 @@ class SimulateRequest:
         link: ``host`` (the profile's host->device link) or ``disk`` (the profile's disk, two tiers).
         host_cache_frac: three tiers, a host cache of this fraction of all routed experts, or None.
         link_epl: the prefetching replay's link speed in experts per layer time, or None (the profiles').
+        xl_depth: the later layers each cross-layer forecast covers (None: the runtime's ``XL_DEPTH``, or what a
+            trace recorded when that is less).
     """
 
     traces: list
@@ -47,6 +49,7 @@ class SimulateRequest:
     link: str = "host"
     host_cache_frac: float | None = None
     link_epl: float | None = None
+    xl_depth: int | None = None
 
 
 def choose_profiles(req: SimulateRequest) -> tuple:
@@ -114,7 +117,7 @@ def simulate(req: SimulateRequest, say: Callable[[str], None] = print) -> tuple[
         for spec in req.policies:  # every policy's object builds before the long loop
             if not spec.prefetch:
                 build_policy(spec, tr, 1, needs=[])
-    forecasts |= xl_streams(traces, req.policies, pset, req.rollout_every)
+    forecasts |= xl_streams(traces, req.policies, pset, req.rollout_every, req.xl_depth)
     if pset is not None and any(s.family == "seqmoe-xl" for s in req.policies):
         from ..predictor.xl_weights import describe_xl_weights
 
@@ -289,19 +292,22 @@ def predictor_replay_set(predictor: str, traces: list, need_forecasts: bool, rol
     return traces, fc, pset.header.prefill_popularity, pset
 
 
-def xl_streams(traces: list, policies: list[PolicySpec], pset, rollout_every: int) -> dict:
+def xl_streams(traces: list, policies: list[PolicySpec], pset, rollout_every: int, depth: int | None = None) -> dict:
     """``{(trace name, policy name): forecast stream}`` for the cross-layer policies among ``policies``
     (``sim.forecasts.xl_stream``: ``xl`` alone, ``seqmoe-xl`` blended with ``pset``'s forecasts, ``xl-oracle``
-    those of ``xl``, whose probabilities ``replays`` replaces by the truth).
+    those of ``xl``, whose probabilities ``replays`` replaces by the truth), each forecast ``depth`` layers deep
+    (None: the runtime's ``core.forecast.XL_DEPTH``, or a trace's recorded depth when that is less).
 
     Raises:
-        MoeOffloadError: a trace without cross-layer forecasts.
+        MoeOffloadError: a trace without cross-layer forecasts, or recorded less than ``depth`` deep.
     """
+    from ..core.forecast import XL_DEPTH
     from .forecasts import xl_stream
 
     out = {}
     for spec in {s for s in policies if s.cross_layer}:
         for name, tr in traces:
+            d = depth if depth is not None or tr.xl_probs is None else min(XL_DEPTH, tr.xl_probs.shape[2])
             out[(name, spec.name)] = xl_stream(tr, pset if spec.family == "seqmoe-xl" else None,
-                                               rollout_every=rollout_every, progress=True)
+                                               rollout_every=rollout_every, progress=True, depth=d)
     return out
