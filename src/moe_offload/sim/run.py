@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from ..core.forecast import ROLLOUT_EVERY, XL_DEPTH
 from ..core.policy_spec import PolicySpec, require_predictor
 from ..errors import MoeOffloadError
-from ..core.forecast import ROLLOUT_EVERY
 
 
 @dataclass
@@ -301,7 +301,6 @@ def xl_streams(traces: list, policies: list[PolicySpec], pset, rollout_every: in
     Raises:
         MoeOffloadError: a trace without cross-layer forecasts, or recorded less than ``depth`` deep.
     """
-    from ..core.forecast import XL_DEPTH
     from .forecasts import xl_stream
 
     out = {}
