@@ -11,17 +11,18 @@ read of one expert here is 0.09 ms, ``scripts/read_cpu_cost.py``) and 0:
 - with PREDICTOR (a trained SeqMoE predictor of the trace's model): `seqmoe-cacheonly` (its forecasts evict, no
   prefetching), `seqmoe`, `seqmoe-xl` and `seqmoe-xl+gate` (its forecasts blended with the cross-layer ones).
 
-    python scripts/forecast_ceiling.py TRACE LAYER_US LINK_EPL LRU_MS PREFETCH_MS [PREDICTOR]
+    python scripts/forecast_ceiling.py TRACE LAYER_US LINK_EPL LRU_MS PREFETCH_MS [PREDICTOR] [--xl-depth D]
 
 LAYER_US: the FullLoad layer time (us) and LINK_EPL: the disk link in experts per layer time, both from a
 `bench decode --host-store disk` footer (one value, or two comma-separated: at 25% and at 45%); LRU_MS: `lru`'s predictor + management (ms per decode step). Prints, per
 residency (0.25, 0.45), each policy's projected decode fraction of FullLoad, its ratio to `lru`'s, its decode
-misses and prefetches. The projection and the runtime agree within 15% on this machine (docs/benchmarks.md, session
+misses and prefetches. ``--xl-depth D``: the cross-layer forecasts replayed D rows deep (``sim.forecasts.TraceXL``;
+default: as the trace recorded them). The projection and the runtime agree within 15% on this machine (docs/benchmarks.md, session
 49), so a policy whose ceiling here is below a target cannot reach it at runtime with these forecasts.
 """
 
+import argparse
 import math
-import sys
 
 from moe_offload.common.threads import compute_share
 from moe_offload.core.forecast import ROLLOUT_EVERY
@@ -31,23 +32,30 @@ from moe_offload.sim.prefetch_sim import CoreCosts, replay_policy
 from moe_offload.sim.simulator import layer_needs
 from moe_offload.trace.format import load_trace
 
-if len(sys.argv) not in (6, 7):
-    sys.exit("usage: forecast_ceiling.py TRACE LAYER_US LINK_EPL LRU_MS PREFETCH_MS [PREDICTOR]")
-path, layer_us, lru_ms, pf_ms = sys.argv[1], float(sys.argv[2]), float(sys.argv[4]), float(sys.argv[5])
-links = [float(x) for x in sys.argv[3].split(",")]
+ap = argparse.ArgumentParser(description="what forecasts could give a trace at lru's decision cost")
+ap.add_argument("trace")
+ap.add_argument("layer_us", type=float)
+ap.add_argument("link_epl")
+ap.add_argument("lru_ms", type=float)
+ap.add_argument("prefetch_ms", type=float)
+ap.add_argument("predictor", nargs="?")
+ap.add_argument("--xl-depth", type=int, default=None)
+args = ap.parse_args()
+path, layer_us, lru_ms, pf_ms = args.trace, args.layer_us, args.lru_ms, args.prefetch_ms
+links = [float(x) for x in args.link_epl.split(",")]
 trace = load_trace(path)
 needs = layer_needs(trace)
 t = layer_us * 1e-6
 overhead = lru_ms * 1e-3 / trace.num_moe_layers / t   # ms per decode step -> layer times per MoE layer
-streams = {"xl": xl_stream(trace)}
+streams = {"xl": xl_stream(trace, depth=args.xl_depth)}
 streams["xl-oracle"] = oracle_stream(streams["xl"], trace, weighted=False)
 popularity = None
-if len(sys.argv) == 7:
+if args.predictor:
     from moe_offload.predictor.model import load_predictor
 
-    pset = load_predictor(sys.argv[6], model_id=trace.header.get("model_id"))
+    pset = load_predictor(args.predictor, model_id=trace.header.get("model_id"))
     streams["seqmoe"] = streams["seqmoe-cacheonly"] = forecast_stream(pset, trace, rollout_every=ROLLOUT_EVERY)
-    streams["seqmoe-xl"] = xl_stream(trace, pset)
+    streams["seqmoe-xl"] = xl_stream(trace, pset, depth=args.xl_depth)
     popularity = pset.header.prefill_popularity  # SeqMoE §8.4's prefill prefetching, as simulate and the runtime
 policies = ["belady"] + [p + g for p in streams for g in ("", "+gate") if parse_policy(p).prefetch or not g]
 
