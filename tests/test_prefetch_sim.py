@@ -239,3 +239,30 @@ def test_bench_decode_models_the_disk_as_the_baseline_read_it():
     for base in (parse_policy("xl"), None):
         assert loaded_disk_links(bds, base, 2.0, 2e-3, costs) == ([2.0] * 5,
                                                                   "; the simulated column models the same link")
+
+
+def test_a_miss_waits_behind_a_prefetch_for_the_share_preempt_says():
+    """``preempt``: the share of one copy an on-demand copy waits behind a prefetch in flight (the emulated link's
+    1 / LINK_CHUNKS by default; the disk tier reads a prefetch of up to ``PREFETCH_CHUNK`` bytes in one request, so
+    ``bench decode --host-store disk`` passes ``DiskStore``'s share, 1 for its testbed experts). Waiting for whole
+    copies never stalls less; a share outside (0, 1] is refused."""
+    import pytest
+
+    from moe_offload.core.prefetch import LINK_CHUNKS
+    from moe_offload.runtime.disk_store import PREFETCH_CHUNK, preempt_share
+
+    tr = planted_trace(requests=4, length=20, L=3, E=16, k=2)
+    needs = layer_needs(tr)
+    fc = oracle_forecasts(tr)
+    runs = {p: replay_with_prefetch(tr, 10, "seqmoe", 0.5, forecasts=fc, scheduler="jsd", needs=needs, preempt=p)
+            for p in (1.0 / LINK_CHUNKS, 0.5, 1.0)}
+    default = replay_with_prefetch(tr, 10, "seqmoe", 0.5, forecasts=fc, scheduler="jsd", needs=needs)
+    assert default.decode_stall == runs[1.0 / LINK_CHUNKS].decode_stall
+    assert runs[1.0 / LINK_CHUNKS].decode_prefetches > 0
+    assert runs[1.0 / LINK_CHUNKS].decode_stall <= runs[0.5].decode_stall <= runs[1.0].decode_stall
+    assert runs[1.0 / LINK_CHUNKS].decode_stall < runs[1.0].decode_stall
+    for bad in (0.0, 1.5):
+        with pytest.raises(Exception, match="preempt"):
+            replay_with_prefetch(tr, 10, "seqmoe", 0.5, forecasts=fc, scheduler="jsd", needs=needs, preempt=bad)
+    assert preempt_share(PREFETCH_CHUNK, 2654208) == 1.0 and preempt_share(1 << 20, 4 << 20) == 0.25
+    assert preempt_share(1 << 20, 0) == 1.0

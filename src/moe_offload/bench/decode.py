@@ -12,6 +12,7 @@ from ..generation.generate import run
 from ..models.loader import load_full, load_offloaded
 from ..core.forecast import ROLLOUT_EVERY
 from ..runtime.cpu_account import account_table
+from ..runtime.disk_store import PREFETCH_CHUNK, preempt_share
 from ..runtime.emulated_clock import check_skip_device, now, skipping_waits, wait_until
 from .decode_rows import DecodeRow, baseline_policy, breakdown_table, median_rows, round_order, rounds_note, table
 
@@ -105,7 +106,8 @@ def bench_decode(path: Path, prompts: list[str], residencies: list[float], *, ma
         if disk is not None:  # the disk as the baseline read it beside the compute, not as `bench link` found it idle
             links, words = loaded_disk_links(breakdowns, baseline, link_epl, t_layer, costs)
             regime += words
-        _simulate_rows(rows[1:], trace, links, predictor, rollout_every, predictor_lag, costs)
+        preempt = None if disk is None else preempt_share(PREFETCH_CHUNK, expert_bytes)  # the disk tier's chunks
+        _simulate_rows(rows[1:], trace, links, predictor, rollout_every, predictor_lag, costs, preempt)
     lag = ("" if predictor_lag is None else
            f"; in a process of its own, forecasts used {predictor_lag} MoE layers after their trigger layer")
     pred = f", predictor {predictor} (rollout every {rollout_every} steps{lag})" if predictor else ""
@@ -324,11 +326,12 @@ def loaded_disk_links(breakdowns: list, baseline, link_epl: float, t_layer: floa
 
 
 def _simulate_rows(rows: list[DecodeRow], trace, link_epl, predictor: str | None, rollout_every: int,
-                   lag: int | None = None, costs: list | None = None) -> None:
+                   lag: int | None = None, costs: list | None = None, preempt: float | None = None) -> None:
     """Fill each row's ``simulated``: the replay of ``trace`` with the row's policy and slot count under the link
     model of ``sim.prefetch_sim`` at ``link_epl`` (experts per layer time; a list: one per row), the predictor's
     forecasts replayed with the runtime's settings, charging each row the ``CoreCosts`` it measured (``costs``, one
-    per row; None: none)."""
+    per row; None: none), a miss waiting behind a prefetch in flight for ``preempt`` of one copy (None: the
+    emulated link's chunk, ``replay_policy``'s default)."""
     from ..sim.forecasts import forecast_stream, xl_stream
     from ..sim.prefetch_sim import replay_policy
     from ..sim.simulator import layer_needs
@@ -351,7 +354,8 @@ def _simulate_rows(rows: list[DecodeRow], trace, link_epl, predictor: str | None
         link = link_epl[i] if isinstance(link_epl, list) else link_epl
         _, row.simulated = replay_policy(trace, row.requested, row.slots, link,
                                          forecasts=streams.get(row.requested), prefill_popularity=popularity,
-                                         needs=needs, costs=costs[i] if costs else None)
+                                         needs=needs, costs=costs[i] if costs else None,
+                                         **({} if preempt is None else {"preempt": preempt}))
 
 
 def _emulate_on_demand(lm, seconds_per_expert: float) -> None:

@@ -19,6 +19,7 @@ import torch
 
 from ..core.forecast import XL_DEPTH
 from ..errors import MoeOffloadError
+from . import huge_pages
 from .kernels import native
 from .route_rows import router_of
 
@@ -154,6 +155,28 @@ def _linear_softmax_topk(router: torch.nn.Module, extra: list[str]) -> int | Non
     return k if same else None
 
 
+def _on_huge_pages(weights: list) -> list:
+    """The tensors of ``weights`` (None and numpy arrays kept as they are) copied into one buffer on huge pages
+    (``runtime.huge_pages``), as views of it: the forecast reads them between two layers' expert kernels, whose
+    streams have evicted them from the caches and their 4 KiB pages from the TLB (session 51)."""
+    tensors = [w for w in weights if isinstance(w, torch.Tensor)]
+    if not tensors:
+        return weights
+    sizes = [w.numel() * w.element_size() for w in tensors]
+    buf = huge_pages.empty((sum(sizes),), torch.uint8, min_bytes=0)
+    out, at = [], 0
+    for w in weights:
+        if not isinstance(w, torch.Tensor):
+            out.append(w)
+            continue
+        n = w.numel() * w.element_size()
+        view = buf[at:at + n].view(w.dtype).view(w.shape)
+        view.copy_(w)
+        out.append(view)
+        at += n
+    return out
+
+
 class CrossLayerForecaster:
     """The model's routers, one per MoE layer, applied to earlier layers' router inputs.
 
@@ -219,7 +242,7 @@ class CrossLayerForecaster:
                 out.append(f[0].contiguous())
             else:
                 out.append(f[0].float().contiguous().numpy())
-        return out
+        return _on_huge_pages(out)
 
     def _capture(self, layer: int):
         def hook(module, args, kwargs):

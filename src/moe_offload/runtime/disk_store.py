@@ -59,8 +59,18 @@ from .store import ExpertLayout, gather_rows
 #: default reader threads (queue depth of ``copy_many``)
 DEFAULT_READERS = 4
 #: largest read of a prefetch between two checks for on-demand reads to yield to and for cancellation (bytes); an
-#: expert up to this size is read in one request (a 324 KiB testbed expert), a 9.4 MB one in ten
-PREFETCH_CHUNK = 1 << 20
+#: expert up to this size is read in one request (a 2.65 MB testbed-sparse-wide expert), a 9.4 MB one in three.
+#: Each request costs the reading thread CPU on the compute's cores whatever its size (about 60 us here, nested
+#: virtualisation): at 1 MiB the prefetch reads took 7.0-8.3 ms of CPU per decode step, at 4 MiB 4.0-4.2
+#: (docs/benchmarks.md, session 51)
+PREFETCH_CHUNK = 4 << 20
+
+
+def preempt_share(chunk: int, read_bytes: float) -> float:
+    """The most an on-demand read waits behind a prefetch already reading, as a share of one expert's read of
+    ``read_bytes`` bytes, where a prefetch yields at its next chunk of ``chunk`` bytes: ``min(1, chunk /
+    read_bytes)`` (1 for an empty read)."""
+    return min(1.0, chunk / read_bytes) if read_bytes > 0 else 1.0
 
 
 class DiskStore:
@@ -367,8 +377,7 @@ class DiskStore:
         chunk of ``prefetch_chunk`` bytes over the experts' mean read bytes, at most 1 (``core.prefetch_cost``'s
         ``preempt``: a miss pre-empts a prefetch at its next chunk)."""
         n = self.num_experts_total
-        mean = sum(s.length for e in range(n) for s in self.spans(e)) / max(1, n)
-        return min(1.0, self.prefetch_chunk / mean) if mean > 0 else 1.0
+        return preempt_share(self.prefetch_chunk, sum(s.length for e in range(n) for s in self.spans(e)) / max(1, n))
 
     def reset_stats(self) -> None:
         """Zero ``stats``."""

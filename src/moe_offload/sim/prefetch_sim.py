@@ -11,7 +11,7 @@ copy at a time in FIFO order. For each layer, in the runtime's order:
 3. plan the layer (``plan_layer(..., hold=True)``): hits, in-flight experts to wait for, on-demand loads; the
    layer stalls until its waits and loads are done. On-demand loads pause prefetching (§8.3): a prefetch copy in
    flight that the layer does not wait for yields the link at its next chunk boundary (a copy moves in
-   ``LINK_CHUNKS`` chunks) and resumes after the loads; when the layer waits for an in-flight copy, the loads
+   ``LINK_CHUNKS`` chunks, or chunks of ``preempt`` of a copy: the disk tier's) and resumes after the loads; when the layer waits for an in-flight copy, the loads
    queue behind it;
 4. compute for 1 layer time, during which the link runs the scheduler's choices (``select(pos)``) back to back;
    each one reserves a Fetch slot (``SlotTable.prefetch``, evicting a Used expert by the policy) and lands when
@@ -107,7 +107,8 @@ class PrefetchReplayResult(ReplayResult):
 
 def replay_with_prefetch(trace: Trace, num_slots: int, policy: PolicySpec | str, link_epl: float, forecasts=None,
                          scheduler: str | None = "jsd", needs=None, reserve: int = 1,
-                         prefill_popularity=None, costs: CoreCosts | None = None) -> PrefetchReplayResult:
+                         prefill_popularity=None, costs: CoreCosts | None = None,
+                         preempt: float = 1.0 / LINK_CHUNKS) -> PrefetchReplayResult:
     """Replay ``trace`` with ``num_slots`` slots, eviction ``policy`` and, when ``scheduler`` is given, prefetching
     from the predictor's ``forecasts`` (``sim.forecasts.forecast_stream``) over a link of ``link_epl`` experts
     per layer time.
@@ -122,9 +123,11 @@ def replay_with_prefetch(trace: Trace, num_slots: int, policy: PolicySpec | str,
             ``e`` slots free), as the runtime's ``Prefetcher.set_prefill_popularity``; None: no prefill prefetching.
         costs: the runtime's ``CoreCosts`` on this machine (None: none, copies beside the compute as a GPU's DMA
             engine); charged to the clock, and measured by a ``+gate`` policy's gate (module docstring).
+        preempt: as ``replay_policy``'s.
 
     Raises:
-        MoeOffloadError: ``link_epl <= 0``, prefetching or a forecast-driven policy without forecasts.
+        MoeOffloadError: ``link_epl <= 0``, ``preempt`` outside (0, 1], prefetching or a forecast-driven policy
+            without forecasts.
     """
     if not link_epl > 0:
         raise MoeOffloadError(f"link bandwidth must be > 0 experts per layer time, got {link_epl}")
@@ -135,15 +138,17 @@ def replay_with_prefetch(trace: Trace, num_slots: int, policy: PolicySpec | str,
     L, E = trace.num_moe_layers, trace.num_experts
     table = SlotTable(num_slots, L * E, pol, experts_per_layer=E, reserve=reserve)
     sched = make_scheduler(scheduler, num_moe_layers=L, b_avg=link_epl, auto_ema=False) if scheduler else None
-    # a miss takes the link at a prefetch's next chunk boundary: it waits at most 1 / LINK_CHUNKS of a copy
-    meter = (CostMeter(contention=1.0, preempt=1.0 / LINK_CHUNKS) if sched is not None and parse_policy(policy).gated
+    if not 0.0 < preempt <= 1.0:
+        raise MoeOffloadError(f"preempt must be a share of one copy in (0, 1], got {preempt}")
+    # a miss takes the link at a prefetch's next chunk boundary: it waits at most ``preempt`` of a copy
+    meter = (CostMeter(contention=1.0, preempt=preempt) if sched is not None and parse_policy(policy).gated
              else None)
     if meter is not None:
         sched.ledger = UseLedger()
     name = policy if scheduler is None else f"{policy}+{scheduler}"
     prefill = None if prefill_popularity is None or sched is None else PrefillPrefetch(prefill_popularity, L, E)
     replay = _LinkReplay(trace, table, sched, prefill, PrefetchReplayResult(policy=name, num_slots=num_slots),
-                         link_epl, costs or CoreCosts())
+                         link_epl, costs or CoreCosts(), preempt)
     for i, (req, step, needed, tokens) in enumerate(needs):
         if meter is not None:
             replay.meter_step(meter)
@@ -164,7 +169,7 @@ class _LinkReplay:
     next chunk boundary, SeqMoE §8.3), then the link's spare time until the layer ends filled with prefetches."""
 
     def __init__(self, trace: Trace, table: SlotTable, sched, prefill, res: PrefetchReplayResult, link_epl: float,
-                 costs: CoreCosts):
+                 costs: CoreCosts, preempt: float = 1.0 / LINK_CHUNKS):
         self.L, self.E, self.k = trace.num_moe_layers, trace.num_experts, trace.top_k
         self.costs = costs
         # this step so far: on-demand loads, stall, prefetches started, its start (``meter_step``)
@@ -173,7 +178,7 @@ class _LinkReplay:
         self.table, self.sched, self.prefill, self.res = table, sched, prefill, res
         self.observe = getattr(table.policy, "observe", None)
         self.d = 1.0 / link_epl + costs.copy  # one expert copy: its read, then its staging copy
-        self.chunk = self.d / LINK_CHUNKS
+        self.chunk = self.d * preempt  # a miss takes the link at a prefetch's next chunk boundary
         self.now = self.link_free = 0.0
         self.inflight: list[tuple[float, int, int, int]] = []     # heap of (finish, eid, slot, tag)
         self.finish_of: dict[int, float] = {}
@@ -318,7 +323,8 @@ def link_fraction(res: ReplayResult, trace: Trace, link_epl: float, costs: CoreC
 
 def replay_policy(trace: Trace, policy: PolicySpec | str, num_slots: int, link_epl: float | None, forecasts=None,
                   prefill_popularity=None, needs=None, on_loads=None,
-                  costs: CoreCosts | None = None) -> tuple[ReplayResult, float | None]:
+                  costs: CoreCosts | None = None,
+                  preempt: float = 1.0 / LINK_CHUNKS) -> tuple[ReplayResult, float | None]:
     """One policy's replay as ``simulate`` and ``bench decode`` run it: a policy with a prefetch scheduler
     (``PolicySpec.prefetch``: the SeqMoE pipelines; ``seqmoe-oracle`` fed perfect forecasts,
     ``sim.forecasts.oracle_stream``; ``xl`` / ``seqmoe-xl`` fed cross-layer forecasts, ``sim.forecasts.xl_stream``)
@@ -332,6 +338,9 @@ def replay_policy(trace: Trace, policy: PolicySpec | str, num_slots: int, link_e
         prefill_popularity: the predictor's ``[L, E]`` prefill popularity (SeqMoE §8.4) or None.
         on_loads: ``simulator.replay``'s hook for a tier below the slots (not for the prefetching pipelines).
         costs: the runtime's ``CoreCosts`` on the machine projected for (None: none).
+        preempt: the share of one copy an on-demand copy waits behind a prefetch in flight, in (0, 1] (the chunk a
+            prefetch yields the link at: the emulated link's ``1 / LINK_CHUNKS``; the disk tier's
+            ``DiskStore.preempt_share``).
     Returns:
         ``(result, decode fraction of FullLoad under the link model or None)``.
     Raises:
@@ -348,7 +357,7 @@ def replay_policy(trace: Trace, policy: PolicySpec | str, num_slots: int, link_e
             raise MoeOffloadError(f"--policy {spec.name} prefetches over one link: the host cache tier is projected "
                                   "for the history policies only")
         pr = replay_with_prefetch(trace, num_slots, spec, link_epl, forecasts=forecasts, scheduler=spec.prefetch,
-                                  needs=needs, prefill_popularity=prefill_popularity, costs=costs)
+                                  needs=needs, prefill_popularity=prefill_popularity, costs=costs, preempt=preempt)
         return pr, pr.decode_fraction_of_full_load
     res = replay(trace, num_slots, spec, needs=needs, forecasts=forecasts if spec.forecast_driven else None,
                  on_loads=on_loads)
