@@ -43,15 +43,16 @@ def test_the_meter_averages_what_each_step_measured():
 
 
 def test_a_busy_link_and_unused_prefetches_raise_the_bar():
-    """The same copy costs (2 ms miss, 0.5 ms of CPU): with the misses keeping the link busy half of the step a task
-    needs 0.25 + 0.5 = 0.75; when only half of what the forecasts promised is used, a forecast's chance must be
-    1.5 (no task passes)."""
+    """The same copy costs (2 ms miss, 0.5 ms of CPU): with the misses keeping the link busy half of the step and a
+    wasted prefetch delaying a miss by half a read on average (a whole read at most, ``preempt`` 1), a task needs
+    (0.25 + 0.25) / (0.5 + 0.25) = 2/3; when only half of what the forecasts promised is used, a forecast's chance
+    must be 4/3 (no task passes)."""
     busy = PrefetchCost(miss_s=2e-3, prefetch_cpu_s=0.5e-3, link_busy=0.5)
-    assert busy.min_confidence == pytest.approx(0.75)
-    assert busy.worth(0.8) and not busy.worth(0.7)
-    # the saving at 0.8: 0.8 x 2 x 0.5 = 0.8 ms > 0.5 + 0.2 x 2 x 0.5 = 0.7 ms
+    assert busy.min_confidence == pytest.approx(2 / 3)
+    assert busy.worth(0.7) and not busy.worth(0.65)
+    # the saving at 0.7: 0.7 x 2 x 0.5 = 0.7 ms > 0.5 + 0.3 x 2 x 0.5 x 0.5 = 0.65 ms
     halved = PrefetchCost(miss_s=2e-3, prefetch_cpu_s=0.5e-3, link_busy=0.5, used_scale=0.5)
-    assert halved.min_confidence == pytest.approx(1.5) and not halved.worth(1.0) and halved.closed
+    assert halved.min_confidence == pytest.approx(4 / 3) and not halved.worth(1.0) and halved.closed
     assert not PrefetchCost(miss_s=2e-3, prefetch_cpu_s=0.5e-3, link_busy=0.5, used_scale=0.8).closed
     shut = PrefetchCost(miss_s=2e-3, prefetch_cpu_s=0.5e-3, link_busy=0.75)
     assert shut.closed and not shut.worth(1.0) and not shut.worth(100.0)
@@ -61,17 +62,17 @@ def test_a_busy_link_and_unused_prefetches_raise_the_bar():
 
 
 def test_a_wasted_prefetch_delays_a_miss_by_one_chunk_where_a_miss_preempts_it():
-    """The busy link of the test above (2 ms miss, 0.5 ms of CPU, busy half of the step) on the disk tier, where a
-    miss waits at most a quarter of a read behind a prefetch (``preempt`` 0.25): the waste term is (1 - c) x 2 x
-    0.5 x 0.25 ms, and the threshold (0.25 + 0.125) / (0.5 + 0.125) = 0.6 (0.75 with a whole read). At 0.6 the
-    saving 0.6 x 2 x 0.5 = 0.6 ms equals the cost 0.5 + 0.4 x 0.25 = 0.6 ms."""
+    """The busy link of the test above (2 ms miss, 0.5 ms of CPU, busy half of the step) where a miss waits at most
+    a quarter of a read behind a prefetch (``preempt`` 0.25), an eighth on average: the waste term is (1 - c) x 2 x
+    0.5 x 0.125 ms, and the threshold (0.25 + 0.0625) / (0.5 + 0.0625) = 5/9 (2/3 with a whole read). At 5/9 the
+    saving 5/9 x 2 x 0.5 = 5/9 ms equals the cost 0.5 + 4/9 x 0.125 = 5/9 ms."""
     disk = PrefetchCost(miss_s=2e-3, prefetch_cpu_s=0.5e-3, link_busy=0.5, preempt=0.25)
-    assert disk.threshold == pytest.approx(0.6) and disk.worth(0.61) and not disk.worth(0.59)
+    assert disk.threshold == pytest.approx(5 / 9) and disk.worth(0.56) and not disk.worth(0.55)
     whole = PrefetchCost(miss_s=2e-3, prefetch_cpu_s=0.5e-3, link_busy=0.5, preempt=1.0)
-    assert whole.threshold == pytest.approx(0.75)
-    # forecasts that promise more than is used (used_scale 0.7): the whole-read gate is shut, the chunk one is not
-    assert PrefetchCost(2e-3, 0.5e-3, link_busy=0.5, used_scale=0.7).closed
-    assert not PrefetchCost(2e-3, 0.5e-3, link_busy=0.5, used_scale=0.7, preempt=0.25).closed
+    assert whole.threshold == pytest.approx(2 / 3)
+    # forecasts that promise more than is used (used_scale 0.65): the whole-read gate is shut, the chunk one is not
+    assert PrefetchCost(2e-3, 0.5e-3, link_busy=0.5, used_scale=0.65).closed
+    assert not PrefetchCost(2e-3, 0.5e-3, link_busy=0.5, used_scale=0.65, preempt=0.25).closed
     # a task sure to be used wastes nothing: the link's share alone decides (cpu / miss + busy >= 1), any preempt
     assert PrefetchCost(2e-3, 0.5e-3, link_busy=0.75, preempt=0.25).threshold == pytest.approx(1.0)
     assert CostMeter(alpha=1.0, preempt=0.25).preempt == 0.25
@@ -87,7 +88,7 @@ def test_the_meter_measures_the_link_and_the_forecasts_calibration():
     c = m.cost
     assert (c.miss_s, c.prefetch_cpu_s) == pytest.approx((2e-3, 0.5e-3))
     assert c.link_busy == pytest.approx(0.4) and c.used_scale == pytest.approx(0.25 / 0.9)
-    assert c.min_confidence == pytest.approx((0.25 + 0.4) * 0.9 / 0.25)
+    assert c.min_confidence == pytest.approx((0.25 + 0.2) / (0.6 + 0.2) * 0.9 / 0.25)  # a miss waits half a read
     m.observe(4, 8e-3, 2, 1e-3, step_wall_s=20e-3, settled=(0, 0.9, 1))
     assert m.cost.used_scale == CostMeter.MIN_USED_SCALE
 

@@ -249,7 +249,9 @@ def test_a_miss_waits_behind_a_prefetch_for_the_share_preempt_says():
     import pytest
 
     from moe_offload.core.prefetch import LINK_CHUNKS
+    from moe_offload.errors import MoeOffloadError
     from moe_offload.runtime.disk_store import PREFETCH_CHUNK, preempt_share
+    from moe_offload.sim.prefetch_sim import CoreCosts, replay_policy
 
     tr = planted_trace(requests=4, length=20, L=3, E=16, k=2)
     needs = layer_needs(tr)
@@ -262,7 +264,16 @@ def test_a_miss_waits_behind_a_prefetch_for_the_share_preempt_says():
     assert runs[1.0 / LINK_CHUNKS].decode_stall <= runs[0.5].decode_stall <= runs[1.0].decode_stall
     assert runs[1.0 / LINK_CHUNKS].decode_stall < runs[1.0].decode_stall
     for bad in (0.0, 1.5):
-        with pytest.raises(Exception, match="preempt"):
+        with pytest.raises(MoeOffloadError, match="preempt"):
             replay_with_prefetch(tr, 10, "seqmoe", 0.5, forecasts=fc, scheduler="jsd", needs=needs, preempt=bad)
+    # replay_policy passes it on, to the link and to a +gate policy's cost meter (its gate weighs a wasted prefetch's
+    # delay to a miss by it), and the default is the emulated link's
+    costs = CoreCosts(prefetch_cpu=0.05)
+    gated = {p: replay_policy(tr, "seqmoe+gate", 10, 0.5, forecasts=fc, needs=needs, costs=costs, preempt=p)[0]
+             for p in (1.0 / LINK_CHUNKS, 1.0)}
+    plain = replay_policy(tr, "seqmoe+gate", 10, 0.5, forecasts=fc, needs=needs, costs=costs)[0]
+    assert plain.decode_prefetches == gated[1.0 / LINK_CHUNKS].decode_prefetches
+    assert plain.decode_stall == gated[1.0 / LINK_CHUNKS].decode_stall
+    assert gated[1.0].decode_prefetches != gated[1.0 / LINK_CHUNKS].decode_prefetches
     assert preempt_share(PREFETCH_CHUNK, 2654208) == 1.0 and preempt_share(1 << 20, 4 << 20) == 0.25
     assert preempt_share(1 << 20, 0) == 1.0

@@ -106,7 +106,9 @@ def bench_decode(path: Path, prompts: list[str], residencies: list[float], *, ma
         if disk is not None:  # the disk as the baseline read it beside the compute, not as `bench link` found it idle
             links, words = loaded_disk_links(breakdowns, baseline, link_epl, t_layer, costs)
             regime += words
-        preempt = None if disk is None else preempt_share(PREFETCH_CHUNK, expert_bytes)  # the disk tier's chunks
+        # the disk tier's chunks: DiskStore.preempt_share's, with the expert's bytes for its mean read (a read of
+        # the pack is those bytes rounded up to 4 KiB; of the safetensors files, its spans': within 4 KiB a field)
+        preempt = None if disk is None else preempt_share(PREFETCH_CHUNK, expert_bytes)
         _simulate_rows(rows[1:], trace, links, predictor, rollout_every, predictor_lag, costs, preempt)
     lag = ("" if predictor_lag is None else
            f"; in a process of its own, forecasts used {predictor_lag} MoE layers after their trigger layer")

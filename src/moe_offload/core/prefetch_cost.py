@@ -17,19 +17,21 @@ A prefetch task whose expert its layer uses with probability ``c`` is weighed in
   (1 - link_busy)``. A wasted one delays a miss that finds it reading until the link is free again: at most the
   share ``preempt`` of one read, where a miss pre-empts a prefetch at its next chunk (the disk tier's chunks of
   ``DiskStore.prefetch_chunk`` bytes, the emulated link's ``1 / LINK_CHUNKS``; 1 for a copy that cannot be
-  stopped): ``(1 - c) x miss_s x link_busy x preempt``. Until issue 47's session 49 the gate charged a whole read
-  (``preempt`` 1) on every link: on the disk, where a miss waits at most a chunk, it refused tasks worth their
-  copy, and shut altogether once the forecasts promised more than was used (``used_scale`` < 1).
+  stopped), and half of it on average (the miss comes at any point of the chunk it finds reading): ``(1 - c) x
+  miss_s x link_busy x preempt / 2``. Until issue 47's session 49 the gate charged a whole read (``preempt`` 1) on
+  every link: on the disk, where a miss waits at most a chunk, it refused tasks worth their copy, and shut
+  altogether once the forecasts promised more than was used (``used_scale`` < 1). Until session 51 it charged the
+  most a miss can wait, not the mean: in the simulator, with the disk's prefetches read one request per expert
+  (``preempt`` 1), that shut the gate of ``xl+gate`` at 25% of the experts (89 decode prefetches over three prompts; 1.01x
+  ``lru`` where ``xl`` alone projected 1.11x); charged the mean, it stays open (1.12x).
 
-A task is queued only when the saving exceeds the cost:
+A task is queued only when the saving exceeds the cost (``delay = link_busy x preempt / 2``):
 
-    c x miss_s x (1 - link_busy) > prefetch_cpu_s x contention + (1 - c) x miss_s x link_busy x preempt,
-    i.e.  c > threshold = (prefetch_cpu_s x contention / miss_s + link_busy x preempt)
-                          / (1 - link_busy + link_busy x preempt)
+    c x miss_s x (1 - link_busy) > prefetch_cpu_s x contention + (1 - c) x miss_s x delay,
+    i.e.  c > threshold = (prefetch_cpu_s x contention / miss_s + delay) / (1 - link_busy + delay)
 
-With an idle link (``link_busy`` 0, as before issue 47's session 40) only the CPU counts; with ``preempt`` 1 the
-threshold is ``prefetch_cpu_s x contention / miss_s + link_busy``. A task sure to be used (``c`` 1) wastes nothing,
-so whether even it passes (``threshold < 1``) does not depend on ``preempt``.
+With an idle link (``link_busy`` 0, as before issue 47's session 40) only the CPU counts. A task sure to be used
+(``c`` 1) wastes nothing, so whether even it passes (``threshold < 1``) does not depend on ``preempt``.
 
 ``submit_forecast`` (``core.prefetch_queue``) applies it for the runtime's prefetcher and the simulator alike. The
 runtime measures both costs as it runs (``CostMeter``: the on-demand copies' wall time and the prefetch copies' CPU
@@ -58,7 +60,7 @@ class PrefetchCost:
         used_scale: a forecast's chance of use times this is the chance a prefetch is used (> 0; measured: the
             share of the forecasts' candidates their layer used over their mean chance of use, ``UseLedger``).
         preempt: the most a miss waits behind a prefetch already reading, as a share of one read, in (0, 1] (the
-            copy engine's ``preempt_share``).
+            copy engine's ``preempt_share``); the gate charges half of it, the mean wait.
     Raises:
         MoeOffloadError: a value out of its range or not finite.
     """
@@ -88,7 +90,7 @@ class PrefetchCost:
     def threshold(self) -> float:
         """The chance of use ``c`` above which a task saves more than it costs (the module docstring's inequality
         solved for ``c``)."""
-        delay = self.link_busy * self.preempt
+        delay = self.link_busy * self.preempt / 2.0  # a miss waits half the chunk it finds reading, on average
         return (self.prefetch_cpu_s * self.contention / self.miss_s + delay) / (1.0 - self.link_busy + delay)
 
     @property

@@ -16,8 +16,8 @@ Several experts are read at once by ``copy_many`` (a pool of ``readers`` threads
 misses of one layer; the calling thread reads one of them itself). A prefetch copy runs on the transfer engine's
 worker thread through ``read_prefetch``, in chunks of at most ``PREFETCH_CHUNK`` bytes: before each chunk it yields
 to on-demand reads (it waits while ``copy_to`` / ``copy_many`` calls are outstanding, unless the engine is waiting
-for that very prefetch) and stops when its copy was cancelled, so an on-demand miss never queues behind a whole
-prefetch and a cancelled prefetch stops reading at a chunk. With the native kernels built, a prefetch into host
+for that very prefetch) and stops when its copy was cancelled, so an on-demand miss never queues behind more than
+one chunk of a prefetch (a whole expert up to ``PREFETCH_CHUNK``) and a cancelled prefetch stops reading at a chunk. With the native kernels built, a prefetch into host
 memory is one ``read_expert`` call too: it sleeps on a futex over the store's count of outstanding on-demand reads
 (woken when the last one ends) and checks its job's ``StopFlag`` between chunks, without the interpreter lock.
 

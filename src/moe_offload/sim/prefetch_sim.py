@@ -11,8 +11,8 @@ copy at a time in FIFO order. For each layer, in the runtime's order:
 3. plan the layer (``plan_layer(..., hold=True)``): hits, in-flight experts to wait for, on-demand loads; the
    layer stalls until its waits and loads are done. On-demand loads pause prefetching (§8.3): a prefetch copy in
    flight that the layer does not wait for yields the link at its next chunk boundary (a copy moves in
-   ``LINK_CHUNKS`` chunks, or chunks of ``preempt`` of a copy: the disk tier's) and resumes after the loads; when the layer waits for an in-flight copy, the loads
-   queue behind it;
+   ``LINK_CHUNKS`` chunks; ``preempt``: chunks of that share of a copy, the disk tier's) and resumes after the
+   loads; when the layer waits for an in-flight copy, the loads queue behind it;
 4. compute for 1 layer time, during which the link runs the scheduler's choices (``select(pos)``) back to back;
    each one reserves a Fetch slot (``SlotTable.prefetch``, evicting a Used expert by the policy) and lands when
    its copy finishes; the tasks are created while the layer's own experts are still in Compute, so a prefetch
