@@ -12,6 +12,7 @@ read of one expert here is 0.09 ms, ``scripts/read_cpu_cost.py``) and 0:
   prefetching), `seqmoe`, `seqmoe-xl` and `seqmoe-xl+gate` (its forecasts blended with the cross-layer ones).
 
     python scripts/forecast_ceiling.py TRACE LAYER_US LINK_EPL LRU_MS PREFETCH_MS [PREDICTOR] [--xl-depth D]
+        [--preempt P] [--policies P1,P2]
 
 LAYER_US: the FullLoad layer time (us) and LINK_EPL: the disk link in experts per layer time, both from a
 `bench decode --host-store disk` footer (one value, or two comma-separated: at 25% and at 45%); LRU_MS: `lru`'s predictor + management (ms per decode step). Prints, per
@@ -40,7 +41,14 @@ ap.add_argument("lru_ms", type=float)
 ap.add_argument("prefetch_ms", type=float)
 ap.add_argument("predictor", nargs="?")
 ap.add_argument("--xl-depth", type=int, default=None)
+ap.add_argument("--preempt", type=float, default=None,
+                help="share of one copy a miss waits behind a prefetch in flight (default: the emulated link's 1/8; "
+                     "the disk tier's DiskStore.preempt_share: 1 for experts up to its 4 MiB requests)")
+ap.add_argument("--policies", default=None, help="comma-separated: only these of the policies above (and lru)")
 args = ap.parse_args()
+if args.preempt is not None and not 0.0 < args.preempt <= 1.0:
+    ap.error(f"--preempt must be in (0, 1], got {args.preempt}")
+link_opts = {} if args.preempt is None else {"preempt": args.preempt}
 path, layer_us, lru_ms, pf_ms = args.trace, args.layer_us, args.lru_ms, args.prefetch_ms
 links = [float(x) for x in args.link_epl.split(",")]
 trace = load_trace(path)
@@ -58,6 +66,11 @@ if args.predictor:
     streams["seqmoe-xl"] = xl_stream(trace, pset, depth=args.xl_depth)
     popularity = pset.header.prefill_popularity  # SeqMoE §8.4's prefill prefetching, as simulate and the runtime
 policies = ["belady"] + [p + g for p in streams for g in ("", "+gate") if parse_policy(p).prefetch or not g]
+if args.policies:
+    wanted = args.policies.split(",")
+    if unknown := [p for p in wanted if p not in policies]:
+        ap.error(f"--policies: {', '.join(unknown)} not among {', '.join(policies)}")
+    policies = wanted
 
 for residency, link in zip((0.25, 0.45), links * 2 if len(links) == 1 else links):
     slots = max(1, math.ceil(residency * trace.num_moe_layers * trace.num_experts - 1e-9))  # as simulate
@@ -71,6 +84,7 @@ for residency, link in zip((0.25, 0.45), links * 2 if len(links) == 1 else links
         for cpu in ((pf_ms, 0.0) if spec.prefetch else (0.0,)):
             costs = CoreCosts(overhead=overhead, prefetch_cpu=cpu * 1e-3 * compute_share() / t)
             r, f = replay_policy(trace, spec, slots, link, forecasts=streams.get(spec.family), needs=needs,
-                                 costs=costs, prefill_popularity=popularity if spec.needs_predictor else None)
+                                 costs=costs, prefill_popularity=popularity if spec.needs_predictor else None,
+                                 **link_opts)
             print(f"| {name} | {cpu:.2f} | {f:.3f} | {f / lru:.3f} | {r.decode_misses} | "
                   f"{getattr(r, 'prefetches', 0)} |", flush=True)
