@@ -182,7 +182,7 @@ def test_layer_cycle_victims_from_disk_equal_the_simulator(tiny_dirs, one_thread
     """The layer-cycle order of the cross-layer policies (``ProbabilisticBelady(layer_cycle=True)``), its victims
     ranked in numpy or by the native kernel, reading its misses from disk while the forecasts are made: the same
     hits and misses as the simulator's replay; the time breakdown charges the forecasts to the predictor and
-    the planning to the management (an engine without observers charges next to nothing to the predictor)."""
+    the planning to the management (an engine without observers charges nothing to the predictor)."""
     from moe_offload.core.prob_belady import ProbabilisticBelady
     from moe_offload.generation.generate import run
     from moe_offload.models.loader import load_offloaded
@@ -196,8 +196,8 @@ def test_layer_cycle_victims_from_disk_equal_the_simulator(tiny_dirs, one_thread
     prompts = ["a b c", "hello there", "the cat sat on the mat"]
     bare = load_offloaded(tiny_dirs["mixtral"], residency=0.4, policy="lru", progress=False, host_store="disk")
     run(bare, prompts[:1], 4)
-    sec = bare.engine.breakdown.seconds  # the planning is management, not predictor (the laps' gaps aside)
-    assert sec["predictor"] < 0.02 * sum(sec.values()) and sec["management"] > sec["predictor"]
+    sec = bare.engine.breakdown.seconds  # the planning is management; without observers nothing is the predictor's
+    assert sec["predictor"] == 0.0 and sec["management"] > 0.0
     bare.close()
     lm = load_offloaded(tiny_dirs["mixtral"], residency=0.4, policy="seqmoe-cacheonly", progress=False,
                         host_store="disk")
