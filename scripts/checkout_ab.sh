@@ -28,7 +28,7 @@ s = json.loads(os.environ["OUT"])["stats"]
 acc = s["cpu_account"]
 m, b = acc["ms_per_step"]["main"], acc["bytes_per_step"]
 step = 1000 / s["decode_tokens_per_s"]
-pm = m["predictor"]["cpu"] + m["management"]["cpu"]
+pm = m.get("predictor", {}).get("cpu", 0.0) + m.get("management", {}).get("cpu", 0.0)  # lru times no predictor
 used, wasted = b["prefetched_used"] / 1e6, b["prefetched_wasted"] / 1e6
 pre = sum(r.get("prefetch_reads", {}).get("cpu", 0.0) for r in acc["ms_per_step"].values())
 print(f"{os.environ['SIDE']} {os.environ['POLICY']}: {s['decode_tokens_per_s']:.2f} tok/s, {step:.1f} ms per step, "
