@@ -15,19 +15,20 @@ read of one expert here is 0.09 ms, ``scripts/read_cpu_cost.py``) and 0:
         [--preempt P] [--policies P1,P2]
 
 LAYER_US: the FullLoad layer time (us) and LINK_EPL: the disk link in experts per layer time, both from a
-`bench decode --host-store disk` footer (one value, or two comma-separated: at 25% and at 45%); LRU_MS: `lru`'s predictor + management (ms per decode step). Prints, per
-residency (0.25, 0.45), each policy's projected decode fraction of FullLoad, its ratio to `lru`'s, its decode
-misses and prefetches. ``--xl-depth D``: the cross-layer forecasts replayed D rows deep (``sim.forecasts.TraceXL``;
-default: as the trace recorded them). The projection and the runtime agree within 15% on this machine (docs/benchmarks.md, session
-49), so a policy whose ceiling here is below a target cannot reach it at runtime with these forecasts.
+`bench decode --host-store disk` footer (one value, or two comma-separated: at 25% and at 45%); LRU_MS: `lru`'s
+predictor + management (ms per decode step). Prints, per residency (0.25, 0.45), each policy's projected decode
+fraction of FullLoad, its ratio to `lru`'s, its decode misses and prefetches. ``--xl-depth D``: the cross-layer
+forecasts replayed D rows deep (``sim.forecasts.TraceXL``; default: as the trace recorded them). The projection and
+the runtime agree within 15% on this machine (docs/benchmarks.md, session 49), so a policy whose ceiling here is
+below a target cannot reach it at runtime with these forecasts.
 """
 
 import argparse
-import math
 
 from moe_offload.common.threads import compute_share
 from moe_offload.core.forecast import ROLLOUT_EVERY
 from moe_offload.core.policy_spec import parse_policy
+from moe_offload.models.loader import num_slots_for
 from moe_offload.sim.forecasts import forecast_stream, oracle_stream, xl_stream
 from moe_offload.sim.prefetch_sim import CoreCosts, replay_policy
 from moe_offload.sim.simulator import layer_needs
@@ -73,7 +74,7 @@ if args.policies:
     policies = wanted
 
 for residency, link in zip((0.25, 0.45), links * 2 if len(links) == 1 else links):
-    slots = max(1, math.ceil(residency * trace.num_moe_layers * trace.num_experts - 1e-9))  # as simulate
+    slots = num_slots_for(trace.num_moe_layers * trace.num_experts, trace.top_k, residency, None)  # as the runtime
     res, lru = replay_policy(trace, parse_policy("lru"), slots, link, needs=needs, costs=CoreCosts(overhead=overhead))
     print(f"\nresidency {residency}, link {link} experts per layer time: lru {lru:.3f} of FullLoad, "
           f"{res.decode_misses} decode misses\n")

@@ -235,8 +235,9 @@ class CrossLayerForecaster:
     def _host_weights(self) -> list[torch.Tensor | np.ndarray | None]:
         """Per MoE layer, the stacked router weights (``_stacked``) for the one-token decode path of ``probs`` when
         they are on the CPU in one of ``HOST_DTYPES``, else None: as they are (float32, bfloat16: the huge-page
-        views of ``_stack_routers``, no copy) for the native ``router_forecast``; else as numpy float32 ``[n * E, H]`` (a widened copy for the 16-bit ones: d x the
-        routers' bytes, e.g. 6.6 MB for 30 layers of 32 x 576). The forecast's logits are then float32 dot products
+        views of ``_stack_routers``, no copy) for the native ``router_forecast``; else as numpy float32
+        ``[n * E, H]`` (a widened copy for the 16-bit ones: d x the routers' bytes, e.g. 6.6 MB for 30 layers of
+        32 x 576). The forecast's logits are then float32 dot products
         of the router's own weights, where the router computes them in its dtype: the chance of each expert moves
         by the rounding, the model's output not at all."""
         out: list[torch.Tensor | np.ndarray | None] = []

@@ -17,9 +17,10 @@ misses of one layer; the calling thread reads one of them itself). A prefetch co
 worker thread through ``read_prefetch``, in chunks of at most ``PREFETCH_CHUNK`` bytes: before each chunk it yields
 to on-demand reads (it waits while ``copy_to`` / ``copy_many`` calls are outstanding, unless the engine is waiting
 for that very prefetch) and stops when its copy was cancelled, so an on-demand miss never queues behind more than
-one chunk of a prefetch (a whole expert up to ``PREFETCH_CHUNK``) and a cancelled prefetch stops reading at a chunk. With the native kernels built, a prefetch into host
-memory is one ``read_expert`` call too: it sleeps on a futex over the store's count of outstanding on-demand reads
-(woken when the last one ends) and checks its job's ``StopFlag`` between chunks, without the interpreter lock.
+one chunk of a prefetch (a whole expert up to ``PREFETCH_CHUNK``) and a cancelled prefetch stops reading at a chunk.
+With the native kernels built, a prefetch into host memory is one ``read_expert`` call too: it sleeps on a futex
+over the store's count of outstanding on-demand reads (woken when the last one ends) and checks its job's
+``StopFlag`` between chunks, without the interpreter lock.
 
 Reads while misses are outstanding are measured (``DiskReadStats.demand_s``, ``demand_reads``) so that a report can
 set them against the bandwidth ``bench link --disk`` measured at the same request size and queue depth
