@@ -4,6 +4,7 @@ the experts without a forecast, on hand-worked event sequences and against a ful
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import numpy as np
@@ -59,24 +60,29 @@ def test_without_layer_cycle_a_forecast_scores_until_the_next_one():
     assert pb.score(4) == pytest.approx(0.7)
 
 
-def test_experts_without_a_forecast_go_in_the_cycle_order():
-    # 3 MoE layers of 2 experts (ids layer * 2 + e); no forecasts
-    pb = ProbabilisticBelady(num_experts=2, horizon=8, lam=0.5, layer_cycle=True)
+def test_experts_without_a_forecast_go_by_reuse_frequency_then_the_cycle_order():
+    # 3 MoE layers of 2 experts (ids layer * 2 + e); no forecasts; half-life H = 4 steps
+    pb = ProbabilisticBelady(num_experts=2, horizon=8, lam=0.5, layer_cycle=True, half_life=4.0)
     pb.on_step(0, 1)
     for e in (0, 1, 2, 4):                  # step 1: layer 0 uses 0 and 1, layer 1 uses 2, layer 2 uses 4
         pb.on_access(e, 1)
         pb.on_insert(e, 1)
     pb.on_step(0, 2)
     pb.on_access(1, 2)                      # step 2, layer 0 runs with expert 1 only
-    # ages (runs of its layer since its last use): 0 -> 1; 1, 2, 4 -> 0. Layers ahead of the running layer 0:
-    # layer 1 -> 1, layer 2 -> 2, layer 0 -> 3
+    # reuse frequency at its layer's last run, sum_i 2^-((r - s_i) / 4): layer 0 ran in step 2, layers 1 and 2 in
+    # step 1; expert 0: 2^-(1/4) = 0.841; expert 1 (steps 1 and 2): 1.841; experts 2 and 4: 1. Layers ahead of
+    # the running layer 0: layer 1 -> 1, layer 2 -> 2, layer 0 -> 3
+    freq = lambda e: 2.0 ** (pb._crf[e] - pb._ran[e // 2] / 4.0)  # noqa: E731
+    assert [freq(e) for e in (0, 1, 2, 4)] == pytest.approx([2 ** -0.25, 1 + 2 ** -0.25, 1.0, 1.0])
     assert pb.victim(set()) == 0            # not used at its layer's last run
-    assert pb.victim({0}) == 1              # age 0; its layer runs again farthest from now (next step)
-    assert pb.victim({0, 1}) == 4           # layer 2 runs after layer 1
-    assert pb.victim({0, 1, 4}) == 2
-    pb.on_access(2, 2)                      # layer 1 runs with expert 2 (pinned while it runs): layer 2 is now
-    assert pb.victim({0, 2}) == 1           # 1 layer ahead, layer 0 2 layers, layer 1 itself 3
-    assert pb.victim({0, 1, 2}) == 4
+    assert pb.victim({0}) == 4              # used once, as expert 2, but its layer runs after layer 1's
+    assert pb.victim({0, 4}) == 2
+    assert pb.victim({0, 2, 4}) == 1        # used at both runs: kept longest, though its layer runs again last
+    pb.on_access(2, 2)                      # layer 1 runs with expert 2: 1.841 too, as expert 1; layer 2 is now
+    assert pb.victim({0}) == 4              # 1 layer ahead (frequency 1), layer 0 2 layers, layer 1 itself 3
+    assert pb.victim({0, 4}) == 2           # ties with expert 1: its layer runs again farther
+    pb.on_step(0, 0)                        # a new request forgets the frequencies
+    assert np.isneginf(pb._crf).all()
 
 
 _VICTIM_KERNEL = belady_victim_kernel()
@@ -86,14 +92,15 @@ _VICTIM_KERNEL = belady_victim_kernel()
 def test_cycle_ranked_victims_equal_a_full_scan(native):
     """The ranking reused between calls (numpy), and the native one-pass victim (``runtime.kernels``'
     ``belady_victim``), pick exactly what a full scan of the cycle order picks, over random forecasts, steps,
-    accesses (one at a time and a layer's at once, ``on_layer_access``), inserts, evictions and pinned sets."""
+    accesses (one at a time and a layer's at once, ``on_layer_access``; an expert may run twice in a step), inserts,
+    evictions and pinned sets."""
     if native and _VICTIM_KERNEL is None:
         pytest.skip("the native kernels are not built here")
     rng = np.random.default_rng(11)
     E, L = 3, 4
     pb = ProbabilisticBelady(num_experts=E, horizon=3, lam=0.5, layer_cycle=True,
                              victim_kernel=_VICTIM_KERNEL if native else None)
-    last, used, ran, seq, step, cur = {}, {}, [-1] * L, 0, 1, 0
+    last, crf, ran, seq, step, cur, H = {}, {}, [-1] * L, 0, 1, 0, pb.half_life
     rows: dict[int, tuple[np.ndarray, int]] = {}
     pb.on_step(0, step)
 
@@ -108,9 +115,14 @@ def test_cycle_ranked_victims_equal_a_full_scan(native):
         w = 0.5 ** np.arange(min(len(a) - done, 3))
         return float((w / w.sum()) @ a[done:done + len(w), e % E])
 
+    def use(e):                             # LFRU's log form of the reuse frequency (the policy's arithmetic)
+        old = crf.get(e, -np.inf)
+        crf[e] = step / H if old == -np.inf else step / H + math.log2(1.0 + 2.0 ** (old - step / H))
+
     for p in range(L):                      # every layer seen once, so the cycle's length is L from the start
         pb.on_access(p * E, 0)
-        ran[p], used[p * E], cur = step, step, p
+        ran[p], cur = step, p
+        use(p * E)
     for _ in range(3000):
         op = rng.integers(7)
         if op == 0:
@@ -131,7 +143,8 @@ def test_cycle_ranked_victims_equal_a_full_scan(native):
             else:
                 pb.on_access(eids[0], 0)
             for e in eids:
-                ran[p], used[e], cur = step, step, p
+                ran[p], cur = step, p
+                use(e)
                 if e in pb.resident:
                     seq += 1
                     last[e] = seq
@@ -152,7 +165,7 @@ def test_cycle_ranked_victims_equal_a_full_scan(native):
             if free:
                 def key(e):
                     p = e // E
-                    return (score(e), -(ran[p] - used.get(e, -1)), -((p - cur - 1) % L + 1), last[e], e)
+                    return (score(e), crf.get(e, -np.inf) - ran[p] / H, -((p - cur - 1) % L + 1), last[e], e)
                 assert pb.victim(pinned) == min(free, key=key)
 
 
@@ -199,4 +212,7 @@ def test_native_victims_equal_numpy_without_the_cycle():
                 assert b.victim(pinned) == a.victim(pinned)
     with pytest.raises(ValueError):
         _VICTIM_KERNEL(np.zeros(3), np.zeros(2, dtype=np.int64), np.zeros(3, dtype=bool), np.zeros(1, dtype=np.int64),
-                       np.zeros(3, dtype=np.int64), set(), 0, 1, False)
+                       np.zeros(3), set(), 0, 1, False, 4.0)
+    with pytest.raises(ValueError):
+        _VICTIM_KERNEL(np.zeros(3), np.zeros(3, dtype=np.int64), np.zeros(3, dtype=bool), np.zeros(1, dtype=np.int64),
+                       np.zeros(3), set(), 0, 1, False, 0.0)

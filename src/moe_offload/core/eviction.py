@@ -18,7 +18,17 @@ Event order the table guarantees:
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
+
+
+def crf_after_use(key: float, now: float) -> float:
+    """LRFU's combined recency-frequency after one more use (Lee et al. 2001), in log form: ``key`` is
+    ``log2(CRF(t_last)) + t_last / h`` (``-inf``: never used), ``now`` is ``t / h`` (the use's time over the half-life
+    ``h``, ``t >= t_last``); returns ``log2(CRF(t_last) * 2^-((t - t_last) / h) + 1) + t / h``. The decay from a key's
+    time to a later one is the same factor for every key, so comparing keys compares the CRFs at any common time, and
+    ``key - t / h`` is ``log2(CRF(t))``. Used by ``core.policies.LFRU`` and ``core.prob_belady`` (its layer cycle)."""
+    return now if key == -math.inf else now + math.log2(1.0 + 2.0 ** (key - now))
 
 
 class EvictionPolicy(ABC):

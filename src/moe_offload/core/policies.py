@@ -12,7 +12,7 @@ from collections import OrderedDict
 
 from ..errors import MoeOffloadError
 from .belady import Belady
-from .eviction import EvictionPolicy
+from .eviction import EvictionPolicy, crf_after_use
 from .policy_spec import PolicySpec, parse_policy
 
 
@@ -166,9 +166,7 @@ class LFRU(_MinKeyHeap):
         return self._key.get(eid, -math.inf), self._last.get(eid, 0), eid
 
     def on_access(self, eid: int, tick: int, tokens: int = 1) -> None:
-        now = tick / self.h
-        old = self._key.get(eid)  # log2(CRF(t_last)) + t_last/h  ->  log2(CRF(t) + 1) + t/h
-        self._key[eid] = now if old is None else now + math.log2(1.0 + 2.0 ** (old - now))
+        self._key[eid] = crf_after_use(self._key.get(eid, -math.inf), tick / self.h)
         self._seq += 1
         self._last[eid] = self._seq
         if eid in self.resident:

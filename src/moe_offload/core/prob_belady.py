@@ -16,10 +16,15 @@ one token) the policy also follows the cycle of the layers (issue 47):
     its forecast is the past and the score is the same weighted mean over the rows still ahead; a layer whose rows
     are all consumed scores as one without a forecast. Without this, the experts a one-row forecast left out of
     its top-k were evicted before the ones it named, whatever the layer then used.
-  * experts without a forecast (most of them: a cross-layer forecast covers 3 of the layers) are ordered as
-    Belady would order them under the cyclic layer sequence: first those not used for more runs of their layer
-    (the likelihood of reuse falls with that age), then, among equals, those whose layer runs again farthest
-    from now (the layer just run before the one about to run), then the least recently used.
+  * experts without a forecast (most of them: a cross-layer forecast covers 3 of the layers) are ordered by how
+    likely their layer's next run is to use them, as its past runs tell, then as Belady would order them under the
+    cyclic layer sequence: first the least *reuse frequency* at their layer's last run, ``sum_i 2^-((r - s_i) / H)``
+    over the steps ``s_i`` of the request the expert was used in, ``r`` the step its layer last ran in and ``H`` the
+    half-life ``CYCLE_HALF_LIFE_STEPS`` (LFRU's combined recency-frequency, Lee et al. 2001, counted in runs of the
+    expert's own layer); then, among equals, those whose layer runs again farthest from now (the layer just run
+    before the one about to run); then the least recently used. Before session 52 the first key was the recency
+    alone (runs of the layer since the expert's last use): on the wide testbed's three-prompt trace, replayed at 25%
+    / 45% residency, the frequency cut `xl+gate`'s decode misses by 12% / 15% (docs/benchmarks.md, session 52).
 """
 
 from __future__ import annotations
@@ -27,8 +32,13 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import MoeOffloadError
-from .eviction import EvictionPolicy
+from .eviction import EvictionPolicy, crf_after_use
 
+
+#: the half-life, in decode steps (runs of the expert's layer), of the reuse frequency that orders the experts
+#: without a forecast under ``layer_cycle`` (module docstring): replayed on the wide testbed's three-prompt trace, 3 to
+#: 8 steps cut `xl`'s decode misses alike (12-15% at 25% and 45% residency), 1 step by 5%
+CYCLE_HALF_LIFE_STEPS = 4.0
 
 #: experts accessed or inserted since the victim ranking was made beyond which ``victim`` ranks again (each call
 #: compares those experts one by one)
@@ -60,13 +70,14 @@ class ProbabilisticBelady(EvictionPolicy):
         horizon: c, forecast rows used (>= 1).
         lam: lambda, the discount, ``0 < lam < 1``.
         no_forecast_score: the score of an expert whose layer has no forecast.
-        layer_cycle: consume forecast rows as their layers run, and order experts without a forecast by the layer
-            cycle (module docstring) instead of LRU.
+        layer_cycle: consume forecast rows as their layers run, and order experts without a forecast by their
+            reuse frequency and the layer cycle (module docstring) instead of LRU.
+        half_life: ``H``, the reuse frequency's half-life in decode steps (> 0; ``layer_cycle`` only).
         victim_kernel: the same ranking in one native pass (``runtime.kernels``' ``belady_victim``, given by the
             runtime and the simulator when the kernels are built): ``victim`` then asks it, with the same result,
             instead of ranking in numpy; None: numpy.
     Raises:
-        MoeOffloadError: ``num_experts < 1``, ``horizon < 1`` or ``lam`` outside ``(0, 1)``.
+        MoeOffloadError: ``num_experts < 1``, ``horizon < 1``, ``lam`` outside ``(0, 1)`` or ``half_life <= 0``.
 
     Cost: ``update_forecast`` O(c * n * e) (vectorised). ``victim``: the resident experts are ranked by
     (score, last use, id) once (one vectorised sort) and the ranking serves every later ``victim`` until a score
@@ -83,7 +94,7 @@ class ProbabilisticBelady(EvictionPolicy):
     name = "prob-belady"
 
     def __init__(self, num_experts: int, horizon: int = 8, lam: float = 0.5, no_forecast_score: float = 0.0,
-                 layer_cycle: bool = False, victim_kernel=None):
+                 layer_cycle: bool = False, victim_kernel=None, half_life: float = CYCLE_HALF_LIFE_STEPS):
         super().__init__()
         self.victim_kernel = victim_kernel
         if num_experts < 1:
@@ -92,6 +103,9 @@ class ProbabilisticBelady(EvictionPolicy):
             raise MoeOffloadError(f"horizon c must be >= 1, got {horizon}")
         if not 0.0 < lam < 1.0:
             raise MoeOffloadError(f"lambda must be in (0, 1), got {lam}")
+        if not half_life > 0:
+            raise MoeOffloadError(f"half_life must be > 0 decode steps, got {half_life}")
+        self.half_life = float(half_life)
         self.num_experts = num_experts
         self.horizon = horizon
         self.lam = float(lam)
@@ -108,10 +122,11 @@ class ProbabilisticBelady(EvictionPolicy):
         self._weights: dict[int, np.ndarray] = {}  # rows -> ``weights(rows)``
         self._step = 0                             # the current step (``on_step``)
         self._rows: dict[int, tuple[np.ndarray, int]] = {}  # layer -> (its forecast rows [R, e], row 0's step)
-        # layer_cycle: per MoE layer the last step it ran in, per expert the last step it was used in (-1: not yet),
-        # the layer running now
+        # layer_cycle: per MoE layer the last step it ran in; per expert its reuse frequency in LFRU's log form,
+        # ``log2(sum_i 2^-((s - s_i) / H)) + s / H`` at its last use s (-inf: not used in this request), so that
+        # ``_crf - r / H`` is its log2 frequency at step r; the layer running now
         self._ran = np.full(0, -1, dtype=np.int64)
-        self._used = np.full(0, -1, dtype=np.int64)
+        self._crf = np.full(0, -np.inf, dtype=np.float64)
         self._cur = 0
 
     def _grow(self, n: int) -> None:
@@ -124,7 +139,7 @@ class ProbabilisticBelady(EvictionPolicy):
         self._score = np.concatenate([self._score, np.full(n - old, self.no_forecast_score)])
         self._last = np.concatenate([self._last, np.zeros(n - old, dtype=np.int64)])
         self._in = np.concatenate([self._in, np.zeros(n - old, dtype=bool)])
-        self._used = np.concatenate([self._used, np.full(n - old, -1, dtype=np.int64)])
+        self._crf = np.concatenate([self._crf, np.full(n - old, -np.inf)])
 
     def weights(self, rows: int) -> np.ndarray:
         """float64 ``[min(rows, c)]``: ``lambda^j / sum_j lambda^j``, the weight of forecast row j (made once per
@@ -218,7 +233,7 @@ class ProbabilisticBelady(EvictionPolicy):
             self._score.fill(self.no_forecast_score)
             self._rows.clear()
             self._ran.fill(-1)
-            self._used.fill(-1)
+            self._crf.fill(-np.inf)
             self._ranking = None
 
     def on_access(self, eid: int, tick: int, tokens: int = 1) -> None:
@@ -243,9 +258,9 @@ class ProbabilisticBelady(EvictionPolicy):
         # scalar writes: for a layer's few experts they cost less than numpy's indexed ones
         if self.layer_cycle:
             self._cycle_access(last)  # the layer's bookkeeping (once: the same for each of its experts)
-            used, step = self._used, self._step
-            for e, _ in pairs:
-                used[e] = step
+            crf, now = self._crf, self._step / self.half_life
+            for e, _ in pairs[:-1]:
+                crf[e] = crf_after_use(crf[e], now)
         resident, stamp, seq, ranked = self.resident, self._last, self._seq, self._ranking is not None
         for e, _ in pairs:
             if e in resident:
@@ -269,20 +284,20 @@ class ProbabilisticBelady(EvictionPolicy):
                 self._ran[p] = step
                 if p in self._rows:
                     self._score_layer(p)
-        if eid >= self._used.size:
+        if eid >= self._crf.size:
             self._grow(eid + 1)
-        self._used[eid] = step
+        self._crf[eid] = crf_after_use(self._crf[eid], step / self.half_life)
 
     def _key_arrays(self, ids: np.ndarray) -> tuple:
         """``np.lexsort`` keys ranking experts ``ids`` (last key first): (score, last use, id), with ``layer_cycle``
-        (score, -runs of its layer since its last use, -layers until its layer runs again, last use, id): 1 for the
-        layer after the running one, L for the running layer itself (its next run is the next step's)."""
+        (score, log2 reuse frequency at its layer's last run, -layers until its layer runs again, last use, id): 1
+        for the layer after the running one, L for the running layer itself (its next run is the next step's)."""
         if not self.layer_cycle:
             return (ids, self._last[ids], self._score[ids])
         layer = ids // self.num_experts
         ahead = (layer - self._cur - 1) % max(self._ran.size, 1) + 1
-        age = self._ran[layer] - self._used[ids]
-        return (ids, self._last[ids], -ahead, -age, self._score[ids])
+        freq = self._crf[ids] - self._ran[layer] / self.half_life
+        return (ids, self._last[ids], -ahead, freq, self._score[ids])
 
     def _key(self, e: int) -> tuple:
         """The rank key of one expert, ``_key_arrays``' keys in order of precedence."""
@@ -321,8 +336,8 @@ class ProbabilisticBelady(EvictionPolicy):
             RuntimeError: every resident expert is pinned (the slot table never asks then).
         """
         if self.victim_kernel is not None:
-            best = self.victim_kernel(self._score, self._last, self._in, self._ran, self._used, pinned, self._cur,
-                                      self.num_experts, self.layer_cycle)
+            best = self.victim_kernel(self._score, self._last, self._in, self._ran, self._crf, pinned, self._cur,
+                                      self.num_experts, self.layer_cycle, self.half_life)
             if best < 0:
                 raise RuntimeError("no evictable expert")
             return best
@@ -358,7 +373,7 @@ class ProbabilisticBelady(EvictionPolicy):
         self._step = 0
         self._rows.clear()
         self._ran.fill(-1)
-        self._used.fill(-1)
+        self._crf.fill(-np.inf)
         self._cur = 0
 
 

@@ -16,8 +16,8 @@
   copied into its destination without the interpreter lock (``runtime.disk_store``); ``expert_read.h`` shares that
   read with ``prefetch_queue.cpp``: ``PrefetchQueue``, the disk tier's prefetch queue read by a native worker thread
   that never takes the interpreter lock (``runtime.native_prefetch``).
-- ``belady_victim.cpp``: ``belady_victim(score, last, resident, ran, used, pinned, cur, num_experts,
-  layer_cycle)``, probabilistic Belady's victim in one pass over the policy's arrays (``core.prob_belady``).
+- ``belady_victim.cpp``: ``belady_victim(score, last, resident, ran, crf, pinned, cur, num_experts,
+  layer_cycle, half_life)``, probabilistic Belady's victim in one pass over the policy's arrays (``core.prob_belady``).
 - ``vec.h``: the dot product, bfloat16 widening and axpy they share (an AVX2 + FMA path and a portable path, bit
   for bit the same); ``bindings.cpp``: the Python module.
 

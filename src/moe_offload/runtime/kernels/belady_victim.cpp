@@ -16,23 +16,27 @@ template <typename T>
 using Array = py::array_t<T, py::array::c_style>;
 
 // The resident expert not in `pinned` with the lowest rank key, -1 when there is none. Keys, compared in order
-// (ProbabilisticBelady._key_arrays): without layer_cycle (score, last use, id) ascending; with it (score, -age,
-// -ahead, last use, id) ascending, where for expert i of layer p = i / E: age = ran[p] - used[i] (runs of its layer
-// since its last use) and ahead = (p - cur - 1) mod L + 1 (layers until its layer runs again, L = ran's length).
-// score float64 [N], last int64 [N], resident bool [N], used int64 [N], ran int64 [L]; pinned: an iterable of
-// expert ids (ints, any outside [0, N) ignored). Raises ValueError for arrays of different lengths or, with
-// layer_cycle, a resident expert whose layer is not in ran.
+// (ProbabilisticBelady._key_arrays): without layer_cycle (score, last use, id) ascending; with it (score, freq,
+// -ahead, last use, id) ascending, where for expert i of layer p = i / E: freq = crf[i] - ran[p] / half_life (the
+// log2 reuse frequency at its layer's last run; -inf: not used) and ahead = (p - cur - 1) mod L + 1 (layers until
+// its layer runs again, L = ran's length); freq is computed as numpy does (a division, then a subtraction), so the
+// two rank alike bit for bit. score float64 [N], last int64 [N], resident bool [N], crf float64 [N], ran int64 [L];
+// pinned: an iterable of expert ids (ints, any outside [0, N) ignored); half_life in decode steps. Raises
+// ValueError for arrays of different lengths, num_experts < 1, half_life <= 0 or, with layer_cycle, a resident
+// expert whose layer is not in ran.
 int64_t belady_victim(Array<double> score, Array<int64_t> last, Array<bool> resident, Array<int64_t> ran,
-                      Array<int64_t> used, py::iterable pinned, int64_t cur, int64_t num_experts, bool layer_cycle) {
+                      Array<double> crf, py::iterable pinned, int64_t cur, int64_t num_experts, bool layer_cycle,
+                      double half_life) {
   const int64_t n = score.shape(0);
-  if (score.ndim() != 1 || last.ndim() != 1 || resident.ndim() != 1 || used.ndim() != 1 || ran.ndim() != 1 ||
-      last.shape(0) != n || resident.shape(0) != n || used.shape(0) != n)
-    throw std::invalid_argument("belady_victim: score, last, resident and used must be 1-D of one length");
+  if (score.ndim() != 1 || last.ndim() != 1 || resident.ndim() != 1 || crf.ndim() != 1 || ran.ndim() != 1 ||
+      last.shape(0) != n || resident.shape(0) != n || crf.shape(0) != n)
+    throw std::invalid_argument("belady_victim: score, last, resident and crf must be 1-D of one length");
   if (num_experts < 1) throw std::invalid_argument("belady_victim: num_experts must be >= 1");
+  if (!(half_life > 0)) throw std::invalid_argument("belady_victim: half_life must be > 0");
   const double* s = score.data();
   const int64_t* la = last.data();
   const bool* in = resident.data();
-  const int64_t* us = used.data();
+  const double* cf = crf.data();
   const int64_t* rn = ran.data();
   const int64_t L = ran.shape(0);
   std::vector<char> skip(static_cast<size_t>(n), 0);
@@ -40,21 +44,23 @@ int64_t belady_victim(Array<double> score, Array<int64_t> last, Array<bool> resi
     const int64_t e = h.cast<int64_t>();
     if (e >= 0 && e < n) skip[static_cast<size_t>(e)] = 1;
   }
-  int64_t best = -1, b_age = 0, b_ahead = 0;
+  int64_t best = -1, b_ahead = 0;
+  double b_freq = 0.0;
   for (int64_t i = 0; i < n; ++i) {
     if (!in[i] || skip[static_cast<size_t>(i)]) continue;
-    int64_t age = 0, ahead = 0;
+    double freq = 0.0;
+    int64_t ahead = 0;
     if (layer_cycle) {
       const int64_t p = i / num_experts;
       if (p >= L) throw std::invalid_argument("belady_victim: a resident expert's layer is not in ran");
-      age = rn[p] - us[i];
+      freq = cf[i] - static_cast<double>(rn[p]) / half_life;
       ahead = ((p - cur - 1) % L + L) % L + 1;
     }
     if (best >= 0) {  // ascending i: on equal keys the smaller id (the one kept) wins
       if (s[i] != s[best]) {
         if (s[i] > s[best]) continue;
-      } else if (layer_cycle && age != b_age) {
-        if (age < b_age) continue;
+      } else if (layer_cycle && freq != b_freq) {
+        if (freq > b_freq) continue;
       } else if (layer_cycle && ahead != b_ahead) {
         if (ahead < b_ahead) continue;
       } else if (la[i] >= la[best]) {
@@ -62,7 +68,7 @@ int64_t belady_victim(Array<double> score, Array<int64_t> last, Array<bool> resi
       }
     }
     best = i;
-    b_age = age;
+    b_freq = freq;
     b_ahead = ahead;
   }
   return best;
@@ -71,6 +77,6 @@ int64_t belady_victim(Array<double> score, Array<int64_t> last, Array<bool> resi
 void bind_belady_victim(py::module_& m) {
   m.def("belady_victim", &belady_victim, "probabilistic Belady's victim in one pass over its arrays",
         py::arg("score").noconvert(), py::arg("last").noconvert(), py::arg("resident").noconvert(),
-        py::arg("ran").noconvert(), py::arg("used").noconvert(), py::arg("pinned"), py::arg("cur"),
-        py::arg("num_experts"), py::arg("layer_cycle"));
+        py::arg("ran").noconvert(), py::arg("crf").noconvert(), py::arg("pinned"), py::arg("cur"),
+        py::arg("num_experts"), py::arg("layer_cycle"), py::arg("half_life"));
 }
