@@ -12,13 +12,15 @@ read of one expert here is 0.09 ms, ``scripts/read_cpu_cost.py``) and 0:
   prefetching), `seqmoe`, `seqmoe-xl` and `seqmoe-xl+gate` (its forecasts blended with the cross-layer ones).
 
     python scripts/forecast_ceiling.py TRACE LAYER_US LINK_EPL LRU_MS PREFETCH_MS [PREDICTOR] [--xl-depth D]
-        [--preempt P] [--policies P1,P2]
+        [--preempt P] [--policies P1,P2] [--half-life H]
 
 LAYER_US: the FullLoad layer time (us) and LINK_EPL: the disk link in experts per layer time, both from a
 `bench decode --host-store disk` footer (one value, or two comma-separated: at 25% and at 45%); LRU_MS: `lru`'s
 predictor + management (ms per decode step). Prints, per residency (0.25, 0.45), each policy's projected decode
 fraction of FullLoad, its ratio to `lru`'s, its decode misses and prefetches. ``--xl-depth D``: the cross-layer
-forecasts replayed D rows deep (``sim.forecasts.TraceXL``; default: as the trace recorded them). The projection and
+forecasts replayed D rows deep (``sim.forecasts.TraceXL``; default: as the trace recorded them). ``--half-life H``:
+the cross-layer policies' eviction with the reuse frequency's half-life H decode steps
+(``core.prob_belady.CYCLE_HALF_LIFE_STEPS``; session 52's sweep). The projection and
 the runtime agree within 15% on this machine (docs/benchmarks.md, session 49), so a policy whose ceiling here is
 below a target cannot reach it at runtime with these forecasts.
 """
@@ -26,6 +28,7 @@ below a target cannot reach it at runtime with these forecasts.
 import argparse
 
 from moe_offload.common.threads import compute_share
+from moe_offload.core import prob_belady
 from moe_offload.core.forecast import ROLLOUT_EVERY
 from moe_offload.core.policy_spec import parse_policy
 from moe_offload.models.loader import num_slots_for
@@ -46,7 +49,14 @@ ap.add_argument("--preempt", type=float, default=None,
                 help="share of one copy a miss waits behind a prefetch in flight (default: the emulated link's 1/8; "
                      "the disk tier's DiskStore.preempt_share: 1 for experts up to its 4 MiB requests)")
 ap.add_argument("--policies", default=None, help="comma-separated: only these of the policies above (and lru)")
+ap.add_argument("--half-life", type=float, default=None,
+                help="the cross-layer policies' reuse-frequency half-life in decode steps (default: "
+                     "core.prob_belady.CYCLE_HALF_LIFE_STEPS)")
 args = ap.parse_args()
+if args.half_life is not None:
+    if not args.half_life > 0:
+        ap.error(f"--half-life must be > 0, got {args.half_life}")
+    prob_belady.CYCLE_HALF_LIFE_STEPS = args.half_life
 if args.preempt is not None and not 0.0 < args.preempt <= 1.0:
     ap.error(f"--preempt must be in (0, 1], got {args.preempt}")
 link_opts = {} if args.preempt is None else {"preempt": args.preempt}

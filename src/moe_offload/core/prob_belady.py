@@ -380,10 +380,11 @@ class ProbabilisticBelady(EvictionPolicy):
 def forecast_eviction(spec, num_experts: int, victim_kernel=None) -> ProbabilisticBelady:
     """The eviction policy of a forecast-driven ``spec`` (a ``core.policy_spec.PolicySpec``), for the runtime and
     the simulator alike: probabilistic Belady with SeqMoE's c = 8 and lambda = 0.5 (§9.1), following the layer
-    cycle for the cross-layer policies (``spec.cross_layer``: ``xl``, ``seqmoe-xl``), named as the spec;
-    ``victim_kernel`` as ``ProbabilisticBelady``'s."""
+    cycle for the cross-layer policies (``spec.cross_layer``: ``xl``, ``seqmoe-xl``) with the reuse frequency's
+    half-life ``CYCLE_HALF_LIFE_STEPS`` as it is when called (a probe may set it: ``scripts/forecast_ceiling.py
+    --half-life``), named as the spec; ``victim_kernel`` as ``ProbabilisticBelady``'s."""
     pol = ProbabilisticBelady(num_experts, horizon=8, lam=0.5, layer_cycle=spec.cross_layer,
-                              victim_kernel=victim_kernel)
+                              victim_kernel=victim_kernel, half_life=CYCLE_HALF_LIFE_STEPS)
     pol.name = spec.name
     return pol
 
