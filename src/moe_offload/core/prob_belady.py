@@ -24,7 +24,7 @@ one token) the policy also follows the cycle of the layers (issue 47):
     expert's own layer); then, among equals, those whose layer runs again farthest from now (the layer just run
     before the one about to run); then the least recently used. Before session 52 the first key was the recency
     alone (runs of the layer since the expert's last use): on the wide testbed's three-prompt trace, replayed at 25%
-    / 45% residency, the frequency cut `xl+gate`'s decode misses by 12% / 15% (docs/benchmarks.md, session 52).
+    / 45% residency, the frequency cut `xl+gate`'s decode misses by 11% / 13% (docs/benchmarks.md, session 52).
 """
 
 from __future__ import annotations
@@ -36,8 +36,9 @@ from .eviction import EvictionPolicy, crf_after_use
 
 
 #: the half-life, in decode steps (runs of the expert's layer), of the reuse frequency that orders the experts
-#: without a forecast under ``layer_cycle`` (module docstring): replayed on the wide testbed's three-prompt trace, 3 to
-#: 8 steps cut `xl`'s decode misses alike (12-15% at 25% and 45% residency), 1 step by 5%
+#: without a forecast under ``layer_cycle`` (module docstring): replayed on the wide testbed's three-prompt trace, 2 to
+#: 8 steps cut `xl`'s decode misses by 8-17% at 25% and 45% residency (4: 12% / 14%), 1 step by 4-6%
+#: (docs/results/forecast-ceiling-half-life-s52.txt)
 CYCLE_HALF_LIFE_STEPS = 4.0
 
 #: experts accessed or inserted since the victim ranking was made beyond which ``victim`` ranks again (each call
@@ -62,8 +63,8 @@ class ProbabilisticBelady(EvictionPolicy):
     ``no_forecast_score`` (default 0: nothing suggests they will be reused). Ties, including all experts without
     a forecast, are broken by least recent access or insertion (LRU), then by the smaller expert id; so with no
     forecast at all the policy is plain LRU. A new request (``on_step(request, 0)``) forgets all forecasts.
-    With ``layer_cycle``, rows are consumed as their layers run and experts without a forecast are ordered by the
-    layer cycle (module docstring); ``observe`` then passes the step of a forecast's row 0 (``Forecast.step + 1``).
+    With ``layer_cycle``, rows are consumed as their layers run and experts without a forecast are ordered by their
+    reuse frequency, then the layer cycle (module docstring); ``observe`` then passes the step of a forecast's row 0 (``Forecast.step + 1``).
 
     Args:
         num_experts: e, routed experts per MoE layer (expert ids are ``layer * e + expert``).
@@ -246,8 +247,8 @@ class ProbabilisticBelady(EvictionPolicy):
 
     def on_layer_access(self, pairs: list[tuple[int, int]], tick: int) -> None:
         """A layer's accesses at once (``EvictionPolicy.on_layer_access``): when they are of one MoE layer, its
-        layer-cycle bookkeeping once and the recency stamps in one loop, the state ``on_access`` in turn leaves;
-        else ``on_access`` in turn."""
+        layer-cycle bookkeeping once, each expert's reuse frequency and the recency stamps in loops, the state
+        ``on_access`` in turn leaves; else ``on_access`` in turn."""
         if not pairs:
             return
         E = self.num_experts
@@ -271,13 +272,14 @@ class ProbabilisticBelady(EvictionPolicy):
         self._seq = seq
 
     def _cycle_access(self, eid: int) -> None:
-        """``layer_cycle``: ``eid`` is used now; its layer's first access in this step means the layer runs, so the
-        row of this step of its forecast is consumed; a new running layer changes the order of the cycle."""
+        """``layer_cycle``: ``eid`` is used now (its reuse frequency counts the use); its layer's first access in
+        this step means the layer runs, so the row of this step of its forecast is consumed; a new running layer
+        changes the order of the cycle."""
         p, step = eid // self.num_experts, self._step
         if p >= self._ran.size:
             self._grow_layers(p + 1)
         first_run = self._ran[p] != step
-        if first_run or p != self._cur:  # the ages or the distances change: rank again
+        if first_run or p != self._cur:  # the frequencies at the layers' last runs or the distances change: rank again
             self._ranking = None
             self._cur = p
             if first_run:
