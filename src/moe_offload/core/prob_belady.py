@@ -64,7 +64,8 @@ class ProbabilisticBelady(EvictionPolicy):
     a forecast, are broken by least recent access or insertion (LRU), then by the smaller expert id; so with no
     forecast at all the policy is plain LRU. A new request (``on_step(request, 0)``) forgets all forecasts.
     With ``layer_cycle``, rows are consumed as their layers run and experts without a forecast are ordered by their
-    reuse frequency, then the layer cycle (module docstring); ``observe`` then passes the step of a forecast's row 0 (``Forecast.step + 1``).
+    reuse frequency, then the layer cycle (module docstring); ``observe`` then passes the step of a forecast's row 0
+    (``Forecast.step + 1``).
 
     Args:
         num_experts: e, routed experts per MoE layer (expert ids are ``layer * e + expert``).
@@ -279,7 +280,7 @@ class ProbabilisticBelady(EvictionPolicy):
         if p >= self._ran.size:
             self._grow_layers(p + 1)
         first_run = self._ran[p] != step
-        if first_run or p != self._cur:  # the frequencies at the layers' last runs or the distances change: rank again
+        if first_run or p != self._cur:  # the frequencies at their layers' last runs or the distances change
             self._ranking = None
             self._cur = p
             if first_run:
