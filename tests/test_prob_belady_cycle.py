@@ -12,7 +12,8 @@ import pytest
 
 from moe_offload.core.policy_spec import parse_policy
 from moe_offload.core.prob_belady import ProbabilisticBelady, forecast_eviction
-from moe_offload.runtime.kernels import belady_victim_kernel
+from moe_offload.errors import MoeOffloadError
+from moe_offload.runtime.kernels import belady_scores_kernel, belady_victim_kernel
 
 
 def _forecast(step: int, layers: tuple[int, int], probs) -> SimpleNamespace:
@@ -86,12 +87,14 @@ def test_experts_without_a_forecast_go_by_reuse_frequency_then_the_cycle_order()
 
 
 _VICTIM_KERNEL = belady_victim_kernel()
+_SCORES_KERNEL = belady_scores_kernel()
 
 
 @pytest.mark.parametrize("native", [False, True], ids=["numpy", "native"])
 def test_cycle_ranked_victims_equal_a_full_scan(native):
     """The ranking reused between calls (numpy), and the native one-pass victim (``runtime.kernels``'
-    ``belady_victim``), pick exactly what a full scan of the cycle order picks, over random forecasts, steps,
+    ``belady_victim``, with the native one-row intake ``belady_scores``), pick exactly what a full scan of the
+    cycle order picks, over random forecasts, steps,
     accesses (one at a time and a layer's at once, ``on_layer_access``; an expert may run twice in a step), inserts,
     evictions and pinned sets."""
     if native and _VICTIM_KERNEL is None:
@@ -99,7 +102,8 @@ def test_cycle_ranked_victims_equal_a_full_scan(native):
     rng = np.random.default_rng(11)
     E, L = 3, 4
     pb = ProbabilisticBelady(num_experts=E, horizon=3, lam=0.5, layer_cycle=True,
-                             victim_kernel=_VICTIM_KERNEL if native else None)
+                             victim_kernel=_VICTIM_KERNEL if native else None,
+                             scores_kernel=_SCORES_KERNEL if native else None)
     last, crf, ran, seq, step, cur, H = {}, {}, [-1] * L, 0, 1, 0, pb.half_life
     rows: dict[int, tuple[np.ndarray, int]] = {}
     pb.on_step(0, step)
@@ -167,6 +171,49 @@ def test_cycle_ranked_victims_equal_a_full_scan(native):
                     p = e // E
                     return (score(e), crf.get(e, -np.inf) - ran[p] / H, -((p - cur - 1) % L + 1), last[e], e)
                 assert pb.victim(pinned) == min(free, key=key)
+
+
+def test_native_intake_scores_as_numpy_does():
+    """Float32 forecasts (the cross-layer forecaster's dtype) of one row and of several, and runs of their layers in
+    between, through the native intake (``belady_scores``) and through numpy: the scores are identical bit for bit
+    after every event, and so are the victims; a non-finite forecast is refused alike."""
+    if _SCORES_KERNEL is None or _VICTIM_KERNEL is None:
+        pytest.skip("the native kernels are not built here")
+    rng = np.random.default_rng(5)
+    E, L = 6, 5
+    pbs = [ProbabilisticBelady(num_experts=E, horizon=3, lam=0.5, layer_cycle=True, victim_kernel=_VICTIM_KERNEL,
+                               scores_kernel=kernel) for kernel in (None, _SCORES_KERNEL)]
+    step = 1
+    for pb in pbs:
+        pb.on_step(0, step)
+        for e in range(0, L * E, 2):
+            pb.on_insert(e, 0)
+    for _ in range(600):
+        op = rng.integers(4)
+        if op == 0:
+            lo = int(rng.integers(L))
+            hi = int(rng.integers(lo + 1, L + 1))
+            rows = 1 if rng.random() < 0.7 else int(rng.integers(2, 4))
+            probs = rng.random((rows, hi - lo, E)).astype(np.float32)
+            f = SimpleNamespace(step=step - 1, layers=(lo, hi), probs=probs)
+            for pb in pbs:
+                pb.observe(f)
+        elif op == 1:
+            e = int(rng.integers(L * E))
+            for pb in pbs:
+                pb.on_access(e, 0)
+        elif op == 2 and rng.random() < 0.3:
+            step += 1
+            for pb in pbs:
+                pb.on_step(0, step)
+        else:
+            pinned = {int(e) for e in sorted(pbs[0].resident) if rng.random() < 0.3}
+            assert pbs[0].victim(pinned) == pbs[1].victim(pinned)
+        assert pbs[0]._score.tobytes() == pbs[1]._score.tobytes()
+    bad = np.full((1, 1, E), np.nan, dtype=np.float32)
+    for pb in pbs:
+        with pytest.raises(MoeOffloadError, match="non-finite"):
+            pb.observe(SimpleNamespace(step=step - 1, layers=(0, 1), probs=bad))
 
 
 def test_the_cross_layer_policies_follow_the_cycle():

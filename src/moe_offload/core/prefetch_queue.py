@@ -14,8 +14,8 @@ from collections.abc import Callable, Iterable
 import numpy as np
 
 from ..errors import MoeOffloadError
-from .prefetch_tasks import (PrefetchTask, _confidences, candidate_tasks, check_task_args, generate_tasks,
-                             not_resident, position, prefetch_width, top_candidates)
+from .prefetch_tasks import (PrefetchTask, candidate_tasks, chance_of_use, check_task_args, forecast_candidates,
+                             generate_tasks, not_resident, position, prefetch_width)
 
 Capacity = Callable[[int], float]
 
@@ -65,6 +65,10 @@ class PrefetchScheduler(ABC):
         #: ``core.prefetch_cost.UseLedger`` the forecasts' candidates are recorded in for a cost meter to calibrate
         #: the gate (None: not recorded; set by the runtime's prefetcher and the simulator for a ``+gate`` policy)
         self.ledger = None
+        #: the native ``forecast_candidates`` (``runtime.kernels.forecast_candidates_kernel``; set by the runtime's
+        #: prefetcher and the simulator when the kernels are built) ``submit_forecast`` finds candidates with: the
+        #: same ones as numpy's, in one call (None: numpy)
+        self.candidates_kernel = None
 
     @staticmethod
     def _check_bandwidth(b: float) -> None:
@@ -267,7 +271,7 @@ def submit_forecast(scheduler: PrefetchScheduler, forecast, num_moe_layers: int,
     keep = not_resident(table)
     if gate is None and scheduler.ledger is None:
         scheduler.submit(generate_tasks(row, (lo, hi), forecast.step + 1, num_moe_layers, num_experts, top_k,
-                                        keep=keep))
+                                        keep=keep, kernel=scheduler.candidates_kernel))
         return
     scheduler.submit(_gated_tasks(scheduler, gate, row, (lo, hi), forecast.step + 1, num_moe_layers, num_experts,
                                   top_k, keep))
@@ -281,23 +285,17 @@ def _gated_tasks(scheduler: PrefetchScheduler, gate, probs, layers: tuple[int, i
     ``scheduler.gated``. Every candidate ``keep`` admits goes to ``scheduler.ledger`` (when set) with its chance,
     one entry per layer (``UseLedger.expect``)."""
     lo, hi = check_task_args(layers, step_index, num_moe_layers, num_experts, top_k)
-    a = _confidences(probs, hi - lo, num_experts)
-    top, conf = top_candidates(a, prefetch_width(num_experts, top_k))
-    chance = chance_of_use(conf, top_k, a.sum(axis=-1, keepdims=True))      # the candidates' only
-    worth = None
-    if gate is not None:                                                      # PrefetchCost.worth, vectorised
-        worth = (np.zeros(chance.shape, dtype=bool) if gate.closed
-                 else np.minimum(1.0, chance * gate.used_scale) > gate.threshold)
+    top, conf, chance, worth = forecast_candidates(probs, hi - lo, num_experts, prefetch_width(num_experts, top_k),
+                                                   top_k, gate, chances=True, kernel=scheduler.candidates_kernel)
     ledger = scheduler.ledger
     kept: list[tuple[int, int]] | None = [] if ledger is not None else None
     tasks, _, refused = candidate_tasks(top, conf, lo, step_index, num_moe_layers, num_experts, keep, worth, kept)
     scheduler.gated += refused
     if ledger is not None:
-        ch, tp = chance.tolist(), top.tolist()
         rows: list[tuple[list[int], list[float]]] = [([], []) for _ in range(hi - lo)]
         for r, j in kept:
-            rows[r][0].append((lo + r) * num_experts + tp[r][j])
-            rows[r][1].append(ch[r][j])
+            rows[r][0].append((lo + r) * num_experts + top[r][j])
+            rows[r][1].append(chance[r][j])
         for r, (eids, chances) in enumerate(rows):
             ledger.expect(position(step_index, lo + r, num_moe_layers), eids, chances)
     return tasks
@@ -307,14 +305,3 @@ def inclusion_probabilities(forecast, top_k: int) -> np.ndarray:
     """``[n, E]``: each forecast expert's chance of being among the ``top_k`` its layer uses, what a prefetch's
     saving is weighed by: ``chance_of_use`` of ``forecast.probs[0]``."""
     return chance_of_use(np.asarray(forecast.probs[0], dtype=np.float64), top_k)
-
-
-def chance_of_use(p: np.ndarray, top_k: int, sums: np.ndarray | None = None) -> np.ndarray:
-    """float64 ``[n, E]``: each expert's chance of being among the ``top_k`` its layer uses, from a forecast row
-    ``p`` (float64 ``[n, E]``). Forecasts come in two scales: per-expert activation probabilities (a row sums to
-    about ``top_k``: SeqMoE's predictor) and a distribution over the experts (a row sums to 1: cross-layer
-    forecasts, ``runtime.cross_layer``). Each row is scaled to sum to ``top_k``, capped at 1. ``sums`` (``[n, 1]``):
-    the whole rows' sums when ``p`` holds only some entries of each row (``[n, m]``, e.g. its top candidates)."""
-    if sums is None:
-        sums = p.sum(axis=-1, keepdims=True)
-    return np.minimum(1.0, p * top_k / np.where(sums > 0, sums, 1.0))

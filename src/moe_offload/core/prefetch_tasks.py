@@ -118,14 +118,62 @@ def not_resident(table):
 def top_candidates(a: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
     """The ``width`` most confident experts of each layer of a one-step prediction ``a`` (float ``[n, e]``), best
     first, ties to the smaller expert index (SeqMoE §6.1's top-k'): ``(int64 expert indices [n, width], their
-    confidences [n, width])``. The one choice of candidates ``generate_tasks`` and ``core.prefetch_queue``'s gated
-    submission share."""
+    confidences [n, width])``; ``forecast_candidates``' numpy path."""
     top = np.argsort(-a, axis=1, kind="stable")[:, :width]
     return top, a[np.arange(a.shape[0])[:, None], top]  # take_along_axis, without its Python wrapper's cost
 
 
+def chance_of_use(p: np.ndarray, top_k: int, sums: np.ndarray | None = None) -> np.ndarray:
+    """float64 ``[n, E]``: each expert's chance of being among the ``top_k`` its layer uses, from a forecast row
+    ``p`` (float64 ``[n, E]``). Forecasts come in two scales: per-expert activation probabilities (a row sums to
+    about ``top_k``: SeqMoE's predictor) and a distribution over the experts (a row sums to 1: cross-layer
+    forecasts, ``runtime.cross_layer``). Each row is scaled to sum to ``top_k``, capped at 1. ``sums`` (``[n, 1]``):
+    the whole rows' sums when ``p`` holds only some entries of each row (``[n, m]``, e.g. its top candidates)."""
+    if sums is None:
+        sums = p.sum(axis=-1, keepdims=True)
+    return np.minimum(1.0, p * top_k / np.where(sums > 0, sums, 1.0))
+
+
+def forecast_candidates(probs, n: int, num_experts: int, width: int, top_k: int, gate=None, chances: bool = False,
+                        kernel=None) -> tuple[list, list, list | None, list | None]:
+    """A one-step prediction's prefetch candidates (SeqMoE §6.1's top-k' per layer, ``top_candidates``), as nested
+    lists ``[n][width]``: ``(experts, confidences, chances of use or None, the gate's verdicts or None)``. The one
+    choice of candidates ``generate_tasks`` and ``core.prefetch_queue``'s gated submission share.
+
+    Args:
+        probs: ``generate_tasks``' ``probs`` (``[n, num_experts]``, or ``[b, 1, n, num_experts]``).
+        width: k' (``prefetch_width``); top_k: k.
+        gate: a ``core.prefetch_cost.PrefetchCost`` or None: with ``chances``, each candidate's verdict, ``worth``
+            vectorised: ``min(1, chance * used_scale) > threshold`` (all False while the gate is ``closed``).
+        chances: compute each candidate's ``chance_of_use`` (over its whole row's sum) and the gate's verdicts.
+        kernel: the native ``forecast_candidates`` (``runtime.kernels.forecast_candidates_kernel``) or None: for a
+            2-D float32/float64 ``probs`` it computes the same lists bit for bit in one call (numpy's pairwise row
+            sums included); anything else, or a non-finite value, goes through numpy.
+    Raises:
+        MoeOffloadError: as ``generate_tasks`` (a bad shape, non-finite values).
+    """
+    mode, scale, thr = 0, 1.0, 0.0
+    if gate is not None and chances:
+        mode = 2 if gate.closed else 1
+        scale, thr = gate.used_scale, gate.threshold
+    if kernel is not None and type(probs) is np.ndarray and probs.shape == (n, num_experts):
+        got = kernel(probs, width, top_k, chances, mode, scale, thr)
+        if got is not None:
+            return got
+    a = _confidences(probs, n, num_experts)
+    top, conf = top_candidates(a, width)
+    chance = worth = None
+    if chances:
+        chance = chance_of_use(conf, top_k, a.sum(axis=-1, keepdims=True))      # the candidates' only
+        if mode:
+            worth = (np.zeros(chance.shape, dtype=bool) if mode == 2
+                     else np.minimum(1.0, chance * scale) > thr).tolist()
+        chance = chance.tolist()
+    return top.tolist(), conf.tolist(), chance, worth
+
+
 def generate_tasks(probs, layers: tuple[int, int], step_index: int, num_moe_layers: int, num_experts: int,
-                   top_k: int, extra: int = 3, keep=None) -> list[PrefetchTask]:
+                   top_k: int, extra: int = 3, keep=None, kernel=None) -> list[PrefetchTask]:
     """Prefetch tasks from one one-step prediction (SeqMoE §6.1).
 
     The prediction made at step ``i - 1``, layer ``l'`` gives, for each layer ``l <= p < l'``, the probability of
@@ -147,6 +195,7 @@ def generate_tasks(probs, layers: tuple[int, int], step_index: int, num_moe_laye
         top_k: k, experts activated per token.
         extra: k' - k (default 3, SeqMoE §9.1).
         keep: optional ``keep(eid) -> bool``: the top-k' candidates it rejects make no task.
+        kernel: optional native ``forecast_candidates`` (``forecast_candidates``' ``kernel``).
     Returns:
         Tasks ordered by layer, then by decreasing confidence (ties: smaller expert index).
     Raises:
@@ -154,32 +203,32 @@ def generate_tasks(probs, layers: tuple[int, int], step_index: int, num_moe_laye
             must be indexed by row first), non-finite probabilities, or out-of-range arguments.
     """
     lo, hi = check_task_args(layers, step_index, num_moe_layers, num_experts, top_k, extra)
-    a = _confidences(probs, hi - lo, num_experts)
-    top, conf = top_candidates(a, prefetch_width(num_experts, top_k, extra))
+    top, conf, _, _ = forecast_candidates(probs, hi - lo, num_experts, prefetch_width(num_experts, top_k, extra),
+                                          top_k, kernel=kernel)
     return candidate_tasks(top, conf, lo, step_index, num_moe_layers, num_experts, keep)[0]
 
 
-def candidate_tasks(top: np.ndarray, conf: np.ndarray, lo: int, step_index: int, num_moe_layers: int,
-                    num_experts: int, keep=None, admit=None,
+def candidate_tasks(top: list, conf: list, lo: int, step_index: int, num_moe_layers: int,
+                    num_experts: int, keep=None, admit: list | None = None,
                     kept: list | None = None) -> tuple[list[PrefetchTask], list[tuple[int, int]], int]:
-    """The task of each candidate (``top_candidates``' ``top`` / ``conf`` of layers ``lo ..``) that ``keep`` admits
-    and ``admit`` (optional, bool ``[n, width]`` aligned with ``top``: e.g. a cost gate's verdict) does too, ordered
-    by layer then rank (``generate_tasks``' order); each one's ``(row, rank)`` in ``top``; and how many candidates
-    ``keep`` admits and ``admit`` refuses (no task is made for them). ``kept``: a list the ``(row, rank)`` of every
-    candidate ``keep`` admits is appended to, refused or not."""
+    """The task of each candidate (``forecast_candidates``' ``top`` / ``conf`` of layers ``lo ..``: nested lists
+    ``[n][width]``) that ``keep`` admits and ``admit`` (optional, bools ``[n][width]`` aligned with ``top``: e.g. a
+    cost gate's verdict) does too, ordered by layer then rank (``generate_tasks``' order); each one's ``(row,
+    rank)`` in ``top``; and how many candidates ``keep`` admits and ``admit`` refuses (no task is made for them).
+    ``kept``: a list the ``(row, rank)`` of every candidate ``keep`` admits is appended to, refused or not."""
     tasks, where = [], []
     add, task = tasks.append, PrefetchTask
-    ok = admit.tolist() if admit is not None else None
     refused = 0
-    for r, (qs, cs) in enumerate(zip(top.tolist(), conf.tolist())):
+    for r, (qs, cs) in enumerate(zip(top, conf)):
         p = lo + r
         ddl = position(step_index, p, num_moe_layers)
         base = p * num_experts
+        ok = admit[r] if admit is not None else None
         for j, (q, c) in enumerate(zip(qs, cs)):
             if keep is None or keep(base + q):
                 if kept is not None:
                     kept.append((r, j))
-                if ok is not None and not ok[r][j]:
+                if ok is not None and not ok[j]:
                     refused += 1
                     continue
                 add(task(base + q, c, ddl, p, q, step_index))

@@ -78,6 +78,8 @@ class ProbabilisticBelady(EvictionPolicy):
         victim_kernel: the same ranking in one native pass (``runtime.kernels``' ``belady_victim``, given by the
             runtime and the simulator when the kernels are built): ``victim`` then asks it, with the same result,
             instead of ranking in numpy; None: numpy.
+        scores_kernel: ``update_forecast``'s one-row layer-cycle case in one native call (``runtime.kernels``'
+            ``belady_scores``, given like ``victim_kernel``): the same scores; None: numpy.
     Raises:
         MoeOffloadError: ``num_experts < 1``, ``horizon < 1``, ``lam`` outside ``(0, 1)`` or ``half_life <= 0``.
 
@@ -96,9 +98,11 @@ class ProbabilisticBelady(EvictionPolicy):
     name = "prob-belady"
 
     def __init__(self, num_experts: int, horizon: int = 8, lam: float = 0.5, no_forecast_score: float = 0.0,
-                 layer_cycle: bool = False, victim_kernel=None, half_life: float = CYCLE_HALF_LIFE_STEPS):
+                 layer_cycle: bool = False, victim_kernel=None, half_life: float = CYCLE_HALF_LIFE_STEPS,
+                 scores_kernel=None):
         super().__init__()
         self.victim_kernel = victim_kernel
+        self.scores_kernel = scores_kernel
         if num_experts < 1:
             raise MoeOffloadError(f"num_experts must be >= 1, got {num_experts}")
         if horizon < 1:
@@ -165,9 +169,12 @@ class ProbabilisticBelady(EvictionPolicy):
         Raises:
             MoeOffloadError: a shape that does not match ``layers``/``num_experts``, or non-finite values.
         """
-        lo, hi = (int(x) for x in layers)
+        lo, hi = int(layers[0]), int(layers[1])
         if not 0 <= lo < hi:
             raise MoeOffloadError(f"layers must satisfy 0 <= l < l', got {layers}")
+        if first_step is not None and self.scores_kernel is not None and type(probs) is np.ndarray \
+                and self._cycle_intake(lo, hi, probs, int(first_step)):
+            return
         if hasattr(probs, "detach"):  # a torch tensor, without importing torch here
             probs = probs.detach().float().cpu().numpy()
         a = np.asarray(probs, dtype=np.float64)
@@ -198,6 +205,24 @@ class ProbabilisticBelady(EvictionPolicy):
             return
         for p in range(lo, hi):
             self._score_layer(p)
+
+    def _cycle_intake(self, lo: int, hi: int, probs: np.ndarray, first: int) -> bool:
+        """``update_forecast``'s one-row case in one native call (``scores_kernel``: the row written as the scores of
+        layers ``lo .. hi - 1`` when none of them ran in step ``first`` yet, the case ``_score_layer`` would score
+        from the row alone); True when done. False leaves everything to numpy's path (several rows, a layer that
+        ran, another dtype or shape, a value not finite: numpy's path raises its errors). The rows kept for
+        ``_score_layer`` are views of ``probs`` (float32 or float64: ``w @ rows`` casts them to float64 first, so
+        it computes what it computes from float64 rows)."""
+        E = self.num_experts
+        self._grow(hi * E)
+        self._grow_layers(hi)
+        if self.scores_kernel(self._score, self._ran, probs, lo, hi, E, first) != 1:
+            return False
+        self._ranking = None
+        rows = self._rows
+        for p in range(lo, hi):
+            rows[p] = (probs[:, p - lo], first)
+        return True
 
     def _grow_layers(self, n: int) -> None:
         """Make ``_ran`` hold MoE layers ``< n`` (new layers: not run yet)."""
@@ -380,14 +405,15 @@ class ProbabilisticBelady(EvictionPolicy):
         self._cur = 0
 
 
-def forecast_eviction(spec, num_experts: int, victim_kernel=None) -> ProbabilisticBelady:
+def forecast_eviction(spec, num_experts: int, victim_kernel=None, scores_kernel=None) -> ProbabilisticBelady:
     """The eviction policy of a forecast-driven ``spec`` (a ``core.policy_spec.PolicySpec``), for the runtime and
     the simulator alike: probabilistic Belady with SeqMoE's c = 8 and lambda = 0.5 (§9.1), following the layer
     cycle for the cross-layer policies (``spec.cross_layer``: ``xl``, ``seqmoe-xl``) with the reuse frequency's
     half-life ``CYCLE_HALF_LIFE_STEPS`` as it is when called (a probe may set it: ``scripts/forecast_ceiling.py
-    --half-life``), named as the spec; ``victim_kernel`` as ``ProbabilisticBelady``'s."""
+    --half-life``), named as the spec; ``victim_kernel`` and ``scores_kernel`` as ``ProbabilisticBelady``'s."""
     pol = ProbabilisticBelady(num_experts, horizon=8, lam=0.5, layer_cycle=spec.cross_layer,
-                              victim_kernel=victim_kernel, half_life=CYCLE_HALF_LIFE_STEPS)
+                              victim_kernel=victim_kernel, half_life=CYCLE_HALF_LIFE_STEPS,
+                              scores_kernel=scores_kernel)
     pol.name = spec.name
     return pol
 

@@ -57,9 +57,9 @@ def make_engine(spec: PolicySpec, store, pool: SlotPool, mods: list, num_slots: 
         return RefreshEngine(store, pool, planner, L, num_experts, transfer, **host)
     if spec.forecast_driven:  # SeqMoE §7.1 eviction; forecasts come from a predictor (ForecastFeed)
         from ..core.prob_belady import forecast_eviction
-        from ..runtime.kernels import belady_victim_kernel
+        from ..runtime.kernels import belady_scores_kernel, belady_victim_kernel
 
-        policy_obj = forecast_eviction(spec, num_experts, belady_victim_kernel())
+        policy_obj = forecast_eviction(spec, num_experts, belady_victim_kernel(), belady_scores_kernel())
     elif spec.family == "auto":  # LRU until its chooser swaps in the best history policy after the first prefill
         policy_obj = make_policy("lru")
     else:

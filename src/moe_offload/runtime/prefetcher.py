@@ -34,6 +34,7 @@ from ..core.prefetch_cost import CostMeter, UseLedger
 from ..core.prefill_prefetch import PrefillPrefetch
 from ..core.slots import Load, SlotTable
 from .cpu_account import io
+from .kernels import forecast_candidates_kernel
 from .pool import SlotPool
 from .store import HostStore
 from .transfer import TransferEngine
@@ -68,6 +69,7 @@ class Prefetcher:
         self._seen_prefetch = (0, 0.0)  # the transfer engine's prefetch copies and their CPU seconds at the last step
         if meter is not None:  # the forecasts' candidates against what the layers used: the gate's calibration
             scheduler.ledger = UseLedger()
+        scheduler.candidates_kernel = forecast_candidates_kernel()  # None without the native kernels: numpy's
         self._step_t0 = 0.0             # when the current step began (perf_counter seconds)
         self.L, self.E, self.k = num_moe_layers, num_experts, top_k
         self.max_outstanding = max_outstanding or max(2, math.ceil(scheduler.b_avg) + 1)

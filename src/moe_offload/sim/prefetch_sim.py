@@ -138,6 +138,10 @@ def replay_with_prefetch(trace: Trace, num_slots: int, policy: PolicySpec | str,
     L, E = trace.num_moe_layers, trace.num_experts
     table = SlotTable(num_slots, L * E, pol, experts_per_layer=E, reserve=reserve)
     sched = make_scheduler(scheduler, num_moe_layers=L, b_avg=link_epl, auto_ema=False) if scheduler else None
+    if sched is not None:  # the runtime's candidates, found natively when the kernels are built (the same ones)
+        from ..runtime.kernels import forecast_candidates_kernel
+
+        sched.candidates_kernel = forecast_candidates_kernel(build=False)
     if not 0.0 < preempt <= 1.0:
         raise MoeOffloadError(f"preempt must be a share of one copy in (0, 1], got {preempt}")
     # a miss takes the link at a prefetch's next chunk boundary: it waits at most ``preempt`` of a copy

@@ -55,9 +55,10 @@ def build_policy(policy: PolicySpec | str, trace: Trace, num_slots: int, needs=N
     spec = parse_policy(policy)
     if spec.forecast_driven:
         from ..core.prob_belady import forecast_eviction
-        from ..runtime.kernels import belady_victim_kernel
+        from ..runtime.kernels import belady_scores_kernel, belady_victim_kernel
 
-        return forecast_eviction(spec, trace.num_experts, belady_victim_kernel(build=False))
+        return forecast_eviction(spec, trace.num_experts, belady_victim_kernel(build=False),
+                                 belady_scores_kernel(build=False))
     future = None
     if spec.family == "belady":
         needs = needs if needs is not None else layer_needs(trace)

@@ -18,6 +18,11 @@
   that never takes the interpreter lock (``runtime.native_prefetch``).
 - ``belady_victim.cpp``: ``belady_victim(score, last, resident, ran, crf, pinned, cur, num_experts,
   layer_cycle, half_life)``, probabilistic Belady's victim in one pass over the policy's arrays (``core.prob_belady``).
+- ``belady_scores.cpp``: ``belady_scores(score, ran, probs, lo, hi, num_experts, first)``, probabilistic Belady's
+  scores from a one-row forecast under the layer cycle, written in place (``core.prob_belady``).
+- ``forecast_candidates.cpp``: ``forecast_candidates(probs, width, top_k, chances, gate_mode, used_scale,
+  threshold)``, a forecast's top-k' prefetch candidates per layer with their chance of use and a cost gate's verdict
+  (``core.prefetch_tasks.forecast_candidates``).
 - ``vec.h``: the dot product, bfloat16 widening and axpy they share (an AVX2 + FMA path and a portable path, bit
   for bit the same); ``bindings.cpp``: the Python module.
 
@@ -43,7 +48,7 @@ from ...errors import MoeOffloadError
 
 SOURCES = ("bindings.cpp", "routed_experts.cpp", "linear_rows.cpp", "decode_attention.cpp", "router_forecast.cpp",
            "expert_read.cpp", "rms_norm.cpp", "ops.cpp", "belady_victim.cpp",
-           "prefetch_queue.cpp")
+           "belady_scores.cpp", "forecast_candidates.cpp", "prefetch_queue.cpp")
 #: included by the sources (part of the cache key, not compiled on their own)
 HEADERS = ("vec.h", "gil.h", "expert_read.h")
 #: compiler flags: optimised, and no contraction of a * b + c into one fused multiply-add behind the source's back
@@ -157,19 +162,39 @@ def native():
     return module
 
 
-def belady_victim_kernel(build: bool = True):
-    """``belady_victim`` of the kernels' module (``core.prob_belady.ProbabilisticBelady``'s ``victim_kernel``), or
-    None when the kernels cannot be had (the policy then ranks in numpy, with the same victims). ``build`` False:
-    None too when they are not built yet (the simulator, which should not start a build of minutes for them)."""
+def _kernel_function(name: str, build: bool):
+    """Function ``name`` of the kernels' module, or None when the kernels cannot be had; ``build`` False: None too
+    when they are not built yet (the simulator, which should not start a build of minutes for them)."""
     if not build and "module" not in _state and os.environ.get("MOE_OFFLOAD_KERNELS", "").lower() != "torch":
         try:
-            name, entry = _entry()
+            mod_name, entry = _entry()
         except (ImportError, OSError):
             return None
-        if _so(entry, name) is None:
+        if _so(entry, mod_name) is None:
             return None
     module = native()
-    return None if module is None else module.belady_victim
+    return None if module is None else getattr(module, name)
+
+
+def belady_victim_kernel(build: bool = True):
+    """``belady_victim`` of the kernels' module (``core.prob_belady.ProbabilisticBelady``'s ``victim_kernel``), or
+    None when the kernels cannot be had (the policy then ranks in numpy, with the same victims); ``build`` as
+    ``_kernel_function``'s."""
+    return _kernel_function("belady_victim", build)
+
+
+def belady_scores_kernel(build: bool = True):
+    """``belady_scores`` of the kernels' module (``core.prob_belady.ProbabilisticBelady``'s ``scores_kernel``), or
+    None when the kernels cannot be had (the policy then scores in numpy, the same scores); ``build`` as
+    ``_kernel_function``'s."""
+    return _kernel_function("belady_scores", build)
+
+
+def forecast_candidates_kernel(build: bool = True):
+    """``forecast_candidates`` of the kernels' module (``core.prefetch_queue.PrefetchScheduler``'s
+    ``candidates_kernel``), or None when the kernels cannot be had (the candidates then come from numpy, the same
+    ones); ``build`` as ``_kernel_function``'s."""
+    return _kernel_function("forecast_candidates", build)
 
 
 def describe() -> str:

@@ -22,6 +22,8 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
                                double scale, bool portable);
 bool register_ops(const std::string& ns);
 void bind_belady_victim(pybind11::module_& m);
+void bind_forecast_candidates(pybind11::module_& m);
+void bind_belady_scores(pybind11::module_& m);
 void bind_prefetch_queue(pybind11::module_& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -49,6 +51,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("futex_wake", &futex_wake, "wake the native prefetch reads waiting for on-demand reads to end");
   m.def("kernel_path", &kernel_path, "which path the kernels run on this CPU");
   bind_belady_victim(m);
+  bind_forecast_candidates(m);
+  bind_belady_scores(m);
   bind_prefetch_queue(m);
   m.def("register_ops", &register_ops, "the kernels as torch operators in namespace ns (once per process)");
 }
