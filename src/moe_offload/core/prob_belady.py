@@ -33,6 +33,7 @@ import numpy as np
 
 from ..errors import MoeOffloadError
 from .eviction import EvictionPolicy, crf_after_use
+from .prob_belady_ranking import ranked_victim
 
 
 #: the half-life, in decode steps (runs of the expert's layer), of the reuse frequency that orders the experts
@@ -83,7 +84,8 @@ class ProbabilisticBelady(EvictionPolicy):
     Raises:
         MoeOffloadError: ``num_experts < 1``, ``horizon < 1``, ``lam`` outside ``(0, 1)`` or ``half_life <= 0``.
 
-    Cost: ``update_forecast`` O(c * n * e) (vectorised). ``victim``: the resident experts are ranked by
+    Cost: ``update_forecast`` O(c * n * e) (vectorised; a one-row layer-cycle forecast one native call with
+    ``scores_kernel``). ``victim`` in numpy (``core.prob_belady_ranking``): the resident experts are ranked by
     (score, last use, id) once (one vectorised sort) and the ranking serves every later ``victim`` until a score
     changes (``update_forecast``, a new request) or more than ``_FRESH_MAX`` experts were accessed or inserted
     since; each call walks the ranking from the front past pinned, evicted and such "fresh" experts and compares
@@ -316,21 +318,6 @@ class ProbabilisticBelady(EvictionPolicy):
             self._grow(eid + 1)
         self._crf[eid] = crf_after_use(self._crf[eid], step / self.half_life)
 
-    def _key_arrays(self, ids: np.ndarray) -> tuple:
-        """``np.lexsort`` keys ranking experts ``ids`` (last key first): (score, last use, id), with ``layer_cycle``
-        (score, log2 reuse frequency at its layer's last run, -layers until its layer runs again, last use, id): 1
-        for the layer after the running one, L for the running layer itself (its next run is the next step's)."""
-        if not self.layer_cycle:
-            return (ids, self._last[ids], self._score[ids])
-        layer = ids // self.num_experts
-        ahead = (layer - self._cur - 1) % max(self._ran.size, 1) + 1
-        freq = self._crf[ids] - self._ran[layer] / self.half_life
-        return (ids, self._last[ids], -ahead, freq, self._score[ids])
-
-    def _key(self, e: int) -> tuple:
-        """The rank key of one expert, ``_key_arrays``' keys in order of precedence."""
-        return tuple(k[0] for k in reversed(self._key_arrays(np.array([e]))))
-
     def on_insert(self, eid: int, tick: int) -> None:
         super().on_insert(eid, tick)
         self._grow(eid + 1)
@@ -358,7 +345,8 @@ class ProbabilisticBelady(EvictionPolicy):
 
     def victim(self, pinned: set[int]) -> int:
         """The resident expert not in ``pinned`` that ranks first: the lowest (score, last use, id), with
-        ``layer_cycle`` the order of ``_key_arrays``.
+        ``layer_cycle`` the order of ``core.prob_belady_ranking.rank_keys``: the native pass (``victim_kernel``) or
+        numpy's ranking (``ranked_victim``), the same expert.
 
         Raises:
             RuntimeError: every resident expert is pinned (the slot table never asks then).
@@ -369,26 +357,7 @@ class ProbabilisticBelady(EvictionPolicy):
             if best < 0:
                 raise RuntimeError("no evictable expert")
             return best
-        if self._ranking is None:
-            ids = np.flatnonzero(self._in)
-            self._ranking = ids[np.lexsort(self._key_arrays(ids))].tolist()
-            self._fresh = set()
-        resident, fresh = self.resident, self._fresh
-        best = -1
-        for e in self._ranking:  # the first ranked expert still resident, not pinned and not re-inserted since
-            if e in resident and e not in pinned and e not in fresh:
-                best = e
-                break
-        if fresh:
-            key = self._key
-            cands = [e for e in fresh if e in resident and e not in pinned]
-            if cands:
-                f = min(cands, key=key)
-                if best < 0 or key(f) < key(best):
-                    best = f
-        if best < 0:
-            raise RuntimeError("no evictable expert")
-        return best
+        return ranked_victim(self, pinned)
 
     def reset(self) -> None:
         super().reset()
