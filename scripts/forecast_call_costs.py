@@ -9,8 +9,9 @@
   time of 30 calls, each right after FLUSH_MB were streamed through the caches (an in-place add over a buffer
   larger than the last-level cache: what a decode step's expert weights do between two layers; session 48).
 
-    python scripts/forecast_call_costs.py [POLICY] [MODEL] [RESIDENCY] [FLUSH_MB] [XL_DEPTH]
-    # default xl+gate testbed-sparse-wide 0.25 400 and core.forecast.XL_DEPTH
+    python scripts/forecast_call_costs.py [POLICY] [MODEL] [RESIDENCY] [FLUSH_MB] [XL_DEPTH] [numpy]
+    # default xl+gate testbed-sparse-wide 0.25 400 and core.forecast.XL_DEPTH; "numpy": a forecast's intake in
+    # numpy (the scheduler's candidates_kernel and probabilistic Belady's scores_kernel off; session 53's "before")
 
 The gap between the warm and the in-step figures is what the calls pay for running between the experts' kernels,
 which stream the experts' bytes through the caches: the interpreter's code and the decision core's arrays are
@@ -24,6 +25,7 @@ import timeit
 
 import torch
 
+from moe_offload.core import prefetch_queue
 from moe_offload.core.forecast import XL_DEPTH
 from moe_offload.core.policy_spec import parse_policy
 from moe_offload.generation.generate import run
@@ -45,6 +47,9 @@ lm = load_offloaded(resolve_model(model, progress=False), residency=residency, p
                     progress=False)
 attach_forecasts(lm, policy, None, xl_depth=depth)
 eng = lm.engine
+if len(sys.argv) > 6 and sys.argv[6] == "numpy":
+    eng.prefetcher.scheduler.candidates_kernel = None
+    eng.table.policy.scores_kernel = None
 feed = next(o for o in eng.observers if isinstance(o, CrossLayerFeed))
 pf, pol, table = eng.prefetcher, eng.table.policy, eng.table
 cpu, calls = collections.Counter(), collections.Counter()
@@ -82,6 +87,10 @@ for name in ("victim", "on_layer_access", "on_insert", "on_evict"):
 timed(pf.scheduler, "select", "  scheduler.select")
 timed(table, "prefetch", "  SlotTable.prefetch")
 timed(pf.transfer, "submit", "  transfer.submit")
+# a forecast's intake (session 53: native with the kernels, numpy with "numpy"), inside the consumers' observe rows
+for name in ("_gated_tasks", "forecast_candidates"):
+    timed(prefetch_queue, name, f"    prefetch_queue.{name}")
+timed(pol, "update_forecast", f"    {type(pol).__name__}.update_forecast")
 prompts = human_turns(1, offset=600)
 run(lm, prompts, 8)  # warm-up
 cpu.clear()
