@@ -1,8 +1,9 @@
 // Probabilistic Belady's intake of a one-row forecast under the layer cycle (core/prob_belady.py
 // ``ProbabilisticBelady.update_forecast``, SeqMoE §7.1; issue 47, session 53): a cross-layer forecast (``xl``)
 // arrives at every MoE layer of a decode step, and numpy's conversion, finiteness test, layer test and slice write
-// cost about 60 us per forecast in the decode step on this machine (1.8 ms per step). Holds the interpreter lock
-// (about a microsecond). Writes the same float64 values numpy's path writes (each float32 widened exactly).
+// cost about 55 us per forecast in the decode step on this machine (1.6 ms per step; with this call the whole
+// update_forecast 18 us, docs/results/forecast-call-costs-s53-*.txt). Holds the interpreter lock (about a
+// microsecond). Writes the same float64 values numpy's path writes (each float32 widened exactly).
 
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>

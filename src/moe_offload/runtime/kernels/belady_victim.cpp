@@ -16,7 +16,7 @@ template <typename T>
 using Array = py::array_t<T, py::array::c_style>;
 
 // The resident expert not in `pinned` with the lowest rank key, -1 when there is none. Keys, compared in order
-// (ProbabilisticBelady._key_arrays): without layer_cycle (score, last use, id) ascending; with it (score, freq,
+// (core/prob_belady_ranking.py: rank_keys): without layer_cycle (score, last use, id) ascending; with it (score, freq,
 // -ahead, last use, id) ascending, where for expert i of layer p = i / E: freq = crf[i] - ran[p] / half_life (the
 // log2 reuse frequency at its layer's last run; -inf: not used) and ahead = (p - cur - 1) mod L + 1 (layers until
 // its layer runs again, L = ran's length); freq is computed as numpy does (a division, then a subtraction), so the

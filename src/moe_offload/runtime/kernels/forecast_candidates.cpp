@@ -1,11 +1,11 @@
 // A forecast's prefetch candidates in one call (core/prefetch_tasks.py ``forecast_candidates``, SeqMoE §6.1;
 // issue 47, session 53): per forecast layer the top-k' experts (best first, ties to the smaller index), their
 // confidences, their chance of use and a cost gate's verdict, where numpy's argsort, fancy indexing, row sums and
-// comparisons cost about 60 us per forecast in the decode step on this machine (1.5 ms per step). Holds the
-// interpreter lock (a few microseconds). Bit for bit numpy's results: the confidences are the float32 values
-// widened, each row's sum is numpy's pairwise summation of float64 (``pairwise_sum`` below, numpy's
-// ``@TYPE@_pairwise_sum`` for a contiguous row), and every other operation is the one ``chance_of_use`` and
-// ``PrefetchCost.worth`` write, in their order.
+// comparisons cost about 75 us per forecast in the decode step on this machine (2.2 ms per step; this call 16 us,
+// docs/results/forecast-call-costs-s53-*.txt). Holds the interpreter lock (a few microseconds). Bit for bit
+// numpy's results: the confidences are the float32 values widened, each row's sum is numpy's pairwise summation of
+// float64 (``pairwise_sum`` below, numpy's ``@TYPE@_pairwise_sum`` for a contiguous row), and every other operation
+// is the one ``chance_of_use`` and ``PrefetchCost.worth`` write, in their order.
 
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
