@@ -404,7 +404,7 @@ def test_xl_oracle_forecasts_are_the_truth_and_every_prefetch_is_used(tmp_path, 
     and ``simulate`` runs it from a trace collected with cross-layer forecasts, without a predictor."""
     from moe_offload.cli import main
     from moe_offload.core.policy_spec import parse_policy
-    from moe_offload.core.prefetch_queue import chance_of_use
+    from moe_offload.core.prefetch_tasks import chance_of_use
     from moe_offload.sim.forecasts import oracle_stream, xl_stream
     from moe_offload.sim.prefetch_sim import replay_policy
     from test_predictor import planted_trace

@@ -109,3 +109,28 @@ def test_gated_submission_with_the_kernel_queues_the_same_tasks():
     assert runs[0] == runs[1]
     assert runs[0][0] and runs[0][1] > 0  # some tasks queued, some refused
     assert prefetch_width(E, k) == 11
+
+
+def _canon(got):
+    """``forecast_candidates``' lists with each float as its hex string (a NaN compares equal to a NaN)."""
+    return [None if part is None else [[float(x).hex() if isinstance(x, float) else x for x in row] for row in part]
+            for part in got]
+
+
+@needs_kernel
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy's overflow and inf / inf, on the overflowing row
+def test_native_candidates_on_odd_inputs():
+    """A float64 row whose sum overflows (its chances NaN, the gate refusing them, as numpy's minimum keeps a NaN), a
+    Fortran-order array and a strided view: the same lists as numpy's."""
+    big = np.full((2, 8), 1e308)
+    big[1] = np.arange(8.0)
+    gate = _Gate(1.0, 0.2)
+    want = forecast_candidates(big, 2, 8, 3, 2, gate, True)
+    assert np.isnan(want[2][0][0]) and want[3][0] == [False, False, False]
+    assert _canon(forecast_candidates(big, 2, 8, 3, 2, gate, True, kernel=KERNEL)) == _canon(want)
+    rng = np.random.default_rng(3)
+    a = rng.random((3, 16)).astype(np.float32)
+    for odd in (np.asfortranarray(a), rng.random((3, 32)).astype(np.float32)[:, ::2]):
+        assert not odd.flags.c_contiguous
+        assert _canon(forecast_candidates(odd, 3, 16, 5, 4, gate, True, kernel=KERNEL)) == \
+            _canon(forecast_candidates(odd, 3, 16, 5, 4, gate, True))

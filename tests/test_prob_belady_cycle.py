@@ -211,9 +211,14 @@ def test_native_intake_scores_as_numpy_does():
             assert pbs[0].victim(pinned) == pbs[1].victim(pinned)
         assert pbs[0]._score.tobytes() == pbs[1]._score.tobytes()
     bad = np.full((1, 1, E), np.nan, dtype=np.float32)
+    beyond = np.full((1, 2, E), np.nan, dtype=np.float32)   # layers past the arrays' end: nothing may grow either
+    sizes = [(pb._ran.size, pb._score.size) for pb in pbs]
     for pb in pbs:
         with pytest.raises(MoeOffloadError, match="non-finite"):
             pb.observe(SimpleNamespace(step=step - 1, layers=(0, 1), probs=bad))
+        with pytest.raises(MoeOffloadError, match="non-finite"):
+            pb.observe(SimpleNamespace(step=step - 1, layers=(L + 3, L + 5), probs=beyond))
+    assert [(pb._ran.size, pb._score.size) for pb in pbs] == sizes
 
 
 def test_the_cross_layer_policies_follow_the_cycle():

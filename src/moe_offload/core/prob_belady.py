@@ -212,12 +212,13 @@ class ProbabilisticBelady(EvictionPolicy):
         """``update_forecast``'s one-row case in one native call (``scores_kernel``: the row written as the scores of
         layers ``lo .. hi - 1`` when none of them ran in step ``first`` yet, the case ``_score_layer`` would score
         from the row alone); True when done. False leaves everything to numpy's path (several rows, a layer that
-        ran, another dtype or shape, a value not finite: numpy's path raises its errors). The rows kept for
-        ``_score_layer`` are views of ``probs`` (float32 or float64: ``w @ rows`` casts them to float64 first, so
-        it computes what it computes from float64 rows)."""
+        ran, another dtype or shape, a value not finite, or arrays still too short for the forecast's layers: numpy's
+        path grows them, once, and raises its errors before changing anything). The rows kept for ``_score_layer``
+        are views of ``probs`` (float32 or float64: ``w @ rows`` casts them to float64 first, so it computes what it
+        computes from float64 rows; the forecast's sources make a new array for each forecast)."""
         E = self.num_experts
-        self._grow(hi * E)
-        self._grow_layers(hi)
+        if self._score.size < hi * E or self._ran.size < hi:
+            return False
         if self.scores_kernel(self._score, self._ran, probs, lo, hi, E, first) != 1:
             return False
         self._ranking = None

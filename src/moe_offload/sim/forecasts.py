@@ -139,7 +139,7 @@ def oracle_stream(stream: list[list[tuple[int, Forecast]]], trace: Trace,
     scheduler and eviction policy (``simulate --policy seqmoe-oracle``, ``xl-oracle``).
 
     ``weighted``: Psi's routing weights (SeqMoE's definition); False: each active expert ``1 / k`` of its layer, so
-    the prefetch queue's chance of use (``core.prefetch_queue.chance_of_use``) is exactly 1 for every expert the
+    the prefetch queue's chance of use (``core.prefetch_tasks.chance_of_use``) is exactly 1 for every expert the
     layer will use and 0 for the others (``xl-oracle``: a perfect cross-layer forecast)."""
     from ..predictor.features import psi
 

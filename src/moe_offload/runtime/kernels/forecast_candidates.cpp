@@ -1,7 +1,7 @@
 // A forecast's prefetch candidates in one call (core/prefetch_tasks.py ``forecast_candidates``, SeqMoE §6.1;
 // issue 47, session 53): per forecast layer the top-k' experts (best first, ties to the smaller index), their
 // confidences, their chance of use and a cost gate's verdict, where numpy's argsort, fancy indexing, row sums and
-// comparisons cost about 75 us per forecast in the decode step on this machine (2.2 ms per step; this call 16 us,
+// comparisons cost about 79 us per forecast in the decode step on this machine (2.2 ms per step; this call 16 us,
 // docs/results/forecast-call-costs-s53-*.txt). Holds the interpreter lock (a few microseconds). Bit for bit
 // numpy's results: the confidences are the float32 values widened, each row's sum is numpy's pairwise summation of
 // float64 (``pairwise_sum`` below, numpy's ``@TYPE@_pairwise_sum`` for a contiguous row), and every other operation
@@ -102,8 +102,8 @@ py::object forecast_candidates(py::array probs, int64_t width, int64_t top_k, bo
     const double div = s > 0 ? s : 1.0;
     py::list ch(width), wo(gate_mode != 0 ? width : 0);
     for (int64_t j = 0; j < width; ++j) {
-      const double x = row[idx[static_cast<size_t>(j)]] * k / div;
-      const double chance = x < 1.0 ? x : 1.0;  // np.minimum(1.0, x): x is finite
+      const double x = row[idx[static_cast<size_t>(j)]] * k / div;  // NaN when a float64 row's sum overflows
+      const double chance = std::isnan(x) ? x : (x < 1.0 ? x : 1.0);  // np.minimum(1.0, x) keeps a NaN
       ch[j] = py::float_(chance);
       if (gate_mode == 1) {
         const double y = chance * used_scale;  // np.minimum(1.0, y) keeps a NaN (e.g. 0 * inf), which then fails
