@@ -289,7 +289,7 @@ def _gated_tasks(scheduler: PrefetchScheduler, gate, probs, layers: tuple[int, i
                                                    top_k, gate, chances=True, kernel=scheduler.candidates_kernel)
     ledger = scheduler.ledger
     kept: list[tuple[int, int]] | None = [] if ledger is not None else None
-    tasks, _, refused = candidate_tasks(top, conf, lo, step_index, num_moe_layers, num_experts, keep, worth, kept)
+    tasks, refused = candidate_tasks(top, conf, lo, step_index, num_moe_layers, num_experts, keep, worth, kept)
     scheduler.gated += refused
     if ledger is not None:
         rows: list[tuple[list[int], list[float]]] = [([], []) for _ in range(hi - lo)]

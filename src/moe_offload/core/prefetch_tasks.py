@@ -210,13 +210,13 @@ def generate_tasks(probs, layers: tuple[int, int], step_index: int, num_moe_laye
 
 def candidate_tasks(top: list, conf: list, lo: int, step_index: int, num_moe_layers: int,
                     num_experts: int, keep=None, admit: list | None = None,
-                    kept: list | None = None) -> tuple[list[PrefetchTask], list[tuple[int, int]], int]:
+                    kept: list | None = None) -> tuple[list[PrefetchTask], int]:
     """The task of each candidate (``forecast_candidates``' ``top`` / ``conf`` of layers ``lo ..``: nested lists
     ``[n][width]``) that ``keep`` admits and ``admit`` (optional, bools ``[n][width]`` aligned with ``top``: e.g. a
-    cost gate's verdict) does too, ordered by layer then rank (``generate_tasks``' order); each one's ``(row,
-    rank)`` in ``top``; and how many candidates ``keep`` admits and ``admit`` refuses (no task is made for them).
-    ``kept``: a list the ``(row, rank)`` of every candidate ``keep`` admits is appended to, refused or not."""
-    tasks, where = [], []
+    cost gate's verdict) does too, ordered by layer then rank (``generate_tasks``' order), and how many candidates
+    ``keep`` admits and ``admit`` refuses (no task is made for them). ``kept``: a list the ``(row, rank)`` in ``top``
+    of every candidate ``keep`` admits is appended to, refused or not."""
+    tasks = []
     add, task = tasks.append, PrefetchTask
     refused = 0
     for r, (qs, cs) in enumerate(zip(top, conf)):
@@ -232,8 +232,7 @@ def candidate_tasks(top: list, conf: list, lo: int, step_index: int, num_moe_lay
                     refused += 1
                     continue
                 add(task(base + q, c, ddl, p, q, step_index))
-                where.append((r, j))
-    return tasks, where, refused
+    return tasks, refused
 
 
 def tasks_from_forecast(forecast, num_moe_layers: int, num_experts: int, top_k: int,
